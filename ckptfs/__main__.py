@@ -1,0 +1,5 @@
+import sys
+
+from ckptfs.cli import main
+
+sys.exit(main())

@@ -1,0 +1,235 @@
+"""The `ckptfs` command line: argv -> Config -> daemon.run(), or a control-socket call to a running daemon.
+
+Owns argument parsing, the --daemon detach-and-wait-for-ready dance, human and JSON output, and mapping
+errors to exit codes: 0 ok, 1 an error the user can fix (one line on stderr, no traceback), 2 bad usage,
+3 not everything is durable in the store yet (flush/umount timed out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ckptfs import ctl
+from ckptfs.config import Config, load_config
+from ckptfs.errors import CkptfsError, UsageError
+
+log = logging.getLogger("ckptfs")
+
+EXIT_NOT_DURABLE = 3
+READY_FD_ENV = "CKPTFS_READY_FD"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckptfs", description="Checkpoint filesystem: local-speed writes, "
+                                     "background upload to object storage.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    mount = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT (foreground unless --daemon)")
+    mount.add_argument("source", nargs="?", help="file:///DIR, s3://BUCKET[/PREFIX], gs://..., az://...")
+    mount.add_argument("mountpoint", nargs="?", type=Path)
+    mount.add_argument("--cache-dir", type=Path)
+    mount.add_argument("--config", type=Path, help="TOML file; flags override its keys")
+    mount.add_argument("--cache-size")
+    mount.add_argument("--upload-delay", type=float)
+    mount.add_argument("--endpoint-url")
+    mount.add_argument("--transfers", type=int)
+    mount.add_argument("--part-size")
+    mount.add_argument("--metrics-addr")
+    mount.add_argument("--drain-timeout", type=float)
+    mount.add_argument("--allow-other", action="store_true", default=None)
+    mount.add_argument("--daemon", action="store_true", default=None, help="detach once the mount is live")
+    mount.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    umount = sub.add_parser("umount", help="drain, then unmount")
+    umount.add_argument("mountpoint", type=Path)
+    umount.add_argument("--timeout", type=float, help="seconds to wait for the drain (default: no limit)")
+
+    status = sub.add_parser("status", help="files and bytes per state, queue, oldest dirty age, last error")
+    status.add_argument("mountpoint", type=Path)
+    status.add_argument("--json", action="store_true")
+
+    flush = sub.add_parser("flush", help="wait until everything (or PATHs) is durable in the store")
+    flush.add_argument("mountpoint", type=Path)
+    flush.add_argument("paths", nargs="*", type=Path)
+    flush.add_argument("--timeout", type=float, help="seconds (default: no limit)")
+    return parser
+
+
+def _config_from_args(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {
+        "source": args.source,
+        "mountpoint": args.mountpoint,
+        "cache_dir": args.cache_dir,
+        "cache_size": args.cache_size,
+        "upload_delay": args.upload_delay,
+        "endpoint_url": args.endpoint_url,
+        "transfers": args.transfers,
+        "part_size": args.part_size,
+        "metrics_addr": args.metrics_addr,
+        "drain_timeout": args.drain_timeout,
+        "allow_other": args.allow_other,
+        "daemon": args.daemon,
+        "log_level": args.log_level,
+    }
+    if os.environ.get("CKPTFS_RUNTIME_DIR"):
+        overrides["runtime_dir"] = Path(os.environ["CKPTFS_RUNTIME_DIR"])
+    return load_config(args.config, overrides)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    config = _config_from_args(args)
+    _setup_logging(config.log_level)
+    if config.daemon:
+        return _detach(config)
+    import trio
+
+    from ckptfs import daemon
+
+    ready_fd = int(os.environ.pop(READY_FD_ENV, "-1"))
+
+    def ready() -> None:
+        if ready_fd >= 0:
+            os.write(ready_fd, b"ready\n")
+            os.close(ready_fd)
+
+    try:
+        return trio.run(daemon.run, config, ready)
+    except CkptfsError as exc:
+        if ready_fd >= 0:
+            os.write(ready_fd, f"error {exc.exit_code} {exc}\n".encode())
+        raise
+
+
+def _detach(config: Config) -> int:
+    """Run the daemon as a child in its own session; return once it reports the mount live (or failed)."""
+    cache_dir = config.resolved_cache_dir()
+    try:
+        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        log_file = open(cache_dir / "ckptfs.log", "ab")  # noqa: SIM115 - handed to the child
+    except OSError as exc:
+        raise CkptfsError(f"cache dir {cache_dir} is not writable ({exc.strerror}); choose another with --cache-dir") from None
+    argv = [a for a in sys.argv[1:] if a != "--daemon"]
+    read_fd, write_fd = os.pipe()
+    env = dict(os.environ, **{READY_FD_ENV: str(write_fd)})
+    child = subprocess.Popen(
+        [sys.executable, "-m", "ckptfs", *argv, "--cache-dir", str(cache_dir)],
+        stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+        pass_fds=(write_fd,), env=env, start_new_session=True,
+    )
+    os.close(write_fd)
+    log_file.close()
+    with os.fdopen(read_fd, "rb") as ready:
+        message = ready.read().decode(errors="replace").strip()
+    if message == "ready":
+        print(f"ckptfs: {config.source} mounted on {config.mountpoint} (pid {child.pid}, log {cache_dir / 'ckptfs.log'})")
+        return 0
+    child.wait()
+    if message.startswith("error "):
+        _, code, text = message.split(" ", 2)
+        print(f"ckptfs: {text}", file=sys.stderr)
+        return int(code)
+    print(f"ckptfs: the daemon exited before the mount was live (exit {child.returncode});"
+          f" see {cache_dir / 'ckptfs.log'}", file=sys.stderr)
+    return 1
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mountpoint = ctl.canonical_mountpoint(args.mountpoint)
+    reply = ctl.call(mountpoint, {"op": "umount", "timeout": args.timeout}, timeout=None)
+    # The daemon replies after unmounting; wait for the kernel to show it gone.
+    deadline = time.monotonic() + 10
+    while os.path.ismount(mountpoint) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if reply.get("ok"):
+        print(f"ckptfs: {mountpoint} drained and unmounted")
+        return 0
+    print(
+        f"ckptfs: {mountpoint} unmounted, but {reply.get('remaining_count')} entries are not yet in the store;"
+        f" they stay journaled in {reply.get('cache_dir')} and upload at the next mount",
+        file=sys.stderr,
+    )
+    return EXIT_NOT_DURABLE
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = ctl.call(ctl.canonical_mountpoint(args.mountpoint), {"op": "status"})
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    print(f"{status['source']} on {status['mountpoint']} (pid {status['pid']}, up {status['uptime_seconds']}s)")
+    print(f"cache dir  {status['cache_dir']}")
+    print(f"{'state':<10} {'files':>8} {'bytes':>12}")
+    for state, row in status["states"].items():
+        print(f"{state:<10} {row['files']:>8} {_human_bytes(row['bytes']):>12}")
+    queue = status["queue"]
+    print(f"queue      {queue['uploads']} uploads, {queue['moves']} moves, {queue['deletes']} deletes"
+          f" ({queue['in_flight']} in flight); {status['open_for_write']} files open for writing")
+    oldest = status["oldest_dirty_age_seconds"]
+    print(f"oldest dirty  {'-' if oldest is None else f'{oldest}s'}")
+    uploaded = status["uploaded"]
+    print(f"uploaded   {uploaded['files']} files, {_human_bytes(uploaded['bytes'])} since start")
+    print(f"last error {status['last_error'] or '-'}")
+    return 0
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    mountpoint = ctl.canonical_mountpoint(args.mountpoint)
+    paths = []
+    for p in args.paths:
+        relative = os.path.relpath(os.path.abspath(p) if p.is_absolute() else mountpoint / p, mountpoint)
+        if relative == ".." or relative.startswith("../"):
+            raise UsageError(f"{p} is not inside {mountpoint}")
+        paths.append("" if relative == "." else relative)
+    call_timeout = None if args.timeout is None else args.timeout + 30
+    reply = ctl.call(mountpoint, {"op": "flush", "paths": paths, "timeout": args.timeout}, timeout=call_timeout)
+    if reply.get("ok"):
+        return 0
+    if "error" in reply:
+        raise CkptfsError(reply["error"])
+    remaining = reply.get("remaining") or []
+    print(f"ckptfs: not durable after {args.timeout}s: {reply.get('remaining_count')} entries pending, e.g. "
+          + ", ".join(remaining[:5]), file=sys.stderr)
+    return EXIT_NOT_DURABLE
+
+
+COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "flush": cmd_flush}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except CkptfsError as exc:
+        print(f"ckptfs: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Configuration: one frozen dataclass, loaded from a TOML file and then overridden by flags.
+
+Owns parsing and validation of every setting (sizes, durations, URLs as strings). It must not touch the
+filesystem beyond reading the config file, nor open stores: checks that need the outside world (does the
+store exist, is the cache dir writable) live in daemon.py and backends/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptfs.errors import UsageError
+
+DEFAULT_CACHE_ROOT = Path("/var/cache/ckptfs")
+
+DEFAULT_COMMIT_MARKERS: tuple[str, ...] = (
+    "latest",
+    "latest.*",
+    "latest_checkpointed_iteration.txt",
+    ".metadata",
+    "commit_success.txt",
+    "*.done",
+    "COMMITTED",
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    source: str
+    """Where the data lives: file:///DIR, s3://bucket[/prefix], gs://..., az://...."""
+
+    mountpoint: Path
+    """An existing, empty directory to mount on."""
+
+    cache_dir: Path | None = None
+    """Local cache directory (journal and file data). Default: /var/cache/ckptfs/<name of the source>."""
+
+    cache_size: str = "80%"
+    """Cache budget: bytes with a suffix (512M, 200G) or a percentage of the cache filesystem."""
+
+    upload_delay: float = 2.0
+    """Seconds a closed file must stay unchanged before it is queued for upload."""
+
+    transfers: int = 4
+    """Files uploaded in parallel."""
+
+    part_size: str = "64M"
+    """Multipart part size for stores that use one."""
+
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (also AWS_ENDPOINT_URL)."""
+
+    metrics_addr: str = "127.0.0.1:9477"
+    """HOST:PORT for the Prometheus endpoint, or "off"."""
+
+    drain_timeout: float = 300.0
+    """Seconds SIGTERM/SIGINT waits for the drain before unmounting anyway (the rest stays journaled)."""
+
+    commit_markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS
+    """Glob patterns (matched against the file name) of files uploaded only after everything before them."""
+
+    allow_other: bool = False
+    """Let other users access the mount (implies default_permissions)."""
+
+    daemon: bool = False
+    """Detach once the mount is live."""
+
+    log_level: str = "INFO"
+    """Python logging level name."""
+
+    runtime_dir: Path = field(default_factory=lambda: Path("/run/ckptfs"))
+    """Where control sockets live (also $CKPTFS_RUNTIME_DIR)."""
+
+    def resolved_cache_dir(self) -> Path:
+        return self.cache_dir if self.cache_dir is not None else default_cache_dir(self.source)
+
+
+def default_cache_dir(source: str) -> Path:
+    """A readable, collision-free directory name for a source URL."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", source).strip("-")[:80]
+    digest = hashlib.sha256(source.encode()).hexdigest()[:8]
+    return DEFAULT_CACHE_ROOT / f"{readable}-{digest}"
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int, *, total: int | None = None) -> int:
+    """'512M' -> bytes; '80%' -> that share of `total`. Suffixes are binary (K=1024)."""
+    if isinstance(text, int):
+        return text
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    if value.endswith("%"):
+        if total is None:
+            raise UsageError(f"size {text!r}: a percentage needs a filesystem to be a share of")
+        try:
+            pct = float(value[:-1])
+        except ValueError:
+            raise UsageError(f"size {text!r} is not a number followed by %") from None
+        if not 0 < pct <= 100:
+            raise UsageError(f"size {text!r}: a percentage must be in (0, 100]")
+        return int(total * pct / 100)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)", value)
+    if not match:
+        raise UsageError(f"size {text!r} is not understood; use bytes with K/M/G/T, like 512M or 200G, or 80%")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name in ("mountpoint", "cache_dir", "runtime_dir") and value is not None:
+        return Path(value)
+    if name in ("upload_delay", "drain_timeout"):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise UsageError(f"{name} must be a number of seconds, not {value!r}") from None
+        if value < 0:
+            raise UsageError(f"{name} must not be negative")
+        return value
+    if name == "transfers":
+        if not isinstance(value, int) or value < 1:
+            raise UsageError(f"transfers must be a whole number >= 1, not {value!r}")
+        return value
+    if name == "commit_markers":
+        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+            raise UsageError("commit_markers must be a list of glob strings")
+        return tuple(value)
+    if name in ("allow_other", "daemon"):
+        if not isinstance(value, bool):
+            raise UsageError(f"{name} must be true or false")
+        return value
+    if name in ("cache_size", "part_size"):
+        parse_size(value, total=100)  # validate now, resolve against the filesystem later
+        return str(value)
+    return value
+
+
+def load_config(file: Path | None, overrides: dict[str, Any]) -> Config:
+    """Config from `file` (TOML, keys named like the fields), then `overrides` (flags) on top."""
+    values: dict[str, Any] = {}
+    if file is not None:
+        try:
+            with open(file, "rb") as f:
+                values = tomllib.load(f)
+        except FileNotFoundError:
+            raise UsageError(f"config file {file} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise UsageError(f"config file {file} is not valid TOML: {exc}") from None
+        unknown = sorted(set(values) - set(_FIELDS))
+        if unknown:
+            raise UsageError(f"config file {file}: unknown key(s) {', '.join(unknown)}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    for required in ("source", "mountpoint"):
+        if required not in values:
+            raise UsageError(f"{required} is missing (give it on the command line or in the config file)")
+    return Config(**{k: _coerce(k, v) for k, v in values.items()})

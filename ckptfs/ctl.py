@@ -1,0 +1,123 @@
+"""The control socket: how `ckptfs status|flush|umount` talk to a running daemon.
+
+One Unix socket per mount at RUNTIME_DIR/<hash of the mountpoint>.sock (0600), found by the CLI from the
+mountpoint alone, even when the mount itself hangs. The protocol is one JSON object per line each way:
+{"op": "status"} -> {"ok": true, ...}. The server side runs in the daemon's nursery and only calls the
+handler it is given; the client side is plain blocking sockets so the CLI needs no event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ckptfs.errors import CkptfsError
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST = 1 << 20
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def runtime_dir() -> Path:
+    return Path(os.environ.get("CKPTFS_RUNTIME_DIR", "/run/ckptfs"))
+
+
+def canonical_mountpoint(mountpoint: Path) -> Path:
+    """The absolute mountpoint with symlinks in its parents resolved, without touching the mount itself
+    (a stat of a hung mount would hang the caller, and the daemon's own loop would deadlock on it)."""
+    absolute = Path(os.path.abspath(mountpoint))
+    return Path(os.path.realpath(absolute.parent)) / absolute.name
+
+
+def socket_path(mountpoint: Path, base: Path | None = None) -> Path:
+    digest = hashlib.sha256(str(canonical_mountpoint(mountpoint)).encode()).hexdigest()[:16]
+    return (base or runtime_dir()) / f"{digest}.sock"
+
+
+async def serve(
+    path: Path, handler: Handler, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await sock.bind(str(path))
+    os.chmod(path, 0o600)
+    sock.listen(16)
+    listener = trio.SocketListener(sock)
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                stream = await listener.accept()
+                nursery.start_soon(_serve_one, stream, handler)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        await listener.aclose()
+
+
+async def _serve_one(stream: trio.SocketStream, handler: Handler) -> None:
+    async with stream:
+        buf = b""
+        while b"\n" not in buf:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                return
+            buf += chunk
+            if len(buf) > MAX_REQUEST:
+                return
+        try:
+            request = json.loads(buf.split(b"\n", 1)[0])
+            if not isinstance(request, dict):
+                raise ValueError("request must be an object")
+            reply = await handler(request)
+        except (ValueError, KeyError, TypeError) as exc:
+            reply = {"ok": False, "error": f"bad request: {exc}"}
+        except Exception as exc:
+            log.exception("control request %r failed", buf[:200])
+            reply = {"ok": False, "error": str(exc)}
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_all(json.dumps(reply).encode() + b"\n")
+
+
+def call(mountpoint: Path, request: dict[str, Any], *, timeout: float | None = 10.0) -> dict[str, Any]:
+    """Send one request to the daemon serving `mountpoint` and return its reply."""
+    path = socket_path(mountpoint)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise CkptfsError(
+                f"no ckptfs daemon is serving {mountpoint} (no control socket at {path});"
+                " is it mounted with ckptfs mount?"
+            ) from None
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                raise CkptfsError(f"the ckptfs daemon for {mountpoint} did not answer in time") from None
+            if not chunk:
+                break
+            buf += chunk
+    finally:
+        sock.close()
+    if not buf:
+        raise CkptfsError(f"the ckptfs daemon for {mountpoint} closed the connection without an answer")
+    reply: dict[str, Any] = json.loads(buf)
+    return reply

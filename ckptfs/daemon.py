@@ -1,0 +1,249 @@
+"""Process lifecycle of a mount: checks, recovery, wiring, the root nursery, signals, ordered shutdown.
+
+Start-up order: validate the mountpoint and the store, take the cache dir lock, open the journal, recover,
+mount, start the drain and the control socket, confirm the mount answers, then report ready.
+Shutdown order (SIGTERM/SIGINT, `ckptfs umount`, or an external unmount): stop new opens for writing, drain
+with a deadline, unmount, close the journal. A second signal skips the drain; nothing written is lost,
+because whatever was not uploaded stays journaled for the next start.
+
+This is the only module besides fuse_ops.py that imports pyfuse3, and the only owner of the root nursery.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from ckptfs import ctl
+from ckptfs.backends import open_store
+from ckptfs.backends.base import ObjectStore
+from ckptfs.cache import CacheDir
+from ckptfs.config import Config
+from ckptfs.drain import Drain, FlushResult
+from ckptfs.errors import CkptfsError
+from ckptfs.fetch import Fetcher
+from ckptfs.fs import Filesystem
+from ckptfs.fuse_ops import FuseOperations
+from ckptfs.journal import Journal, JournalError
+from ckptfs.recovery import recover
+
+log = logging.getLogger(__name__)
+
+EXIT_NOT_DRAINED = 3
+
+
+def check_mountpoint(mountpoint: Path) -> None:
+    try:
+        st = os.stat(mountpoint)
+    except FileNotFoundError:
+        raise CkptfsError(f"mountpoint {mountpoint} does not exist; create it with: mkdir -p {mountpoint}") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            # A FUSE mount whose daemon died (kill -9, OOM): detach it so this daemon can take over.
+            log.warning("mountpoint %s is a stale FUSE mount (its daemon died); detaching it", mountpoint)
+            subprocess.run(["fusermount3", "-u", "-z", "-q", str(mountpoint)], check=False)
+            return check_mountpoint(mountpoint)
+        raise CkptfsError(f"mountpoint {mountpoint} cannot be used: {exc.strerror}") from None
+    import stat as stat_module
+
+    if not stat_module.S_ISDIR(st.st_mode):
+        raise CkptfsError(f"mountpoint {mountpoint} is not a directory")
+    if os.path.ismount(mountpoint):
+        raise CkptfsError(f"mountpoint {mountpoint} is already a mount point; unmount it first")
+    if any(os.scandir(mountpoint)):
+        raise CkptfsError(f"mountpoint {mountpoint} is not empty; mount on an empty directory")
+
+
+class Daemon:
+    def __init__(self, config: Config, store: ObjectStore, cache: CacheDir, journal: Journal) -> None:
+        self.config = config
+        self.store = store
+        self.cache = cache
+        self.journal = journal
+        self.mountpoint = ctl.canonical_mountpoint(config.mountpoint)
+        self.started_at = time.time()
+        self.fetcher = Fetcher(journal, cache, store, limiter=trio.CapacityLimiter(config.transfers))
+        self.drain = Drain(
+            journal, cache, store,
+            transfers=config.transfers, upload_delay=config.upload_delay, commit_markers=config.commit_markers,
+        )
+        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify)
+        self._stop_requested = trio.Event()
+        self._stop_timeout: float | None = config.drain_timeout
+        self._finished = trio.Event()
+        self.result: FlushResult | None = None
+        self._pending_replies = 0
+
+    def request_stop(self, timeout: float | None) -> None:
+        if not self._stop_requested.is_set():
+            self._stop_timeout = timeout
+            self._stop_requested.set()
+
+    async def run(self, ready: Callable[[], None]) -> int:
+        options = set(pyfuse3.default_options)
+        options |= {"fsname=" + self.store.url.replace(",", "_"), "subtype=ckptfs"}
+        if self.config.allow_other:
+            options |= {"allow_other", "default_permissions"}
+        pyfuse3.init(FuseOperations(self.fs), str(self.mountpoint), options)
+        unmounted = False
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._fuse_main, nursery)
+                await nursery.start(self.drain.run)
+                await nursery.start(ctl.serve, ctl.socket_path(self.mountpoint, self.config.runtime_dir), self._control)
+                await trio.to_thread.run_sync(os.stat, self.mountpoint)
+                log.info("mounted %s on %s (cache %s)", self.store.url, self.mountpoint, self.cache.root)
+                ready()
+                nursery.start_soon(self._watch_signals, nursery)
+                await self._stop_requested.wait()
+                await self._shutdown()
+                unmounted = True
+                nursery.cancel_scope.cancel()
+        finally:
+            pyfuse3.close(unmount=True)
+            self.fs.close_all()
+        if not unmounted or self.result is None or not self.result.ok:
+            return EXIT_NOT_DRAINED
+        return 0
+
+    async def _fuse_main(self, nursery: trio.Nursery) -> None:
+        await pyfuse3.main()
+        # main() returns when the kernel ends the session: an external umount, or our terminate().
+        if not self._stop_requested.is_set():
+            log.info("%s was unmounted externally; draining before exit", self.mountpoint)
+            self.request_stop(self.config.drain_timeout)
+
+    async def _watch_signals(self, nursery: trio.Nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if not self._stop_requested.is_set():
+                    log.info(
+                        "%s: draining for up to %ss, then unmounting", signal.Signals(signum).name,
+                        self.config.drain_timeout,
+                    )
+                    self.request_stop(self.config.drain_timeout)
+                else:
+                    log.warning("second signal: exiting now; pending uploads stay journaled for the next start")
+                    nursery.cancel_scope.cancel()
+                    return
+
+    async def _shutdown(self) -> None:
+        self.fs.stop_writes()
+        self.result = await self.drain.flush(None, self._stop_timeout)
+        if self.result.ok:
+            log.info("drained; unmounting %s", self.mountpoint)
+        else:
+            log.warning(
+                "%d entries not yet durable in %s; they stay in the journal at %s and resume at the next mount",
+                len(self.result.remaining), self.store.url, self.cache.root,
+            )
+        pyfuse3.terminate()
+        self._finished.set()
+        # Let control clients (ckptfs umount) receive their answer before the nursery is cancelled.
+        with trio.move_on_after(2):
+            while self._pending_replies:
+                await trio.sleep(0.01)
+
+    # -- control socket -----------------------------------------------------------------------------
+
+    async def _control(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "status":
+            return {"ok": True, **self.status()}
+        if op == "flush":
+            paths = [p.strip("/") for p in request.get("paths") or []] or None
+            result = await self.drain.flush(paths, request.get("timeout"))
+            return {"ok": result.ok, "remaining": result.remaining[:100], "remaining_count": len(result.remaining)}
+        if op == "umount":
+            self.request_stop(request.get("timeout"))
+            self._pending_replies += 1
+            try:
+                await self._finished.wait()
+                assert self.result is not None
+                return {
+                    "ok": self.result.ok,
+                    "remaining": self.result.remaining[:100],
+                    "remaining_count": len(self.result.remaining),
+                    "cache_dir": str(self.cache.root),
+                }
+            finally:
+                self._pending_replies -= 1
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def status(self) -> dict[str, Any]:
+        summary = self.journal.state_summary()
+        pending = self.journal.pending_uploads()
+        oldest = self.journal.oldest_dirty_closed_at()
+        stats = self.drain.stats
+        return {
+            "source": self.store.url,
+            "mountpoint": str(self.mountpoint),
+            "cache_dir": str(self.cache.root),
+            "pid": os.getpid(),
+            "uptime_seconds": round(time.time() - self.started_at, 1),
+            "states": {s: summary.get(s, {"files": 0, "bytes": 0}) for s in ("dirty", "uploading", "clean", "remote")},
+            "queue": {
+                "uploads": len(pending),
+                "moves": len(self.journal.misplaced()),
+                "deletes": len(self.journal.pending_deletes()),
+                "in_flight": self.drain.in_flight(),
+            },
+            "oldest_dirty_age_seconds": round(time.time() - oldest, 1) if oldest else None,
+            "open_for_write": self.fs.open_writers(),
+            "uploaded": {
+                "files": stats.uploaded_files,
+                "bytes": stats.uploaded_bytes,
+                "seconds": round(stats.upload_seconds, 3),
+            },
+            "errors": stats.errors,
+            "last_error": stats.last_error,
+            "last_error_at": stats.last_error_at,
+            "shutting_down": self._stop_requested.is_set(),
+        }
+
+
+async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
+    """Mount and serve until stopped. Raises CkptfsError for anything the user must fix before mounting."""
+    store = open_store(config.source, endpoint_url=config.endpoint_url)
+    check_mountpoint(config.mountpoint)
+    await trio.to_thread.run_sync(store.check)
+    cache = CacheDir(config.resolved_cache_dir())
+    cache.prepare()
+    cache.lock()
+    try:
+        try:
+            journal = Journal(cache.journal_path)
+        except (JournalError, OSError) as exc:
+            raise CkptfsError(str(exc)) from None
+        try:
+            bound = journal.get_meta("source")
+            if bound is None:
+                with journal.transaction():
+                    journal.set_meta("source", store.url)
+            elif bound != store.url:
+                raise CkptfsError(
+                    f"cache dir {cache.root} holds data of {bound}, not {store.url};"
+                    " use another --cache-dir (or mount that source)"
+                )
+            log.info(
+                "ckptfs %s -> %s: cache %s, upload_delay %ss, transfers %d, commit markers %s",
+                store.url, config.mountpoint, cache.root, config.upload_delay, config.transfers,
+                ",".join(config.commit_markers),
+            )
+            await recover(journal, cache, store, time.time())
+            daemon = Daemon(config, store, cache, journal)
+            return await daemon.run(ready)
+        finally:
+            journal.close()
+    finally:
+        cache.unlock()

@@ -1,0 +1,416 @@
+"""The drain: makes the store converge on the journal's namespace, in the background.
+
+Owns: choosing work from the journal (uploads of dirty files, directory markers and symlinks; moves of
+objects whose inode was renamed after upload; pending deletes), the order constraints between them (one
+operation per store key at a time; commit markers after everything before them; directory markers deleted
+after their contents), retries with backoff, and the waiters of `ckptfs flush`.
+
+It learns its work only from the journal and records results only there; blocking store calls run in
+worker threads. Between two awaits a run of journal calls is atomic, so every job re-reads its inode after
+each await before it records anything. The protocol is written up in docs/design/drain.md.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from ckptfs.backends.base import ObjectMeta, ObjectStore, StagedUpload, backoff_delays
+from ckptfs.cache import CacheDir
+from ckptfs.errors import BackendError, NotFoundBackendError, PermanentBackendError
+from ckptfs.journal import DIR, FILE, SYMLINK, UPLOADING, Inode, Journal, PendingDelete
+
+log = logging.getLogger(__name__)
+
+SCAN_LIMIT = 2000
+# While new work keeps arriving, rescan at most this often (a scan reads up to SCAN_LIMIT rows).
+RESCAN_INTERVAL = 0.2
+FLUSH_POLL = 0.25
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str  # "upload", "move" or "delete"
+    ident: int  # inode id, or pending delete id
+    keys: tuple[str, ...]  # store keys this job must hold exclusively
+
+
+@dataclass
+class DrainStats:
+    uploaded_files: int = 0
+    uploaded_bytes: int = 0
+    upload_seconds: float = 0.0
+    moves: int = 0
+    deletes: int = 0
+    errors: int = 0
+    retries: int = 0
+    last_error: str | None = None
+    last_error_at: float | None = None
+    by_op: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class FlushResult:
+    ok: bool
+    remaining: list[str]
+
+
+class Drain:
+    def __init__(
+        self,
+        journal: Journal,
+        cache: CacheDir,
+        store: ObjectStore,
+        *,
+        transfers: int = 4,
+        upload_delay: float = 2.0,
+        commit_markers: tuple[str, ...] = (),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.journal = journal
+        self.cache = cache
+        self.store = store
+        self.transfers = transfers
+        self.upload_delay = upload_delay
+        self.commit_markers = commit_markers
+        self.clock = clock
+        self.stats = DrainStats()
+        self._limiter = trio.CapacityLimiter(transfers * 2)
+        self._upload_slots = trio.Semaphore(transfers)
+        self._other_slots = trio.Semaphore(transfers * 2)
+        self._new_work = trio.Event()
+        self._progress = trio.Event()
+        self._running: set[tuple[str, int]] = set()
+        self._busy_keys: set[str] = set()
+        self._retry_at: dict[tuple[str, int], float] = {}
+        self._attempts: dict[tuple[str, int], int] = {}
+        self._expedite = 0
+        self._wake_on_completion = False
+        self._permanent_reported: set[str] = set()
+
+    # -- public ------------------------------------------------------------------------------------------
+
+    def notify(self) -> None:
+        """Something in the journal may have become work (called by fs.py after each change)."""
+        self._new_work.set()
+
+    def is_commit_marker(self, name: str | None) -> bool:
+        return name is not None and any(fnmatch.fnmatchcase(name, g) for g in self.commit_markers)
+
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                self._new_work = trio.Event()
+                scanned_at = trio.current_time()
+                jobs, next_due = self._scan()
+                for job in jobs:
+                    slots = self._upload_slots if job.kind == "upload" else self._other_slots
+                    await slots.acquire()
+                    if not self._claim(job):
+                        slots.release()
+                        continue
+                    nursery.start_soon(self._run_job, job, slots)
+                    if self._new_work.is_set() and trio.current_time() - scanned_at > RESCAN_INTERVAL:
+                        break
+                else:
+                    with trio.move_on_at(next_due):
+                        await self._new_work.wait()
+                # Coalesce bursts of notifications into one scan.
+                await trio.sleep(0)
+
+    async def flush(self, paths: list[str] | None, timeout: float | None) -> FlushResult:
+        """Wait until everything under `paths` (None: everything) that is pending now is durable in the
+        store, ignoring upload_delay meanwhile. Files open for writing count as pending."""
+        snapshot = self._outstanding(paths)
+        deletes = {d.id: d.key for d in self.journal.pending_deletes() if _in_scope(d.key, paths)}
+        self._expedite += 1
+        self.notify()
+        try:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                while True:
+                    remaining = self._still_outstanding(snapshot, deletes)
+                    if not remaining:
+                        return FlushResult(True, [])
+                    with trio.move_on_after(FLUSH_POLL):
+                        await self._progress.wait()
+            return FlushResult(False, self._still_outstanding(snapshot, deletes))
+        finally:
+            self._expedite -= 1
+
+    # -- scheduling ----------------------------------------------------------------------------------
+
+    def _outstanding(self, paths: list[str] | None) -> dict[int, int]:
+        items = {}
+        for inode in [*self.journal.pending_uploads(), *self.journal.misplaced()]:
+            if _in_scope(inode.path or "", paths):
+                items[inode.id] = inode.version
+        return items
+
+    def _still_outstanding(self, snapshot: dict[int, int], deletes: dict[int, str]) -> list[str]:
+        remaining = []
+        for inode_id, version in snapshot.items():
+            inode = self.journal.get(inode_id)
+            if inode is None or inode.path is None:
+                continue
+            if inode.uploaded_version < version or inode.remote_key != inode.key:
+                remaining.append(inode.path)
+        pending = {d.id for d in self.journal.pending_deletes()}
+        remaining.extend(f"(delete) {key}" for ident, key in deletes.items() if ident in pending)
+        return remaining
+
+    def _scan(self) -> tuple[list[Job], float]:
+        """Work that may start now, in order, and the trio time at which more becomes due."""
+        now_wall = self.clock()
+        now = trio.current_time()
+        next_due = math.inf
+        jobs: list[Job] = []
+        self._wake_on_completion = False
+        uploads = self.journal.pending_uploads()[:SCAN_LIMIT]
+        moves = self.journal.misplaced()[:SCAN_LIMIT]
+        # Commit markers wait for every non-marker with pending work that became work before them.
+        first_blocking_seq = min(
+            (i.seq for i in [*uploads, *moves] if not self.is_commit_marker(i.name)), default=math.inf
+        )
+
+        def waiting(job_id: tuple[str, int]) -> bool:
+            nonlocal next_due
+            if job_id in self._running:
+                return True
+            retry_at = self._retry_at.get(job_id)
+            if retry_at is not None and retry_at > now:
+                next_due = min(next_due, retry_at)
+                return True
+            return False
+
+        for inode in uploads:
+            if waiting(("upload", inode.id)):
+                continue
+            if inode.kind == FILE:
+                if inode.closed_at is None:
+                    continue  # a writer has it open; its close notifies us
+                due = inode.closed_at + self.upload_delay
+                if not self._expedite and due > now_wall:
+                    next_due = min(next_due, now + (due - now_wall))
+                    continue
+            if self.is_commit_marker(inode.name) and first_blocking_seq < inode.seq:
+                self._wake_on_completion = True
+                continue
+            jobs.append(Job("upload", inode.id, (inode.key,)))  # type: ignore[arg-type]
+        for inode in moves:
+            if waiting(("move", inode.id)):
+                continue
+            if self.is_commit_marker(inode.name) and first_blocking_seq < inode.seq:
+                self._wake_on_completion = True
+                continue
+            jobs.append(Job("move", inode.id, (inode.remote_key, inode.key)))  # type: ignore[arg-type]
+        for delete in self.journal.pending_deletes()[:SCAN_LIMIT]:
+            if waiting(("delete", delete.id)):
+                continue
+            jobs.append(Job("delete", delete.id, (delete.key,)))
+        return jobs, next_due
+
+    def _claim(self, job: Job) -> bool:
+        job_id = (job.kind, job.ident)
+        if job_id in self._running or any(k in self._busy_keys for k in job.keys):
+            self._wake_on_completion = True
+            return False
+        self._running.add(job_id)
+        self._busy_keys.update(job.keys)
+        return True
+
+    async def _run_job(self, job: Job, slots: trio.Semaphore) -> None:
+        job_id = (job.kind, job.ident)
+        op = job.kind
+        started = trio.current_time()
+        try:
+            if job.kind == "upload":
+                await self._upload(job.ident)
+            elif job.kind == "move":
+                await self._move(job.ident)
+            else:
+                await self._delete(job.ident)
+        except BackendError as exc:
+            self._failed(job_id, op, exc)
+        else:
+            self._retry_at.pop(job_id, None)
+            self._attempts.pop(job_id, None)
+            stats = self.stats.by_op.setdefault(op, {"count": 0, "seconds": 0.0})
+            stats["count"] += 1
+            stats["seconds"] += trio.current_time() - started
+        finally:
+            self._running.discard(job_id)
+            self._busy_keys.difference_update(job.keys)
+            slots.release()
+            self._progress.set()
+            self._progress = trio.Event()
+            if self._wake_on_completion or job_id in self._retry_at:
+                self.notify()
+
+    def _failed(self, job_id: tuple[str, int], op: str, exc: BackendError) -> None:
+        attempts = self._attempts.get(job_id, 0) + 1
+        self._attempts[job_id] = attempts
+        delays = backoff_delays(base=0.5, cap=60.0 if isinstance(exc, PermanentBackendError) else 30.0)
+        delay = 0.0
+        for _ in range(attempts):
+            delay = next(delays)
+        self._retry_at[job_id] = trio.current_time() + max(delay, 0.05)
+        self.stats.errors += 1
+        self.stats.retries += 1
+        self.stats.last_error = f"{op}: {exc}"
+        self.stats.last_error_at = time.time()
+        if isinstance(exc, PermanentBackendError):
+            message = str(exc)
+            if message not in self._permanent_reported:
+                self._permanent_reported.add(message)
+                log.error("%s to %s failed and will be retried until it works: %s", op, self.store.url, exc)
+        elif attempts in (1, 5) or attempts % 50 == 0:
+            log.warning("%s failed (attempt %d), retrying in %.1fs: %s", op, attempts, delay, exc)
+
+    # -- jobs -------------------------------------------------------------------------------------------
+
+    def _meta(self, inode: Inode) -> ObjectMeta:
+        return ObjectMeta(mtime_ns=inode.mtime_ns, mode=inode.mode & 0o7777)
+
+    async def _thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    async def _upload(self, inode_id: int) -> None:
+        inode = self.journal.get(inode_id)
+        if inode is None or inode.key is None or inode.state not in ("dirty", UPLOADING):
+            return
+        key, version = inode.key, inode.version
+        if inode.kind == FILE:
+            if inode.closed_at is None:
+                return
+            with self.journal.transaction():
+                self.journal.begin_upload(inode_id)
+            started = trio.current_time()
+            try:
+                staged: StagedUpload = await self._thread(
+                    self.store.stage_upload, key, self.cache.data_path(inode_id), self._meta(inode)
+                )
+            except BaseException:
+                with self.journal.transaction():
+                    self.journal.abort_upload(inode_id)
+                raise
+            # Re-check after the await: abandon the upload if the file changed, moved or went away.
+            current = self.journal.get(inode_id)
+            if current is None or current.key != key or current.version != version:
+                await self._thread(self.store.abort_upload, staged)
+                if current is not None:
+                    with self.journal.transaction():
+                        self.journal.abort_upload(inode_id)
+                    log.debug("upload of %s abandoned: changed or renamed during upload", key)
+                return
+            try:
+                await self._thread(self.store.commit_upload, staged)
+            except BaseException:
+                with self.journal.transaction():
+                    self.journal.abort_upload(inode_id)
+                raise
+            self.stats.uploaded_files += 1
+            self.stats.uploaded_bytes += staged.size
+            self.stats.upload_seconds += trio.current_time() - started
+            self._record_upload(inode_id, key, version, staged.checksum, staged.size)
+            log.debug("uploaded %s (%d bytes, %s)", key, staged.size, staged.checksum)
+        elif inode.kind == DIR:
+            await self._thread(self.store.put_dir, key, self._meta(inode))
+            self._record_upload(inode_id, key, version, None, 0)
+        elif inode.kind == SYMLINK:
+            assert inode.target is not None
+            await self._thread(self.store.put_symlink, key, inode.target, self._meta(inode))
+            self._record_upload(inode_id, key, version, None, 0)
+
+    def _record_upload(self, inode_id: int, key: str, version: int, checksum: str | None, size: int) -> None:
+        current = self.journal.get(inode_id)
+        with self.journal.transaction():
+            if current is None or current.path is None:
+                # Removed while the object was being committed: it must not outlive the file.
+                self.journal.queue_delete(key)
+                return
+            self.journal.finish_upload(
+                current, key=key, version=version, checksum=checksum, size=size, clean=current.version == version
+            )
+
+    async def _move(self, inode_id: int) -> None:
+        inode = self.journal.get(inode_id)
+        if inode is None or inode.remote_key is None or inode.key is None or inode.remote_key == inode.key:
+            return
+        old, new = inode.remote_key, inode.key
+        try:
+            if inode.kind == DIR:
+                await self._thread(self.store.put_dir, new, self._meta(inode))
+            else:
+                await self._thread(self.store.copy, old, new)
+        except NotFoundBackendError:
+            self._lost_remote_copy(inode_id, old)
+            return
+        current = self.journal.get(inode_id)
+        with self.journal.transaction():
+            if current is None or current.path is None:
+                self.journal.queue_delete(new)
+            elif current.remote_key == old:
+                self.journal.finish_move(current, old, new)
+            else:
+                self.journal.queue_delete(new)
+        self.stats.moves += 1
+        log.debug("moved %s -> %s", old, new)
+
+    def _lost_remote_copy(self, inode_id: int, key: str) -> None:
+        current = self.journal.get(inode_id)
+        if current is None:
+            return
+        with self.journal.transaction():
+            if current.has_local_data or current.kind != FILE:
+                log.warning("object %s vanished from the store; uploading %s again", key, current.path)
+                self.journal.forget_remote_copy(inode_id, now=self.clock())
+            else:
+                log.error("object %s vanished from the store and %s has no local copy; removing it", key, current.path)
+                self.journal.detach(current._replace(remote_key=None))
+
+    async def _delete(self, delete_id: int) -> None:
+        pending = next((d for d in self.journal.pending_deletes() if d.id == delete_id), None)
+        if pending is None:
+            return
+        verdict = self._delete_verdict(pending)
+        if verdict == "drop":
+            with self.journal.transaction():
+                self.journal.delete_done(delete_id)
+            return
+        if verdict == "defer":
+            self._retry_at[("delete", delete_id)] = trio.current_time() + 1.0
+            return
+        await self._thread(self.store.delete, pending.key)
+        with self.journal.transaction():
+            self.journal.delete_done(delete_id)
+        self.stats.deletes += 1
+        log.debug("deleted %s", pending.key)
+
+    def _delete_verdict(self, pending: PendingDelete) -> str:
+        """'drop' if an inode owns the key again, 'defer' if one is about to overwrite it (the old object
+        stays until the new one replaces it) or, for a directory marker, while objects below it remain."""
+        if self.journal.key_owner(pending.key) is not None:
+            return "drop"
+        if self.journal.key_claimant(pending.key) is not None:
+            return "defer"
+        if pending.key.endswith("/") and self.journal.keys_under(pending.key):
+            return "defer"
+        return "run"
+
+
+def _in_scope(path: str, paths: list[str] | None) -> bool:
+    if not paths:
+        return True
+    path = path.rstrip("/")
+    return any(p == "" or path == p or path.startswith(p + "/") for p in paths)

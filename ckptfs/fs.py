@@ -1,0 +1,565 @@
+"""POSIX semantics of the mount, testable without a kernel.
+
+Owns: name validation, the namespace operations (create, mkdir, rename, unlink, ...), open handles and
+their file descriptors on cache files, lookup counts, and the rules for when a file becomes dirty and when
+it is handed to the drain. It changes persistent state only through the journal and reads/writes file data
+only through cache files. It never talks to an object store (the fetcher does that for it) and never
+imports pyfuse3: fuse_ops.py translates its results and FsError into FUSE replies.
+
+The write path (`write`) is the hot path: one dict lookup, one pwrite, no SQL. The journal learns that a
+file changed at the first write of each open handle (`_first_write`), and its final size at release.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import trio
+
+from ckptfs.cache import CacheDir
+from ckptfs.errors import FsError
+from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal
+
+log = logging.getLogger(__name__)
+
+NAME_MAX = 255
+# S3 keys are at most 1024 bytes; leave room for a prefix.
+PATH_MAX_BYTES = 1000
+STATE_XATTR = b"user.ckptfs.state"
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+# st_blksize tells stdio how much to buffer; bigger buffers mean fewer FUSE write requests.
+BLOCK_SIZE = 128 * 1024
+
+
+class Attr(NamedTuple):
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    blocks: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+class DirEntry(NamedTuple):
+    name: bytes
+    attr: Attr
+    next_id: int
+
+
+class StatFs(NamedTuple):
+    block_size: int
+    blocks: int
+    blocks_free: int
+    files: int
+    files_free: int
+    name_max: int
+
+
+class OpenFile:
+    """One open() of a file: the cache file descriptor and whether this handle has dirtied the file."""
+
+    __slots__ = ("dirtied", "fd", "inode_id", "writable")
+
+    def __init__(self, inode_id: int, fd: int, writable: bool, dirtied: bool) -> None:
+        self.inode_id = inode_id
+        self.fd = fd
+        self.writable = writable
+        self.dirtied = dirtied
+
+
+@dataclass
+class SetAttrs:
+    """The fields of a setattr request that are to change (None = leave alone)."""
+
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    size: int | None = None
+    atime_ns: int | None = None
+    mtime_ns: int | None = None
+
+
+FetchFn = Callable[[Inode], Awaitable[None]]
+
+
+def _decode_name(raw: bytes) -> str:
+    if len(raw) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
+    if raw in (b"", b".", b"..") or b"/" in raw or b"\0" in raw:
+        raise FsError(errno.EINVAL, f"invalid name {raw!r}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FsError(errno.EINVAL, f"name {raw!r} is not UTF-8; object stores keep UTF-8 keys only") from None
+
+
+class Filesystem:
+    def __init__(
+        self,
+        journal: Journal,
+        cache: CacheDir,
+        fetch: FetchFn,
+        notify_drain: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.journal = journal
+        self.cache = cache
+        self._fetch = fetch
+        self._notify_drain = notify_drain
+        self.handles: dict[int, OpenFile] = {}
+        self._next_fh = 1
+        self._open_count: dict[int, int] = {}
+        self._writer_count: dict[int, int] = {}
+        self._lookup_count: dict[int, int] = {}
+        # Inodes written since their last close by any handle: their close queues an upload.
+        self._changed: set[int] = set()
+        self.writes_allowed = True
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+
+    # -- helpers ---------------------------------------------------------------------------------------
+
+    def _get(self, inode_id: int) -> Inode:
+        inode = self.journal.get(inode_id)
+        if inode is None:
+            raise FsError(errno.ENOENT, f"inode {inode_id} does not exist")
+        return inode
+
+    def _dir(self, inode_id: int) -> Inode:
+        inode = self._get(inode_id)
+        if inode.kind != DIR:
+            raise FsError(errno.ENOTDIR, f"{inode.path!r} is not a directory")
+        if inode.path is None:
+            raise FsError(errno.ENOENT, "directory was removed")
+        return inode
+
+    def _child_path(self, parent: Inode, name: str) -> str:
+        path = f"{parent.path}/{name}" if parent.path else name
+        if len(path.encode()) > PATH_MAX_BYTES:
+            raise FsError(errno.ENAMETOOLONG, f"path longer than {PATH_MAX_BYTES} bytes")
+        return path
+
+    def attr(self, inode: Inode) -> Attr:
+        if inode.kind == FILE and inode.state != REMOTE:
+            try:
+                st = os.stat(self.cache.data_path(inode.id))
+            except FileNotFoundError:
+                log.error("cache file of %s (inode %d) is missing", inode.path, inode.id)
+                raise FsError(errno.EIO, "cache file missing") from None
+            size, blocks, atime, mtime = st.st_size, st.st_blocks, st.st_atime_ns, st.st_mtime_ns
+        else:
+            size = len(inode.target.encode()) if inode.target is not None else inode.size
+            blocks = (size + 511) // 512
+            atime = mtime = inode.mtime_ns
+        nlink = 0 if inode.path is None else (2 if inode.kind == DIR else 1)
+        return Attr(inode.id, inode.mode, nlink, inode.uid, inode.gid, size, blocks, atime, mtime, inode.ctime_ns)
+
+    def _remember(self, inode_id: int) -> None:
+        self._lookup_count[inode_id] = self._lookup_count.get(inode_id, 0) + 1
+
+    def _maybe_purge(self, inode_id: int) -> None:
+        """Drop an unlinked inode once neither the kernel nor an open handle refers to it."""
+        if self._lookup_count.get(inode_id, 0) or self._open_count.get(inode_id, 0):
+            return
+        inode = self.journal.get(inode_id)
+        if inode is None or inode.parent is not None or inode_id == ROOT_ID:
+            return
+        with self.journal.transaction():
+            self.journal.purge(inode_id)
+        self._changed.discard(inode_id)
+        if inode.kind == FILE:
+            self.cache.remove_data(inode_id)
+
+    # -- namespace -----------------------------------------------------------------------------------
+
+    def lookup(self, parent_id: int, raw_name: bytes) -> Attr:
+        parent = self._dir(parent_id)
+        if raw_name == b".":
+            inode = parent
+        elif raw_name == b"..":
+            inode = self._get(parent.parent or ROOT_ID)
+        else:
+            try:
+                name = raw_name.decode("utf-8")
+            except UnicodeDecodeError:
+                raise FsError(errno.ENOENT, "no such entry") from None
+            found = self.journal.lookup(parent_id, name)
+            if found is None:
+                raise FsError(errno.ENOENT, "no such entry")
+            inode = found
+        self._remember(inode.id)
+        return self.attr(inode)
+
+    def getattr(self, inode_id: int) -> Attr:
+        return self.attr(self._get(inode_id))
+
+    def forget(self, inode_id: int, count: int) -> None:
+        left = self._lookup_count.get(inode_id, 0) - count
+        if left > 0:
+            self._lookup_count[inode_id] = left
+        else:
+            self._lookup_count.pop(inode_id, None)
+            self._maybe_purge(inode_id)
+
+    def _check_new_entry(self, parent_id: int, raw_name: bytes) -> tuple[Inode, str]:
+        parent = self._dir(parent_id)
+        name = _decode_name(raw_name)
+        self._child_path(parent, name)
+        if self.journal.lookup(parent_id, name) is not None:
+            raise FsError(errno.EEXIST, f"{name!r} exists")
+        return parent, name
+
+    def mkdir(self, parent_id: int, raw_name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        parent, name = self._check_new_entry(parent_id, raw_name)
+        with self.journal.transaction():
+            inode = self.journal.create_inode(
+                parent, name, DIR, stat.S_IFDIR | (mode & 0o7777), uid, gid, closed_at=time.time()
+            )
+        self._remember(inode.id)
+        self._notify_drain()
+        return self.attr(inode)
+
+    def symlink(self, parent_id: int, raw_name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+        parent, name = self._check_new_entry(parent_id, raw_name)
+        try:
+            target_text = target.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FsError(errno.EINVAL, "symlink target is not UTF-8") from None
+        with self.journal.transaction():
+            inode = self.journal.create_inode(
+                parent, name, SYMLINK, stat.S_IFLNK | 0o777, uid, gid, target=target_text, closed_at=time.time()
+            )
+        self._remember(inode.id)
+        self._notify_drain()
+        return self.attr(inode)
+
+    def readlink(self, inode_id: int) -> bytes:
+        inode = self._get(inode_id)
+        if inode.kind != SYMLINK or inode.target is None:
+            raise FsError(errno.EINVAL, "not a symlink")
+        return inode.target.encode()
+
+    def mknod(self) -> None:
+        raise FsError(errno.EPERM, "device nodes, FIFOs and sockets cannot be stored in an object store")
+
+    def link(self) -> None:
+        raise FsError(errno.EPERM, "hard links are not supported")
+
+    def unlink(self, parent_id: int, raw_name: bytes) -> None:
+        inode = self._existing_child(parent_id, raw_name)
+        if inode.kind == DIR:
+            raise FsError(errno.EISDIR, f"{inode.path!r} is a directory")
+        self._remove(inode)
+
+    def rmdir(self, parent_id: int, raw_name: bytes) -> None:
+        inode = self._existing_child(parent_id, raw_name)
+        if inode.kind != DIR:
+            raise FsError(errno.ENOTDIR, f"{inode.path!r} is not a directory")
+        if self.journal.has_children(inode.id):
+            raise FsError(errno.ENOTEMPTY, f"{inode.path!r} is not empty")
+        self._remove(inode)
+
+    def _existing_child(self, parent_id: int, raw_name: bytes) -> Inode:
+        self._dir(parent_id)
+        try:
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FsError(errno.ENOENT, "no such entry") from None
+        inode = self.journal.lookup(parent_id, name)
+        if inode is None:
+            raise FsError(errno.ENOENT, f"no entry {name!r}")
+        return inode
+
+    def _remove(self, inode: Inode) -> None:
+        with self.journal.transaction():
+            self.journal.detach(inode)
+        self._maybe_purge(inode.id)
+        self._notify_drain()
+
+    def rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes, flags: int) -> None:
+        if flags & RENAME_EXCHANGE:
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        if flags & ~RENAME_NOREPLACE:
+            raise FsError(errno.EINVAL, f"unsupported rename flags {flags:#x}")
+        source = self._existing_child(old_parent_id, raw_old)
+        new_parent = self._dir(new_parent_id)
+        new_name = _decode_name(raw_new)
+        self._child_path(new_parent, new_name)
+        target = self.journal.lookup(new_parent_id, new_name)
+        if target is not None and target.id == source.id:
+            return
+        if target is not None and flags & RENAME_NOREPLACE:
+            raise FsError(errno.EEXIST, f"{target.path!r} exists")
+        if source.kind == DIR and self.journal.is_ancestor(source.id, new_parent_id):
+            raise FsError(errno.EINVAL, "cannot move a directory into itself")
+        if target is not None:
+            if target.kind == DIR and source.kind != DIR:
+                raise FsError(errno.EISDIR, f"{target.path!r} is a directory")
+            if target.kind != DIR and source.kind == DIR:
+                raise FsError(errno.ENOTDIR, f"{target.path!r} is not a directory")
+            if target.kind == DIR and self.journal.has_children(target.id):
+                raise FsError(errno.ENOTEMPTY, f"{target.path!r} is not empty")
+        # One transaction: a crash leaves either the old or the new namespace, never a mix.
+        with self.journal.transaction():
+            if target is not None:
+                self.journal.detach(target)
+            self.journal.move(source, new_parent, new_name)
+        if target is not None:
+            self._maybe_purge(target.id)
+        self._notify_drain()
+
+    # -- attributes --------------------------------------------------------------------------------
+
+    async def setattr(self, inode_id: int, changes: SetAttrs, fh: int | None) -> Attr:
+        inode = self._get(inode_id)
+        now = time.time_ns()
+        if changes.size is not None:
+            if inode.kind != FILE:
+                raise FsError(errno.EISDIR if inode.kind == DIR else errno.EINVAL, "not a regular file")
+            await self._make_local(inode, keep_content=changes.size > 0)
+            self._begin_change(inode_id)
+            try:
+                os.truncate(self.cache.data_path(inode_id), changes.size)
+            except OSError as exc:
+                raise FsError(exc.errno or errno.EIO, f"truncate: {exc.strerror}") from None
+            self._end_change_if_unopened(inode_id)
+        columns: dict[str, object] = {}
+        if changes.mode is not None:
+            columns["mode"] = (inode.mode & ~0o7777) | (changes.mode & 0o7777)
+        if changes.uid is not None:
+            columns["uid"] = changes.uid
+        if changes.gid is not None:
+            columns["gid"] = changes.gid
+        if changes.mtime_ns is not None or changes.atime_ns is not None:
+            current = self.attr(self._get(inode_id))
+            mtime = changes.mtime_ns if changes.mtime_ns is not None else current.mtime_ns
+            atime = changes.atime_ns if changes.atime_ns is not None else current.atime_ns
+            columns["mtime_ns"] = mtime
+            if inode.kind == FILE and self.journal.get(inode_id).state != REMOTE:  # type: ignore[union-attr]
+                os.utime(self.cache.data_path(inode_id), ns=(atime, mtime))
+        if columns or changes.size is not None:
+            columns["ctime_ns"] = now
+            with self.journal.transaction():
+                self.journal.set_attrs(inode_id, **columns)
+        return self.attr(self._get(inode_id))
+
+    # -- files -----------------------------------------------------------------------------------------
+
+    async def _make_local(self, inode: Inode, *, keep_content: bool) -> None:
+        """Give a remote-only file a cache file: fetched, or empty when its content is about to go."""
+        if inode.state != REMOTE:
+            return
+        if keep_content:
+            await self._fetch(inode)
+        else:
+            self.cache.create_data(inode.id)
+            with self.journal.transaction():
+                self.journal.finish_fetch(inode.id, size=0, mtime_ns=time.time_ns())
+
+    def _begin_change(self, inode_id: int) -> None:
+        """Record, before the first byte changes, that the content is changing (a new version)."""
+        if inode_id not in self._changed:
+            with self.journal.transaction():
+                self.journal.mark_dirty(inode_id)
+            self._changed.add(inode_id)
+
+    def _end_change_if_unopened(self, inode_id: int) -> None:
+        if not self._writer_count.get(inode_id):
+            self._closed(inode_id)
+
+    def _closed(self, inode_id: int) -> None:
+        """No writer has the file open any more: record its size, and queue it if it changed."""
+        changed = inode_id in self._changed
+        self._changed.discard(inode_id)
+        inode = self.journal.get(inode_id)
+        if inode is None or inode.kind != FILE or inode.state == REMOTE:
+            return
+        try:
+            st = os.stat(self.cache.data_path(inode_id))
+        except FileNotFoundError:
+            return
+        with self.journal.transaction():
+            self.journal.mark_closed(
+                inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=time.time()
+            )
+        if changed:
+            self._notify_drain()
+
+    def _new_handle(self, inode_id: int, fd: int, writable: bool, dirtied: bool) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = OpenFile(inode_id, fd, writable, dirtied)
+        self._open_count[inode_id] = self._open_count.get(inode_id, 0) + 1
+        if writable:
+            writers = self._writer_count.get(inode_id, 0)
+            self._writer_count[inode_id] = writers + 1
+            if writers == 0 and not dirtied:
+                with self.journal.transaction():
+                    self.journal.mark_open_for_write(inode_id)
+        return fh
+
+    def _check_writable(self) -> None:
+        if not self.writes_allowed:
+            raise FsError(errno.EROFS, "ckptfs is shutting down; no new files are opened for writing")
+
+    def create(self, parent_id: int, raw_name: bytes, mode: int, flags: int, uid: int, gid: int) -> tuple[int, Attr]:
+        self._check_writable()
+        parent, name = self._check_new_entry(parent_id, raw_name)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        with self.journal.transaction():
+            inode = self.journal.create_inode(
+                parent, name, FILE, stat.S_IFREG | (mode & 0o7777), uid, gid,
+                closed_at=None if writable else time.time(),
+            )
+            try:
+                self.cache.create_data(inode.id)
+            except OSError as exc:
+                raise FsError(exc.errno or errno.EIO, f"cannot create cache file: {exc.strerror}") from None
+        fd = os.open(self.cache.data_path(inode.id), os.O_RDWR | os.O_CLOEXEC)
+        self._changed.add(inode.id)
+        fh = self._new_handle(inode.id, fd, writable, dirtied=True)
+        self._remember(inode.id)
+        if not writable:
+            self._closed(inode.id)
+        return fh, self.attr(inode)
+
+    async def open(self, inode_id: int, flags: int) -> int:
+        inode = self._get(inode_id)
+        if inode.kind == DIR:
+            raise FsError(errno.EISDIR, "is a directory")
+        if inode.kind != FILE:
+            raise FsError(errno.ELOOP, "is a symlink")
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        truncate = writable and bool(flags & os.O_TRUNC)
+        if writable:
+            self._check_writable()
+        await self._make_local(inode, keep_content=not truncate)
+        # Re-check after the await: the file may have been removed while it was fetched.
+        inode = self._get(inode_id)
+        try:
+            fd = os.open(self.cache.data_path(inode_id), (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise FsError(errno.ENOENT, "file was removed") from None
+        dirtied = False
+        if truncate:
+            self._begin_change(inode_id)
+            dirtied = True
+            os.ftruncate(fd, 0)
+        return self._new_handle(inode_id, fd, writable, dirtied)
+
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        return os.pread(self.handles[fh].fd, size, offset)
+
+    def write(self, fh: int, offset: int, data: bytes) -> int:
+        handle = self.handles[fh]
+        if not handle.dirtied:
+            self._first_write(handle)
+        try:
+            return os.pwrite(handle.fd, data, offset)
+        except OSError as exc:
+            raise FsError(exc.errno or errno.EIO, f"write to cache failed: {exc.strerror}") from None
+
+    def _first_write(self, handle: OpenFile) -> None:
+        if not handle.writable:
+            raise FsError(errno.EBADF, "file is not open for writing")
+        self._begin_change(handle.inode_id)
+        handle.dirtied = True
+
+    def release(self, fh: int) -> None:
+        handle = self.handles.pop(fh)
+        os.close(handle.fd)
+        inode_id = handle.inode_id
+        if handle.writable:
+            writers = self._writer_count[inode_id] - 1
+            if writers:
+                self._writer_count[inode_id] = writers
+            else:
+                del self._writer_count[inode_id]
+                self._closed(inode_id)
+        opens = self._open_count[inode_id] - 1
+        if opens:
+            self._open_count[inode_id] = opens
+        else:
+            del self._open_count[inode_id]
+            self._maybe_purge(inode_id)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self.handles[fh]
+        sync = os.fdatasync if datasync else os.fsync
+        await trio.to_thread.run_sync(sync, handle.fd)
+        await trio.to_thread.run_sync(self.cache.sync_data_dir)
+        inode = self.journal.get(handle.inode_id)
+        if inode is not None and inode.kind == FILE:
+            st = os.fstat(handle.fd)
+            with self.journal.transaction():
+                self.journal.set_attrs(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns)
+        self.journal.sync()
+
+    def fsyncdir(self) -> None:
+        self.journal.sync()
+
+    # -- directories ------------------------------------------------------------------------------------
+
+    def opendir(self, inode_id: int) -> int:
+        self._dir(inode_id)
+        return inode_id
+
+    def readdir(self, inode_id: int, after_id: int, limit: int = 1000) -> list[DirEntry]:
+        entries = []
+        for child in self.journal.children(inode_id, after_id, limit):
+            assert child.name is not None
+            entries.append(DirEntry(child.name.encode(), self.attr(child), child.id))
+        return entries
+
+    def remember(self, inode_id: int) -> None:
+        """The kernel now holds a reference to this inode (readdirplus reported it)."""
+        self._remember(inode_id)
+
+    def statfs(self) -> StatFs:
+        space = self.cache.space()
+        block = space.block_size
+        return StatFs(block, space.total_bytes // block, space.free_bytes // block,
+                      space.total_files, space.free_files, NAME_MAX)
+
+    # -- xattrs -------------------------------------------------------------------------------------------
+
+    def getxattr(self, inode_id: int, name: bytes) -> bytes:
+        inode = self._get(inode_id)
+        if name == STATE_XATTR:
+            return inode.state.encode()
+        raise FsError(errno.ENODATA, "no such attribute")
+
+    def listxattr(self, inode_id: int) -> list[bytes]:
+        self._get(inode_id)
+        return [STATE_XATTR]
+
+    def setxattr(self, inode_id: int, name: bytes) -> None:
+        self._get(inode_id)
+        if name == STATE_XATTR:
+            raise FsError(errno.EPERM, "user.ckptfs.state is read-only")
+        raise FsError(errno.ENOTSUP, "extended attributes are not stored")
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def stop_writes(self) -> None:
+        """Shutdown: new opens for writing fail with EROFS; open handles keep working."""
+        self.writes_allowed = False
+
+    def open_writers(self) -> int:
+        return len(self._writer_count)
+
+    def close_all(self) -> None:
+        """After unmount: close every handle (the kernel will send no more releases)."""
+        for fh in list(self.handles):
+            self.release(fh)

@@ -1,0 +1,251 @@
+"""The pyfuse3 adapter: converts FUSE requests to Filesystem calls and results back to FUSE replies.
+
+Owns only type conversion and error translation: every FsError becomes a FUSEError here and nowhere else.
+No POSIX semantics live here (fs.py has them), and no store is reached from here.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Sequence
+
+import pyfuse3
+
+from ckptfs.errors import FsError
+from ckptfs.fs import Attr, Filesystem, SetAttrs
+
+log = logging.getLogger(__name__)
+
+# Nothing changes the namespace behind the kernel's back (until refresh), so let it cache generously.
+ATTR_TIMEOUT = 1.0
+ENTRY_TIMEOUT = 1.0
+BLOCK_SIZE = 128 * 1024
+
+
+def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
+    entry = pyfuse3.EntryAttributes()
+    entry.st_ino = attr.ino  # type: ignore[assignment]
+    entry.generation = 0
+    entry.entry_timeout = ENTRY_TIMEOUT
+    entry.attr_timeout = ATTR_TIMEOUT
+    entry.st_mode = attr.mode  # type: ignore[assignment]
+    entry.st_nlink = attr.nlink
+    entry.st_uid = attr.uid
+    entry.st_gid = attr.gid
+    entry.st_rdev = 0
+    entry.st_size = attr.size
+    entry.st_blksize = BLOCK_SIZE
+    entry.st_blocks = attr.blocks
+    entry.st_atime_ns = attr.atime_ns
+    entry.st_mtime_ns = attr.mtime_ns
+    entry.st_ctime_ns = attr.ctime_ns
+    return entry
+
+
+def _fuse_error(exc: FsError) -> pyfuse3.FUSEError:
+    if exc.errno in (errno.EIO, errno.ENOSPC):
+        log.warning("request failed: %s", exc)
+    else:
+        log.debug("request failed: %s", exc)
+    return pyfuse3.FUSEError(exc.errno)
+
+
+class FuseOperations(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False  # write() must reach the cache file before it returns (see SEMANTICS)
+
+    def __init__(self, fs: Filesystem) -> None:
+        super().__init__()
+        self.fs = fs
+
+    async def lookup(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return _entry(self.fs.lookup(parent_inode, name))
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def getattr(self, inode, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return _entry(self.fs.getattr(inode))
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def setattr(self, inode, attr, fields, fh, ctx):  # type: ignore[no-untyped-def]
+        changes = SetAttrs(
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        try:
+            return _entry(await self.fs.setattr(inode, changes, fh))
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for inode, count in inode_list:
+            try:
+                self.fs.forget(inode, count)
+            except Exception:
+                log.exception("forget(%d) failed", inode)
+
+    async def readlink(self, inode, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return self.fs.readlink(inode)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):  # type: ignore[no-untyped-def]
+        try:
+            self.fs.mknod()
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):  # type: ignore[no-untyped-def]
+        try:
+            self.fs.link()
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def mkdir(self, parent_inode, name, mode, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return _entry(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def symlink(self, parent_inode, name, target, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return _entry(self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def unlink(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+        try:
+            self.fs.unlink(parent_inode, name)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def rmdir(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+        try:
+            self.fs.rmdir(parent_inode, name)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):  # type: ignore[no-untyped-def]
+        try:
+            self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def create(self, parent_inode, name, mode, flags, ctx):  # type: ignore[no-untyped-def]
+        try:
+            fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), _entry(attr)
+
+    async def open(self, inode, flags, ctx):  # type: ignore[no-untyped-def]
+        try:
+            fh = await self.fs.open(inode, flags)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def read(self, fh, off, size):  # type: ignore[no-untyped-def]
+        try:
+            return self.fs.read(fh, off, size)
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+
+    async def write(self, fh, off, buf):  # type: ignore[no-untyped-def]
+        try:
+            return self.fs.write(fh, off, buf)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def flush(self, fh):  # type: ignore[no-untyped-def]
+        return None
+
+    async def release(self, fh):  # type: ignore[no-untyped-def]
+        try:
+            self.fs.release(fh)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def fsync(self, fh, datasync):  # type: ignore[no-untyped-def]
+        try:
+            await self.fs.fsync(fh, datasync)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+
+    async def opendir(self, inode, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return self.fs.opendir(inode)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def readdir(self, fh, start_id, token):  # type: ignore[no-untyped-def]
+        after = start_id
+        while True:
+            try:
+                entries = self.fs.readdir(fh, after)
+            except FsError as exc:
+                raise _fuse_error(exc) from None
+            if not entries:
+                return
+            for entry in entries:
+                if not pyfuse3.readdir_reply(token, entry.name, _entry(entry.attr), entry.next_id):
+                    return
+                self.fs.remember(entry.attr.ino)
+                after = entry.next_id
+
+    async def releasedir(self, fh):  # type: ignore[no-untyped-def]
+        return None
+
+    async def fsyncdir(self, fh, datasync):  # type: ignore[no-untyped-def]
+        self.fs.fsyncdir()
+
+    async def statfs(self, ctx):  # type: ignore[no-untyped-def]
+        info = self.fs.statfs()
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = info.block_size
+        data.f_frsize = info.block_size
+        data.f_blocks = info.blocks
+        data.f_bfree = info.blocks_free
+        data.f_bavail = info.blocks_free
+        data.f_files = info.files
+        data.f_ffree = info.files_free
+        data.f_favail = info.files_free
+        data.f_namemax = info.name_max
+        return data
+
+    async def getxattr(self, inode, name, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return self.fs.getxattr(inode, name)
+        except FsError as exc:
+            if exc.errno == errno.ENODATA:
+                raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
+            raise _fuse_error(exc) from None
+
+    async def listxattr(self, inode, ctx):  # type: ignore[no-untyped-def]
+        try:
+            return self.fs.listxattr(inode)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def setxattr(self, inode, name, value, ctx):  # type: ignore[no-untyped-def]
+        try:
+            self.fs.setxattr(inode, name)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
+
+    async def removexattr(self, inode, name, ctx):  # type: ignore[no-untyped-def]
+        try:
+            self.fs.setxattr(inode, name)
+        except FsError as exc:
+            raise _fuse_error(exc) from None

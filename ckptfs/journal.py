@@ -1,0 +1,487 @@
+"""The journal: SQLite (WAL) holding the namespace, every file's state and the pending remote operations.
+
+It is the single source of truth. The FUSE layer changes state only through it, the drain learns its work
+only from it, and a restart rebuilds everything from it. All calls are synchronous and must be made from
+the trio thread: a run of journal calls between two awaits is therefore atomic with respect to every other
+task. It knows nothing about FUSE, trio or object stores; it stores keys as plain strings.
+
+Durability: WAL with synchronous=NORMAL survives a crash or kill -9 of the daemon after every commit;
+`sync()` makes everything committed so far survive power loss (fsync() on a file calls it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+SCHEMA_VERSION = 1
+ROOT_ID = 1
+
+# Content / marker states of an inode (column inodes.state).
+DIRTY = "dirty"  # local data or entry is newer than the store's copy (or the store has none)
+UPLOADING = "uploading"  # the drain is copying this version to the store right now
+CLEAN = "clean"  # the store holds this version at remote_key; local data present
+REMOTE = "remote"  # the store holds it; no local data (seen on a fresh node, or fetched never)
+
+FILE = "file"
+DIR = "dir"
+SYMLINK = "symlink"
+
+
+def create_tables(db: sqlite3.Connection) -> None:
+    """The canonical schema, created in one transaction with the root directory.
+    Every column says what it means, its sentinels and who sets it."""
+    now = time.time_ns()
+    db.executescript(
+        """
+        BEGIN;
+        CREATE TABLE meta (
+            key   TEXT PRIMARY KEY,  -- 'source': the store URL this cache belongs to (set at first mount)
+            value TEXT NOT NULL
+        );
+
+        CREATE TABLE inodes (
+            -- The FUSE inode number. 1 is the root. AUTOINCREMENT so a number is never reused while
+            -- the kernel might still hold it.
+            id        INTEGER PRIMARY KEY AUTOINCREMENT,
+            -- Containing directory; NULL for the root and for unlinked inodes kept alive by open
+            -- handles (purged at the next start). Set by fs.py (create, rename, unlink).
+            parent    INTEGER REFERENCES inodes(id),
+            -- Entry name in parent (UTF-8, the store's key alphabet); NULL exactly when parent is.
+            name      TEXT,
+            -- Full path below the mount root without a leading '/' ('' for the root); NULL when
+            -- unlinked. Derived from parent/name, stored so the drain finds every renamed object with
+            -- one indexed query; rename() rewrites it for a whole subtree in one statement.
+            path      TEXT,
+            kind      TEXT NOT NULL CHECK (kind IN ('file', 'dir', 'symlink')),
+            mode      INTEGER NOT NULL,  -- st_mode including the type bits
+            uid       INTEGER NOT NULL,
+            gid       INTEGER NOT NULL,
+            -- Bytes. For files with local data the cache file is the truth and this is refreshed at
+            -- close, fsync and upload; for 'remote' files it is the object's size.
+            size      INTEGER NOT NULL DEFAULT 0,
+            mtime_ns  INTEGER NOT NULL,  -- as for size: the cache file's mtime is the truth when local
+            ctime_ns  INTEGER NOT NULL,
+            target    TEXT,              -- symlink target; NULL for other kinds
+            state     TEXT NOT NULL CHECK (state IN ('dirty', 'uploading', 'clean', 'remote')),
+            -- Content version: bumped (by mark_dirty) before the first byte of every change is
+            -- written. An upload records the version it read; it commits only if it is unchanged.
+            version   INTEGER NOT NULL DEFAULT 1,
+            -- The version the store holds at remote_key (0: the store holds none of this inode's).
+            uploaded_version INTEGER NOT NULL DEFAULT 0,
+            -- The store key (relative to the prefix; directories end in '/') where a copy of this
+            -- inode lives now, NULL if none. Differs from the path's key after a rename until the
+            -- drain moves the object. Set only by the drain (and by recovery for imported objects).
+            remote_key TEXT,
+            checksum  TEXT,              -- 'crc32c:<hex>' or similar, of the uploaded content; NULL if none
+            -- Wall-clock time the last writer closed the file; NULL while a writer has it open.
+            -- upload_delay counts from here.
+            closed_at REAL,
+            -- Journal-wide order in which this inode last became work for the drain (a close after
+            -- writing, a rename, a mkdir). Commit markers wait for every inode with a smaller seq.
+            seq       INTEGER NOT NULL DEFAULT 0,
+            UNIQUE (parent, name)
+        );
+        CREATE INDEX inodes_path ON inodes(path);
+        CREATE INDEX inodes_remote_key ON inodes(remote_key) WHERE remote_key IS NOT NULL;
+        CREATE INDEX inodes_pending ON inodes(state) WHERE state IN ('dirty', 'uploading');
+        -- Inodes whose object sits under another key than their path: the drain's move queue.
+        CREATE INDEX inodes_misplaced ON inodes(id)
+            WHERE remote_key IS NOT NULL
+              AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END);
+
+        CREATE TABLE pending_deletes (
+            id         INTEGER PRIMARY KEY AUTOINCREMENT,  -- order of the deletes
+            -- Store key to delete. The drain skips it while an inode still owns that key
+            -- (remote_key = key) and defers it while an inode is about to write that key.
+            key        TEXT NOT NULL,
+            created_at REAL NOT NULL
+        );
+        """
+        f"""
+        INSERT INTO inodes (id, parent, name, path, kind, mode, uid, gid, mtime_ns, ctime_ns, state, remote_key)
+            VALUES ({ROOT_ID}, NULL, NULL, '', 'dir', {0o40755}, 0, 0, {now}, {now}, 'clean', '');
+        PRAGMA user_version = {SCHEMA_VERSION};
+        COMMIT;
+        """
+    )
+
+
+class Inode(NamedTuple):
+    id: int
+    parent: int | None
+    name: str | None
+    path: str | None
+    kind: str
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    target: str | None
+    state: str
+    version: int
+    uploaded_version: int
+    remote_key: str | None
+    checksum: str | None
+    closed_at: float | None
+    seq: int
+
+    @property
+    def key(self) -> str | None:
+        """The store key this inode belongs at now (None when unlinked)."""
+        if self.path is None:
+            return None
+        return self.path + "/" if self.kind == DIR else self.path
+
+    @property
+    def has_local_data(self) -> bool:
+        return self.kind == FILE and self.state != REMOTE
+
+
+class PendingDelete(NamedTuple):
+    id: int
+    key: str
+    created_at: float
+
+
+_COLUMNS = ", ".join(Inode._fields)
+
+
+def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:  # type: ignore[type-arg]
+    return Inode(*row)
+
+
+class JournalError(Exception):
+    pass
+
+
+class Journal:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fresh = not path.exists()
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        if fresh:
+            path.chmod(0o600)
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self.db.execute("PRAGMA synchronous = NORMAL")
+        self.db.execute("PRAGMA foreign_keys = OFF")
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            create_tables(self.db)
+        elif version > SCHEMA_VERSION:
+            raise JournalError(
+                f"journal {path} has schema version {version}, newer than this ckptfs ({SCHEMA_VERSION});"
+                " upgrade ckptfs or use another --cache-dir"
+            )
+        self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def sync(self) -> None:
+        """Make every committed transaction survive power loss (fsync the WAL)."""
+        self.db.execute("PRAGMA synchronous = FULL")
+        try:
+            with self.transaction():
+                self.db.execute("UPDATE meta SET value = value WHERE key = 'source'")
+        finally:
+            self.db.execute("PRAGMA synchronous = NORMAL")
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # -- meta ---------------------------------------------------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    # -- reads --------------------------------------------------------------------------------------
+
+    def _one(self, sql: str, args: tuple = ()) -> Inode | None:  # type: ignore[type-arg]
+        cur = self.db.execute(sql, args)
+        cur.row_factory = _inode_factory
+        return cur.fetchone()  # type: ignore[no-any-return]
+
+    def _all(self, sql: str, args: tuple = ()) -> list[Inode]:  # type: ignore[type-arg]
+        cur = self.db.execute(sql, args)
+        cur.row_factory = _inode_factory
+        return cur.fetchall()
+
+    def get(self, inode_id: int) -> Inode | None:
+        return self._one(f"SELECT {_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+
+    def lookup(self, parent: int, name: str) -> Inode | None:
+        return self._one(f"SELECT {_COLUMNS} FROM inodes WHERE parent = ? AND name = ?", (parent, name))
+
+    def by_path(self, path: str) -> Inode | None:
+        return self._one(f"SELECT {_COLUMNS} FROM inodes WHERE path = ?", (path,))
+
+    def children(self, parent: int, after_id: int = 0, limit: int = 1000) -> list[Inode]:
+        return self._all(
+            f"SELECT {_COLUMNS} FROM inodes WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
+            (parent, after_id, limit),
+        )
+
+    def has_children(self, parent: int) -> bool:
+        return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
+
+    def subtree(self, path: str) -> list[Inode]:
+        """Every linked inode at or below `path` ('' = everything)."""
+        if not path:
+            return self._all(f"SELECT {_COLUMNS} FROM inodes WHERE path IS NOT NULL AND id != ?", (ROOT_ID,))
+        return self._all(
+            f"SELECT {_COLUMNS} FROM inodes WHERE path = ? OR substr(path, 1, ?) = ?",
+            (path, len(path) + 1, path + "/"),
+        )
+
+    def all_inodes(self) -> list[Inode]:
+        return self._all(f"SELECT {_COLUMNS} FROM inodes")
+
+    def is_ancestor(self, ancestor: int, inode_id: int) -> bool:
+        """True if `ancestor` is `inode_id` or one of its parent directories."""
+        current: int | None = inode_id
+        while current is not None:
+            if current == ancestor:
+                return True
+            row = self.db.execute("SELECT parent FROM inodes WHERE id = ?", (current,)).fetchone()
+            current = row[0] if row else None
+        return False
+
+    # -- namespace changes (called by fs.py inside transaction()) ------------------------------------
+
+    def create_inode(
+        self,
+        parent: Inode,
+        name: str,
+        kind: str,
+        mode: int,
+        uid: int,
+        gid: int,
+        *,
+        target: str | None = None,
+        now_ns: int | None = None,
+        closed_at: float | None = None,
+    ) -> Inode:
+        now = now_ns if now_ns is not None else time.time_ns()
+        path = f"{parent.path}/{name}" if parent.path else name
+        cur = self.db.execute(
+            "INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, mtime_ns, ctime_ns, target, state,"
+            " closed_at, seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'dirty', ?, ?)",
+            (parent.id, name, path, kind, mode, uid, gid, now, now, target, closed_at, self.next_seq()),
+        )
+        self.touch_dir(parent.id, now)
+        inode = self.get(cur.lastrowid)  # type: ignore[arg-type]
+        assert inode is not None
+        return inode
+
+    def import_remote(
+        self, parent: Inode, name: str, kind: str, *, size: int, mtime_ns: int, mode: int, key: str,
+        target: str | None = None, checksum: str | None = None,
+    ) -> Inode:
+        """An inode for an object that exists only in the store (state 'remote'; 'clean' for dirs)."""
+        path = f"{parent.path}/{name}" if parent.path else name
+        state = REMOTE if kind == FILE else CLEAN
+        cur = self.db.execute(
+            "INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,"
+            " state, version, uploaded_version, remote_key, checksum, closed_at)"
+            " VALUES (?, ?, ?, ?, ?, 0, 0, ?, ?, ?, ?, ?, 1, 1, ?, ?, 0)",
+            (parent.id, name, path, kind, mode, size, mtime_ns, mtime_ns, target, state, key, checksum),
+        )
+        inode = self.get(cur.lastrowid)  # type: ignore[arg-type]
+        assert inode is not None
+        return inode
+
+    def touch_dir(self, inode_id: int, now_ns: int | None = None) -> None:
+        now = now_ns if now_ns is not None else time.time_ns()
+        self.db.execute("UPDATE inodes SET mtime_ns = ?, ctime_ns = ? WHERE id = ?", (now, now, inode_id))
+
+    def set_attrs(self, inode_id: int, **columns: object) -> None:
+        assert columns and set(columns) <= {"mode", "uid", "gid", "size", "mtime_ns", "ctime_ns"}
+        assignments = ", ".join(f"{c} = ?" for c in columns)
+        self.db.execute(f"UPDATE inodes SET {assignments} WHERE id = ?", (*columns.values(), inode_id))
+
+    def mark_dirty(self, inode_id: int) -> None:
+        """The content is about to change: new version, dirty, not closed (a writer holds it)."""
+        self.db.execute(
+            "UPDATE inodes SET version = version + 1, state = 'dirty', closed_at = NULL WHERE id = ?",
+            (inode_id,),
+        )
+
+    def mark_open_for_write(self, inode_id: int) -> None:
+        self.db.execute("UPDATE inodes SET closed_at = NULL WHERE id = ?", (inode_id,))
+
+    def mark_closed(self, inode_id: int, *, size: int, mtime_ns: int, changed: bool, now: float) -> None:
+        """The last writer closed. If it changed the content, the file queues for upload from now."""
+        if changed:
+            self.db.execute(
+                "UPDATE inodes SET size = ?, mtime_ns = ?, closed_at = ?, seq = ? WHERE id = ?",
+                (size, mtime_ns, now, self.next_seq(), inode_id),
+            )
+        else:
+            self.db.execute("UPDATE inodes SET closed_at = ? WHERE id = ?", (now, inode_id))
+
+    def queue_delete(self, key: str | None) -> None:
+        if key is not None and key != "":
+            self.db.execute("INSERT INTO pending_deletes (key, created_at) VALUES (?, ?)", (key, time.time()))
+
+    def detach(self, inode: Inode) -> None:
+        """Remove the entry of `inode` from the namespace; its store copy (if any) is queued for deletion.
+        The row stays (parent NULL) while handles are open; call purge() when the last one goes."""
+        self.queue_delete(inode.remote_key)
+        self.db.execute(
+            "UPDATE inodes SET parent = NULL, name = NULL, path = NULL, remote_key = NULL,"
+            " uploaded_version = 0 WHERE id = ?",
+            (inode.id,),
+        )
+        if inode.parent is not None:
+            self.touch_dir(inode.parent)
+
+    def purge(self, inode_id: int) -> None:
+        self.db.execute("DELETE FROM inodes WHERE id = ? AND parent IS NULL AND id != ?", (inode_id, ROOT_ID))
+
+    def move(self, inode: Inode, new_parent: Inode, new_name: str) -> None:
+        """Re-link `inode` (and, for a directory, its subtree) under a new parent/name."""
+        new_path = f"{new_parent.path}/{new_name}" if new_parent.path else new_name
+        old_path = inode.path
+        assert old_path is not None
+        now = time.time_ns()
+        self.db.execute(
+            "UPDATE inodes SET parent = ?, name = ?, path = ?, ctime_ns = ?, seq = ? WHERE id = ?",
+            (new_parent.id, new_name, new_path, now, self.next_seq(), inode.id),
+        )
+        if inode.kind == DIR:
+            prefix = old_path + "/"
+            self.db.execute(
+                "UPDATE inodes SET path = ? || substr(path, ?), seq = ? WHERE substr(path, 1, ?) = ?",
+                (new_path + "/", len(prefix) + 1, self.next_seq(), len(prefix), prefix),
+            )
+        if inode.parent is not None:
+            self.touch_dir(inode.parent, now)
+        self.touch_dir(new_parent.id, now)
+
+    # -- drain bookkeeping ----------------------------------------------------------------------------
+
+    def pending_uploads(self) -> list[Inode]:
+        """Linked inodes whose content or marker the store lacks (dirty or mid-upload)."""
+        return self._all(
+            f"SELECT {_COLUMNS} FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
+            " ORDER BY seq"
+        )
+
+    def misplaced(self) -> list[Inode]:
+        """Inodes whose store copy sits under an old name (renamed after upload), not dirty."""
+        return self._all(
+            f"SELECT {_COLUMNS} FROM inodes WHERE remote_key IS NOT NULL"
+            " AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END)"
+            " AND state IN ('clean', 'remote') ORDER BY seq"
+        )
+
+    def pending_deletes(self) -> list[PendingDelete]:
+        return [PendingDelete(*r) for r in self.db.execute("SELECT id, key, created_at FROM pending_deletes ORDER BY id")]
+
+    def delete_done(self, delete_id: int) -> None:
+        self.db.execute("DELETE FROM pending_deletes WHERE id = ?", (delete_id,))
+
+    def key_owner(self, key: str) -> Inode | None:
+        """The inode whose store copy is at `key`, if any."""
+        return self._one(f"SELECT {_COLUMNS} FROM inodes WHERE remote_key = ?", (key,))
+
+    def key_claimant(self, key: str) -> Inode | None:
+        """A linked inode that belongs at `key` but is not there yet (it will overwrite it)."""
+        path = key[:-1] if key.endswith("/") else key
+        kind_test = "kind = 'dir'" if key.endswith("/") else "kind != 'dir'"
+        return self._one(
+            f"SELECT {_COLUMNS} FROM inodes WHERE path = ? AND {kind_test} AND remote_key IS NOT ?", (path, key)
+        )
+
+    def keys_under(self, prefix: str) -> bool:
+        """True if some inode's store copy or a pending delete still has a key below `prefix` (a dir key)."""
+        n = len(prefix)
+        if self.db.execute(
+            "SELECT 1 FROM inodes WHERE remote_key IS NOT NULL AND substr(remote_key, 1, ?) = ?"
+            " AND remote_key != ? LIMIT 1",
+            (n, prefix, prefix),
+        ).fetchone():
+            return True
+        return (
+            self.db.execute(
+                "SELECT 1 FROM pending_deletes WHERE substr(key, 1, ?) = ? AND key != ? LIMIT 1", (n, prefix, prefix)
+            ).fetchone()
+            is not None
+        )
+
+    def begin_upload(self, inode_id: int) -> None:
+        self.db.execute("UPDATE inodes SET state = 'uploading' WHERE id = ? AND state = 'dirty'", (inode_id,))
+
+    def abort_upload(self, inode_id: int) -> None:
+        self.db.execute("UPDATE inodes SET state = 'dirty' WHERE id = ? AND state = 'uploading'", (inode_id,))
+
+    def finish_upload(
+        self, inode: Inode, *, key: str, version: int, checksum: str | None, size: int, clean: bool
+    ) -> None:
+        """The store now holds `version` of `inode` at `key`. A copy under another key is queued for
+        deletion. `clean` is False when the content changed meanwhile (it stays dirty)."""
+        if inode.remote_key is not None and inode.remote_key != key:
+            self.queue_delete(inode.remote_key)
+        self.db.execute(
+            "UPDATE inodes SET remote_key = ?, uploaded_version = ?, checksum = ?, size = ?,"
+            " state = CASE WHEN ? THEN 'clean' ELSE 'dirty' END WHERE id = ?",
+            (key, version, checksum, size, clean, inode.id),
+        )
+
+    def finish_move(self, inode: Inode, old_key: str, new_key: str) -> None:
+        """The store has a copy at `new_key` now; the one at `old_key` is queued for deletion."""
+        self.queue_delete(old_key)
+        self.db.execute("UPDATE inodes SET remote_key = ? WHERE id = ?", (new_key, inode.id))
+
+    def forget_remote_copy(self, inode_id: int, *, now: float) -> None:
+        """The store lost this inode's object: upload it again from local data."""
+        self.db.execute(
+            "UPDATE inodes SET remote_key = NULL, uploaded_version = 0, state = 'dirty',"
+            " closed_at = COALESCE(closed_at, ?) WHERE id = ?",
+            (now, inode_id),
+        )
+
+    def finish_fetch(self, inode_id: int, *, size: int, mtime_ns: int) -> None:
+        self.db.execute(
+            "UPDATE inodes SET state = 'clean', size = ?, mtime_ns = ? WHERE id = ? AND state = 'remote'",
+            (size, mtime_ns, inode_id),
+        )
+
+    # -- status ----------------------------------------------------------------------------------------
+
+    def state_summary(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for state, files, size in self.db.execute(
+            "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes"
+            " WHERE kind = 'file' AND path IS NOT NULL GROUP BY state"
+        ):
+            out[state] = {"files": files, "bytes": size}
+        return out
+
+    def oldest_dirty_closed_at(self) -> float | None:
+        row = self.db.execute(
+            "SELECT MIN(closed_at) FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
+        ).fetchone()
+        return row[0] if row else None
