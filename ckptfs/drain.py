@@ -92,7 +92,6 @@ class Drain:
         self._retry_at: dict[tuple[str, int], float] = {}
         self._attempts: dict[tuple[str, int], int] = {}
         self._expedite = 0
-        self._wake_on_completion = False
         self._permanent_reported: set[str] = set()
 
     # -- public ------------------------------------------------------------------------------------------
@@ -138,8 +137,17 @@ class Drain:
         self.notify()
         try:
             with trio.move_on_after(math.inf if timeout is None else timeout):
+                collected_old_copies = False
                 while True:
                     remaining = self._still_outstanding(snapshot, deletes)
+                    if not remaining and not collected_old_copies:
+                        # Uploads and moves queue deletes of the copies they replace; wait for those too,
+                        # so that the store shows the namespace as it was, not stale names beside it.
+                        collected_old_copies = True
+                        deletes.update(
+                            (d.id, d.key) for d in self.journal.pending_deletes() if _in_scope(d.key, paths)
+                        )
+                        continue
                     if not remaining:
                         return FlushResult(True, [])
                     with trio.move_on_after(FLUSH_POLL):
@@ -175,7 +183,6 @@ class Drain:
         now = trio.current_time()
         next_due = math.inf
         jobs: list[Job] = []
-        self._wake_on_completion = False
         uploads = self.journal.pending_uploads()[:SCAN_LIMIT]
         moves = self.journal.misplaced()[:SCAN_LIMIT]
         # Commit markers wait for every non-marker with pending work that became work before them.
@@ -204,14 +211,12 @@ class Drain:
                     next_due = min(next_due, now + (due - now_wall))
                     continue
             if self.is_commit_marker(inode.name) and first_blocking_seq < inode.seq:
-                self._wake_on_completion = True
                 continue
             jobs.append(Job("upload", inode.id, (inode.key,)))  # type: ignore[arg-type]
         for inode in moves:
             if waiting(("move", inode.id)):
                 continue
             if self.is_commit_marker(inode.name) and first_blocking_seq < inode.seq:
-                self._wake_on_completion = True
                 continue
             jobs.append(Job("move", inode.id, (inode.remote_key, inode.key)))  # type: ignore[arg-type]
         for delete in self.journal.pending_deletes()[:SCAN_LIMIT]:
@@ -223,7 +228,6 @@ class Drain:
     def _claim(self, job: Job) -> bool:
         job_id = (job.kind, job.ident)
         if job_id in self._running or any(k in self._busy_keys for k in job.keys):
-            self._wake_on_completion = True
             return False
         self._running.add(job_id)
         self._busy_keys.update(job.keys)
@@ -254,8 +258,9 @@ class Drain:
             slots.release()
             self._progress.set()
             self._progress = trio.Event()
-            if self._wake_on_completion or job_id in self._retry_at:
-                self.notify()
+            # Its outcome may be new work (a restart under a new name, a queued delete, an unblocked
+            # marker); scans are cheap and rate-limited by the dispatch loop.
+            self.notify()
 
     def _failed(self, job_id: tuple[str, int], op: str, exc: BackendError) -> None:
         attempts = self._attempts.get(job_id, 0) + 1

@@ -91,7 +91,7 @@ def create_tables(db: sqlite3.Connection) -> None:
         CREATE INDEX inodes_pending ON inodes(state) WHERE state IN ('dirty', 'uploading');
         -- Inodes whose object sits under another key than their path: the drain's move queue.
         CREATE INDEX inodes_misplaced ON inodes(id)
-            WHERE remote_key IS NOT NULL
+            WHERE remote_key IS NOT NULL AND id != 1
               AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END);
 
         CREATE TABLE pending_deletes (
@@ -104,7 +104,7 @@ def create_tables(db: sqlite3.Connection) -> None:
         """
         f"""
         INSERT INTO inodes (id, parent, name, path, kind, mode, uid, gid, mtime_ns, ctime_ns, state, remote_key)
-            VALUES ({ROOT_ID}, NULL, NULL, '', 'dir', {0o40755}, 0, 0, {now}, {now}, 'clean', '');
+            VALUES ({ROOT_ID}, NULL, NULL, '', 'dir', {0o40755}, 0, 0, {now}, {now}, 'clean', NULL);
         PRAGMA user_version = {SCHEMA_VERSION};
         COMMIT;
         """
@@ -134,9 +134,9 @@ class Inode(NamedTuple):
 
     @property
     def key(self) -> str | None:
-        """The store key this inode belongs at now (None when unlinked)."""
-        if self.path is None:
-            return None
+        """The store key this inode belongs at now (None when unlinked; '' for the root, which has none)."""
+        if not self.path:
+            return self.path
         return self.path + "/" if self.kind == DIR else self.path
 
     @property
@@ -392,7 +392,7 @@ class Journal:
     def misplaced(self) -> list[Inode]:
         """Inodes whose store copy sits under an old name (renamed after upload), not dirty."""
         return self._all(
-            f"SELECT {_COLUMNS} FROM inodes WHERE remote_key IS NOT NULL"
+            f"SELECT {_COLUMNS} FROM inodes WHERE remote_key IS NOT NULL AND id != 1"
             " AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END)"
             " AND state IN ('clean', 'remote') ORDER BY seq"
         )

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install everything ckptfs needs on a Debian machine (as root): FUSE 3, a virtualenv in .venv, the package.
+# Idempotent and quick when everything is already there. Usage: scripts/install.sh [EXTRAS]  (e.g. test)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+
+need=()
+for pkg in fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing Debian packages: ${need[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+[ -e /dev/fuse ] || { echo "error: /dev/fuse is missing; load the fuse module (modprobe fuse)" >&2; exit 1; }
+
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+fi
+spec="."
+[ -n "$extras" ] && spec=".[$extras]"
+# torch==2.13.0 (in the test extra) resolves to the CPU wheel on this machine's disk.
+.venv/bin/pip install -q -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import ckptfs, pyfuse3, trio" || { echo "error: install failed" >&2; exit 1; }

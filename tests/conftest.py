@@ -1,0 +1,145 @@
+"""Shared fixtures. FUSE tests run the real daemon in a subprocess (one mount per process, like pyfuse3
+wants) against a file:// store in the test's tmp dir, and fail if the daemon logged an unexpected
+WARNING or ERROR."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def ckptfs_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, env=env, timeout=timeout,
+    )
+
+
+class Mount:
+    """A ckptfs daemon serving `store` on `mnt`, run in the foreground as a child process."""
+
+    def __init__(self, root: Path, *, upload_delay: float = 0.1, extra_args: tuple[str, ...] = ()) -> None:
+        self.root = root
+        self.store = root / "store"
+        self.mnt = root / "mnt"
+        self.cache = root / "cache"
+        self.log = root / "daemon.log"
+        self.runtime = root / "run"
+        self.upload_delay = upload_delay
+        self.extra_args = extra_args
+        self.allowed_log_words: list[str] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(self.runtime))
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.mnt.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def source(self) -> str:
+        return f"file://{self.store}"
+
+    def start(self, timeout: float = 60) -> None:
+        read_fd, write_fd = os.pipe()
+        env = dict(self.env, CKPTFS_READY_FD=str(write_fd))
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ckptfs", "mount", self.source, str(self.mnt), "--cache-dir", str(self.cache),
+                 "--upload-delay", str(self.upload_delay), "--log-level", "DEBUG", *self.extra_args],
+                stdout=log, stderr=log, pass_fds=(write_fd,), env=env,
+            )
+        os.close(write_fd)
+        deadline = time.monotonic() + timeout
+        with os.fdopen(read_fd, "rb") as ready:
+            message = ready.read().decode().strip()
+        if message != "ready":
+            self.proc.wait(timeout=max(1, deadline - time.monotonic()))
+            raise RuntimeError(f"daemon did not start: {message!r}\n{self.log.read_text()}")
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return ckptfs_cli(*args, env=self.env, timeout=timeout)
+
+    def flush(self, *paths: str, timeout: float = 60) -> None:
+        result = self.cli("flush", str(self.mnt), *paths, "--timeout", str(timeout), timeout=timeout + 30)
+        assert result.returncode == 0, result.stderr
+
+    def status(self) -> dict:  # type: ignore[type-arg]
+        result = self.cli("status", str(self.mnt), "--json")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+    def umount(self, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        result = self.cli("umount", str(self.mnt), timeout=timeout)
+        assert self.proc is not None
+        self.proc.wait(timeout=30)
+        self.proc = None
+        return result
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.proc = None
+        subprocess.run(["fusermount3", "-u", "-z", "-q", str(self.mnt)], check=False)
+
+    def store_files(self) -> dict[str, bytes]:
+        """Every regular file in the store (no temp files), by relative path."""
+        out = {}
+        for path in sorted(self.store.rglob("*")):
+            if path.is_file() and not path.is_symlink() and not path.name.startswith(".ckptfs-tmp."):
+                out[str(path.relative_to(self.store))] = path.read_bytes()
+        return out
+
+    def unexpected_log_lines(self) -> list[str]:
+        if not self.log.exists():
+            return []
+        bad = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if (" WARNING " in line or " ERROR " in line or "Traceback" in line) and not any(
+                word in line for word in self.allowed_log_words
+            ):
+                bad.append(line)
+        return bad
+
+    def cleanup(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(Exception):
+                self.umount(timeout=60)
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+        subprocess.run(["fusermount3", "-u", "-z", "-q", str(self.mnt)], check=False)
+
+
+@pytest.fixture
+def mount_factory(tmp_path: Path) -> Iterator[type[Mount]]:
+    """Build (and start) mounts; all are unmounted at the end and must not have logged surprises."""
+    mounts: list[Mount] = []
+
+    def make(name: str = "m", *, start: bool = True, **kwargs: object) -> Mount:
+        m = Mount(tmp_path / name, **kwargs)  # type: ignore[arg-type]
+        mounts.append(m)
+        if start:
+            m.start()
+        return m
+
+    yield make  # type: ignore[misc]
+    problems = []
+    for m in mounts:
+        m.cleanup()
+        problems += m.unexpected_log_lines()
+    assert not problems, "daemon logged unexpected warnings/errors:\n" + "\n".join(problems)
+
+
+@pytest.fixture
+def mount(mount_factory) -> Mount:  # type: ignore[no-untyped-def]
+    return mount_factory()  # type: ignore[no-any-return]

@@ -1,0 +1,191 @@
+"""A kernel-free harness for fs-level tests: Filesystem + Journal + CacheDir + Drain + Fetcher over a real
+LocalStore, wrapped in a store that records every call and can hold or fail them on demand."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptfs.backends.base import ObjectInfo, ObjectMeta, StagedUpload
+from ckptfs.backends.local import LocalStore
+from ckptfs.cache import CacheDir
+from ckptfs.config import DEFAULT_COMMIT_MARKERS
+from ckptfs.drain import Drain
+from ckptfs.errors import BackendError
+from ckptfs.fetch import Fetcher
+from ckptfs.fs import Filesystem
+from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, Journal
+
+UID = os.getuid()
+GID = os.getgid()
+
+
+class RecordingStore:
+    """LocalStore plus: a log of completed mutations, a gate that holds stage_upload, injected failures."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.calls: list[tuple[str, str]] = []
+        self.committed: list[tuple[str, bytes]] = []
+        self.stage_gate: threading.Event | None = None
+        self.staging = threading.Event()
+        self.failures: list[BackendError] = []
+        self._lock = threading.Lock()
+
+    def _maybe_fail(self) -> None:
+        with self._lock:
+            if self.failures:
+                raise self.failures.pop(0)
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def stage_upload(self, key: str, src_path: str, meta: ObjectMeta) -> StagedUpload:
+        self._maybe_fail()
+        staged = self.inner.stage_upload(key, src_path, meta)
+        if self.stage_gate is not None:
+            self.staging.set()
+            self.stage_gate.wait(30)
+        return staged
+
+    def commit_upload(self, staged: StagedUpload) -> None:
+        self._maybe_fail()
+        with open(staged.handle, "rb") as f:
+            content = f.read()
+        self.inner.commit_upload(staged)
+        with self._lock:
+            self.committed.append((staged.key, content))
+            self.calls.append(("commit", staged.key))
+
+    def abort_upload(self, staged: StagedUpload) -> None:
+        self.inner.abort_upload(staged)
+        with self._lock:
+            self.calls.append(("abort", staged.key))
+
+    def download(self, key: str, dst_path: str) -> str:
+        self._maybe_fail()
+        return self.inner.download(key, dst_path)
+
+    def copy(self, src_key: str, dst_key: str) -> None:
+        self._maybe_fail()
+        self.inner.copy(src_key, dst_key)
+        with self._lock:
+            self.calls.append(("copy", f"{src_key}->{dst_key}"))
+
+    def delete(self, key: str) -> None:
+        self._maybe_fail()
+        self.inner.delete(key)
+        with self._lock:
+            self.calls.append(("delete", key))
+
+    def put_dir(self, key: str, meta: ObjectMeta) -> None:
+        self._maybe_fail()
+        self.inner.put_dir(key, meta)
+        with self._lock:
+            self.calls.append(("put_dir", key))
+
+    def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
+        self._maybe_fail()
+        self.inner.put_symlink(key, target, meta)
+        with self._lock:
+            self.calls.append(("put_symlink", key))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return self.inner.head(key)
+
+
+@dataclass
+class Stack:
+    root: Path
+    cache: CacheDir
+    journal: Journal
+    store: RecordingStore
+    drain: Drain
+    fetcher: Fetcher
+    fs: Filesystem
+
+    # Small conveniences that do what a kernel would do around the fs calls.
+    def write_file(self, path: str, data: bytes, *, parent: int = ROOT_ID) -> int:
+        parent_id = self.resolve_dir(path.rsplit("/", 1)[0]) if "/" in path else parent
+        name = path.rsplit("/", 1)[-1].encode()
+        existing = self.journal.lookup(parent_id, name.decode())
+        if existing is None:
+            fh, attr = self.fs.create(parent_id, name, 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
+            inode_id = attr.ino
+        else:
+            raise AssertionError("use overwrite() for existing files")
+        self.fs.write(fh, 0, data)
+        self.fs.release(fh)
+        return inode_id
+
+    def resolve_dir(self, path: str) -> int:
+        inode = self.journal.by_path(path)
+        assert inode is not None and inode.kind == DIR, path
+        return inode.id
+
+    def store_files(self) -> dict[str, bytes]:
+        root = self.store.inner.root
+        out = {}
+        for p in sorted(root.rglob("*")):
+            if p.is_file() and not p.is_symlink() and not p.name.startswith(".ckptfs-tmp."):
+                out[str(p.relative_to(root))] = p.read_bytes()
+        return out
+
+    def store_dirs(self) -> set[str]:
+        root = self.store.inner.root
+        return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir() and not p.is_symlink()}
+
+    async def flush(self, timeout: float = 20) -> None:
+        result = await self.drain.flush(None, timeout)
+        assert result.ok, result.remaining
+
+
+def make_stack(root: Path, *, upload_delay: float = 0.0, markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS) -> Stack:
+    import trio
+
+    cache = CacheDir(root / "cache")
+    cache.prepare()
+    journal = Journal(cache.journal_path)
+    (root / "store").mkdir(exist_ok=True)
+    store = RecordingStore(LocalStore(root / "store"))
+    drain = Drain(journal, cache, store, transfers=2, upload_delay=upload_delay, commit_markers=markers)  # type: ignore[arg-type]
+    fetcher = Fetcher(journal, cache, store, limiter=trio.CapacityLimiter(2))  # type: ignore[arg-type]
+    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify)
+    return Stack(root, cache, journal, store, drain, fetcher, fs)
+
+
+def check_consistency(stack: Stack) -> None:
+    """The invariants between journal and cache that every test ends with."""
+    journal, cache = stack.journal, stack.cache
+    inodes = {i.id: i for i in journal.all_inodes()}
+    paths: dict[str, int] = {}
+    for inode in inodes.values():
+        if inode.id == ROOT_ID:
+            assert inode.path == ""
+            continue
+        if inode.parent is None:
+            assert inode.path is None and inode.name is None
+            continue
+        parent = inodes[inode.parent]
+        assert parent.kind == DIR
+        expected = f"{parent.path}/{inode.name}" if parent.path else inode.name
+        assert inode.path == expected, (inode.path, expected)
+        assert inode.path not in paths, f"duplicate path {inode.path}"
+        paths[inode.path] = inode.id
+        if inode.kind == FILE and inode.state != REMOTE:
+            assert cache.has_data(inode.id), f"{inode.path}: cache file missing"
+    data_ids = cache.data_ids()
+    file_ids = {i.id for i in inodes.values() if i.kind == FILE and i.state != REMOTE}
+    assert data_ids <= file_ids, f"orphan cache files {data_ids - file_ids}"
+
+
+def attr_dict(attr: Any) -> dict[str, Any]:
+    return dict(attr._asdict())

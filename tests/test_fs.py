@@ -1,0 +1,309 @@
+"""fs-level tests: POSIX semantics and drain convergence without a kernel. Each ends with a consistency
+check of journal against cache."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+from fsharness import GID, UID, Stack, check_consistency, make_stack
+
+from ckptfs.errors import FsError, PermanentBackendError, TransientBackendError
+from ckptfs.fs import RENAME_EXCHANGE, RENAME_NOREPLACE, SetAttrs
+from ckptfs.journal import CLEAN, DIRTY, REMOTE, ROOT_ID, Journal
+from ckptfs.recovery import recover, repair_journal
+
+
+@pytest.fixture
+async def stack(tmp_path: Path, nursery: trio.Nursery) -> AsyncIterator[Stack]:
+    s = make_stack(tmp_path)
+    await nursery.start(s.drain.run)
+    yield s
+    check_consistency(s)
+
+
+def errno_of(exc_info: pytest.ExceptionInfo[FsError]) -> int:
+    return exc_info.value.errno
+
+
+async def test_write_close_uploads_identical_bytes(stack: Stack) -> None:
+    stack.write_file("a.bin", b"x" * 100_000)
+    await stack.flush()
+    assert stack.store_files() == {"a.bin": b"x" * 100_000}
+    inode = stack.journal.by_path("a.bin")
+    assert inode is not None and inode.state == CLEAN
+    assert inode.uploaded_version == inode.version
+    assert inode.checksum is not None and inode.checksum.startswith("crc32:")
+
+
+async def test_random_writes_and_sparse_file(stack: Stack) -> None:
+    fh, attr = stack.fs.create(ROOT_ID, b"sparse", 0o644, os.O_RDWR, UID, GID)
+    stack.fs.write(fh, 1 << 20, b"end")
+    stack.fs.write(fh, 10, b"mid")
+    assert stack.fs.read(fh, 0, 13) == b"\0" * 10 + b"mid"
+    assert stack.fs.getattr(attr.ino).size == (1 << 20) + 3
+    stack.fs.release(fh)
+    await stack.flush()
+    data = stack.store_files()["sparse"]
+    assert len(data) == (1 << 20) + 3 and data[10:13] == b"mid" and data[-3:] == b"end"
+
+
+async def test_truncate_marks_dirty_and_uploads(stack: Stack) -> None:
+    ino = stack.write_file("t", b"0123456789")
+    await stack.flush()
+    await stack.fs.setattr(ino, SetAttrs(size=4), None)
+    assert stack.journal.get(ino).state == DIRTY  # type: ignore[union-attr]
+    await stack.flush()
+    assert stack.store_files()["t"] == b"0123"
+
+
+async def test_reopen_without_writing_does_not_reupload(stack: Stack) -> None:
+    ino = stack.write_file("r", b"data")
+    await stack.flush()
+    fh = await stack.fs.open(ino, os.O_RDWR)
+    assert stack.fs.read(fh, 0, 4) == b"data"
+    stack.fs.release(fh)
+    await stack.flush()
+    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert [c for c in stack.store.calls if c[0] == "commit"] == [("commit", "r")]
+
+
+async def test_names_the_store_cannot_keep(stack: Stack) -> None:
+    with pytest.raises(FsError) as exc:
+        stack.fs.create(ROOT_ID, b"\xff\xfe", 0o644, os.O_WRONLY, UID, GID)
+    assert errno_of(exc) == errno.EINVAL
+    with pytest.raises(FsError) as exc:
+        stack.fs.create(ROOT_ID, b"n" * 256, 0o644, os.O_WRONLY, UID, GID)
+    assert errno_of(exc) == errno.ENAMETOOLONG
+    with pytest.raises(FsError) as exc:
+        stack.fs.link()
+    assert errno_of(exc) == errno.EPERM
+    with pytest.raises(FsError) as exc:
+        stack.fs.mknod()
+    assert errno_of(exc) == errno.EPERM
+
+
+async def test_rename_before_upload_uploads_new_name_only(tmp_path: Path, nursery: trio.Nursery) -> None:
+    stack = make_stack(tmp_path, upload_delay=30)
+    await nursery.start(stack.drain.run)
+    stack.write_file("tmp.pt", b"content")
+    stack.fs.rename(ROOT_ID, b"tmp.pt", ROOT_ID, b"final.pt", 0)
+    await stack.flush()
+    assert stack.store_files() == {"final.pt": b"content"}
+    assert [c for c in stack.store.calls if c[0] == "commit"] == [("commit", "final.pt")]
+    check_consistency(stack)
+
+
+async def test_rename_during_upload_abandons_and_restarts(stack: Stack) -> None:
+    stack.store.stage_gate = threading.Event()
+    stack.write_file("old", b"payload")
+    stack.drain.notify()
+    await trio.to_thread.run_sync(stack.store.staging.wait, 10)
+    stack.fs.rename(ROOT_ID, b"old", ROOT_ID, b"new", 0)
+    stack.store.stage_gate.set()
+    await stack.flush()
+    assert stack.store_files() == {"new": b"payload"}
+    commits = [c for c in stack.store.calls if c[0] in ("commit", "abort")]
+    assert commits == [("abort", "old"), ("commit", "new")], "never completed at the old key"
+
+
+async def test_write_during_upload_never_commits_stale_content(stack: Stack) -> None:
+    stack.store.stage_gate = threading.Event()
+    ino = stack.write_file("f", b"version-1")
+    stack.drain.notify()
+    await trio.to_thread.run_sync(stack.store.staging.wait, 10)
+    fh = await stack.fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+    stack.fs.write(fh, 0, b"version-2")
+    stack.fs.release(fh)
+    stack.store.stage_gate.set()
+    await stack.flush()
+    assert stack.store_files() == {"f": b"version-2"}
+    assert stack.store.committed == [("f", b"version-2")]
+
+
+async def test_rename_after_upload_moves_object(stack: Stack) -> None:
+    stack.fs.mkdir(ROOT_ID, b"step_1.tmp", 0o755, UID, GID)
+    d = stack.resolve_dir("step_1.tmp")
+    stack.write_file("step_1.tmp/a", b"A")
+    stack.write_file("step_1.tmp/b", b"B")
+    await stack.flush()
+    stack.fs.rename(ROOT_ID, b"step_1.tmp", ROOT_ID, b"step_1", 0)
+    await stack.flush()
+    assert stack.store_files() == {"step_1/a": b"A", "step_1/b": b"B"}
+    assert stack.store_dirs() == {"step_1"}
+    assert stack.journal.get(d).remote_key == "step_1/"  # type: ignore[union-attr]
+
+
+async def test_rename_over_clean_file_never_deletes_the_new_object(stack: Stack) -> None:
+    stack.write_file("ckpt", b"old")
+    await stack.flush()
+    stack.write_file("ckpt.tmp", b"new")
+    stack.fs.rename(ROOT_ID, b"ckpt.tmp", ROOT_ID, b"ckpt", 0)
+    await stack.flush()
+    assert stack.store_files() == {"ckpt": b"new"}
+    assert ("delete", "ckpt") not in stack.store.calls
+    assert stack.journal.pending_deletes() == []
+
+
+async def test_rename_flags(stack: Stack) -> None:
+    stack.write_file("a", b"1")
+    stack.write_file("b", b"2")
+    with pytest.raises(FsError) as exc:
+        stack.fs.rename(ROOT_ID, b"a", ROOT_ID, b"b", RENAME_NOREPLACE)
+    assert errno_of(exc) == errno.EEXIST
+    with pytest.raises(FsError) as exc:
+        stack.fs.rename(ROOT_ID, b"a", ROOT_ID, b"b", RENAME_EXCHANGE)
+    assert errno_of(exc) == errno.EINVAL
+    stack.fs.mkdir(ROOT_ID, b"d", 0o755, UID, GID)
+    d = stack.resolve_dir("d")
+    with pytest.raises(FsError) as exc:
+        stack.fs.rename(ROOT_ID, b"d", d, b"inside", 0)
+    assert errno_of(exc) == errno.EINVAL
+    with pytest.raises(FsError) as exc:
+        stack.fs.rename(ROOT_ID, b"a", ROOT_ID, b"d", 0)
+    assert errno_of(exc) == errno.EISDIR
+    await stack.flush()
+
+
+async def test_unlink_open_file_stays_readable_then_goes(stack: Stack) -> None:
+    ino = stack.write_file("victim", b"still here")
+    await stack.flush()
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    stack.fs.lookup(ROOT_ID, b"victim")  # the kernel holds a reference, as it would
+    stack.fs.unlink(ROOT_ID, b"victim")
+    assert stack.fs.read(fh, 0, 100) == b"still here"
+    await stack.flush()
+    assert stack.store_files() == {}
+    stack.fs.release(fh)
+    assert stack.journal.get(ino) is not None  # the kernel has not forgotten it yet
+    stack.fs.forget(ino, 1)
+    assert stack.journal.get(ino) is not None  # one of the two references (create, lookup) is left
+    stack.fs.forget(ino, 1)
+    assert stack.journal.get(ino) is None
+    assert not stack.cache.has_data(ino)
+
+
+async def test_rmdir_and_empty_directory_marker(stack: Stack) -> None:
+    stack.fs.mkdir(ROOT_ID, b"empty", 0o755, UID, GID)
+    await stack.flush()
+    assert stack.store_dirs() == {"empty"}
+    stack.fs.mkdir(ROOT_ID, b"full", 0o755, UID, GID)
+    stack.write_file("full/x", b"x")
+    with pytest.raises(FsError) as exc:
+        stack.fs.rmdir(ROOT_ID, b"full")
+    assert errno_of(exc) == errno.ENOTEMPTY
+    stack.fs.rmdir(ROOT_ID, b"empty")
+    await stack.flush()
+    assert stack.store_dirs() == {"full"}
+
+
+async def test_commit_marker_waits_for_earlier_files(stack: Stack) -> None:
+    stack.store.stage_gate = threading.Event()
+    stack.write_file("shard-0", b"0" * 1000)
+    stack.drain.notify()
+    await trio.to_thread.run_sync(stack.store.staging.wait, 10)
+    stack.write_file("latest", b"shard-0")
+    await trio.sleep(0.3)  # the drain had every chance to upload the marker early
+    assert not any(key == "latest" for _, key in stack.store.calls)
+    stack.store.stage_gate.set()
+    await stack.flush()
+    keys = [key for op, key in stack.store.calls if op == "commit"]
+    assert keys == ["shard-0", "latest"]
+
+
+async def test_transient_and_permanent_errors_are_retried(stack: Stack) -> None:
+    stack.store.failures = [TransientBackendError("503 slow down"), PermanentBackendError("access denied")]
+    stack.write_file("f", b"data")
+    await stack.flush(timeout=30)
+    assert stack.store_files() == {"f": b"data"}
+    assert stack.drain.stats.errors == 2
+    assert stack.drain.stats.last_error is not None and "access denied" in stack.drain.stats.last_error
+
+
+async def test_flush_scoped_to_paths_and_timeout(tmp_path: Path, nursery: trio.Nursery) -> None:
+    stack = make_stack(tmp_path, upload_delay=0)
+    await nursery.start(stack.drain.run)
+    fh, _ = stack.fs.create(ROOT_ID, b"open-forever", 0o644, os.O_WRONLY, UID, GID)
+    stack.fs.write(fh, 0, b"x")
+    stack.write_file("done", b"y")
+    assert (await stack.drain.flush(["done"], 10)).ok
+    result = await stack.drain.flush(None, 0.5)
+    assert not result.ok and result.remaining == ["open-forever"]
+    stack.fs.release(fh)
+    assert (await stack.drain.flush(None, 10)).ok
+    check_consistency(stack)
+
+
+async def test_symlink_persists(stack: Stack) -> None:
+    stack.fs.symlink(ROOT_ID, b"latest-link", b"step_9", UID, GID)
+    await stack.flush()
+    assert os.readlink(stack.store.inner.root / "latest-link") == "step_9"
+
+
+async def test_state_xattr(stack: Stack) -> None:
+    ino = stack.write_file("x", b"1")
+    assert stack.fs.getxattr(ino, b"user.ckptfs.state") in (b"dirty", b"uploading", b"clean")
+    await stack.flush()
+    assert stack.fs.getxattr(ino, b"user.ckptfs.state") == b"clean"
+    with pytest.raises(FsError):
+        stack.fs.setxattr(ino, b"user.ckptfs.state")
+
+
+async def test_fresh_cache_imports_store_and_fetches_on_open(tmp_path: Path, nursery: trio.Nursery) -> None:
+    store_dir = tmp_path / "store"
+    (store_dir / "run" / "step_1").mkdir(parents=True)
+    (store_dir / "run" / "step_1" / "model.pt").write_bytes(b"weights" * 1000)
+    (store_dir / "empty-dir").mkdir()
+    stack = make_stack(tmp_path)
+    report = await recover(stack.journal, stack.cache, stack.store, 0.0)  # type: ignore[arg-type]
+    assert report.imported == 4  # run, run/step_1, model.pt, empty-dir
+    inode = stack.journal.by_path("run/step_1/model.pt")
+    assert inode is not None and inode.state == REMOTE and inode.size == 7000
+    fh = await stack.fs.open(inode.id, os.O_RDONLY)
+    assert stack.fs.read(fh, 0, 14) == b"weightsweights"
+    stack.fs.release(fh)
+    assert stack.journal.get(inode.id).state == CLEAN  # type: ignore[union-attr]
+    await nursery.start(stack.drain.run)
+    await stack.flush()
+    assert [c for c in stack.store.calls if c[0] == "commit"] == []
+    assert stack.journal.by_path("empty-dir") is not None
+    check_consistency(stack)
+
+
+def test_keys_that_cannot_be_paths_are_skipped() -> None:
+    from ckptfs.recovery import _valid_path
+
+    assert _valid_path("a/b.pt") == "a/b.pt"
+    assert _valid_path("dir/") == "dir"
+    for bad in ("../escape", "a/../../b", "/abs", "a\0b", "a//b", "./x", "x" * 1001):
+        assert _valid_path(bad) is None, bad
+
+
+async def test_crash_recovery_resumes_pending_work(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """A daemon that dies with files open, uploads pending and unlinked-but-open files loses nothing."""
+    stack = make_stack(tmp_path, upload_delay=3600)
+    fh, attr = stack.fs.create(ROOT_ID, b"open-at-crash", 0o644, os.O_WRONLY, UID, GID)
+    stack.fs.write(fh, 0, b"a" * 5000)
+    stack.write_file("closed", b"b" * 10)
+    ghost = stack.write_file("ghost", b"c")
+    stack.fs.lookup(ROOT_ID, b"ghost")
+    await stack.fs.open(ghost, os.O_RDONLY)
+    stack.fs.unlink(ROOT_ID, b"ghost")
+    stack.journal.close()  # the process dies here: no release, no forget, nothing uploaded
+
+    journal = Journal(stack.cache.journal_path)
+    report = repair_journal(journal, stack.cache, now=0.0)
+    assert report.purged_unlinked == 1 and report.resumed_uploads == 2
+    reopened = journal.get(attr.ino)
+    assert reopened is not None and reopened.size == 5000 and reopened.closed_at == 0.0
+    journal.close()
+    fresh = make_stack(tmp_path, upload_delay=3600)
+    await nursery.start(fresh.drain.run)
+    await fresh.flush()
+    assert fresh.store_files() == {"open-at-crash": b"a" * 5000, "closed": b"b" * 10}
+    check_consistency(fresh)
