@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -212,6 +213,16 @@ class Daemon:
         }
 
 
+def _owner_tag(journal: Journal) -> str:
+    """A random id of this cache dir, created once; it tags the uploads it stages in the store."""
+    tag = journal.get_meta("owner")
+    if tag is None:
+        tag = secrets.token_hex(6)
+        with journal.transaction():
+            journal.set_meta("owner", tag)
+    return tag
+
+
 async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
     """Mount and serve until stopped. Raises CkptfsError for anything the user must fix before mounting."""
     store = open_store(config.source, endpoint_url=config.endpoint_url)
@@ -226,6 +237,7 @@ async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
         except (JournalError, OSError) as exc:
             raise CkptfsError(str(exc)) from None
         try:
+            store.owner = _owner_tag(journal)
             bound = journal.get_meta("source")
             if bound is None:
                 with journal.transaction():

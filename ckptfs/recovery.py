@@ -31,6 +31,7 @@ class RecoveryReport:
     resumed_uploads: int = 0
     purged_unlinked: int = 0
     orphan_cache_files: int = 0
+    aborted_uploads: int = 0
     imported: int = 0
     skipped_keys: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
@@ -189,6 +190,9 @@ def _ensure_parents(journal: Journal, path: str) -> Inode | None:
 
 async def recover(journal: Journal, cache: CacheDir, store: ObjectStore, now: float) -> RecoveryReport:
     report = repair_journal(journal, cache, now)
+    report.aborted_uploads = await trio.to_thread.run_sync(store.abort_stale_uploads)
+    if report.aborted_uploads:
+        log.info("removed %d leftovers of uploads interrupted by the last stop", report.aborted_uploads)
     listing = await trio.to_thread.run_sync(lambda: list(store.list()))
     import_listing(journal, cache, listing, report)
     return report

@@ -30,6 +30,7 @@ class RecordingStore:
     def __init__(self, inner: LocalStore) -> None:
         self.inner = inner
         self.url = inner.url
+        self.owner = inner.owner
         self.calls: list[tuple[str, str]] = []
         self.committed: list[tuple[str, bytes]] = []
         self.stage_gate: threading.Event | None = None
@@ -100,6 +101,9 @@ class RecordingStore:
 
     def head(self, key: str) -> ObjectInfo | None:
         return self.inner.head(key)
+
+    def abort_stale_uploads(self) -> int:
+        return self.inner.abort_stale_uploads()
 
 
 @dataclass

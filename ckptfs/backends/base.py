@@ -57,6 +57,9 @@ class StagedUpload:
 
 class ObjectStore(Protocol):
     url: str
+    # Identifies the cache dir that stages uploads through this store object. Leftovers of interrupted
+    # uploads carry it, so that the next daemon on the same cache dir removes its own (and only its own).
+    owner: str
 
     def check(self) -> None:
         """Verify the store exists and is usable; raise CkptfsError naming the problem and the fix."""
@@ -88,6 +91,11 @@ class ObjectStore(Protocol):
         ...
 
     def head(self, key: str) -> ObjectInfo | None: ...
+
+    def abort_stale_uploads(self) -> int:
+        """Remove what interrupted uploads of `owner` left behind; return how many. Called at start-up,
+        before any upload of this daemon begins."""
+        ...
 
 
 T = TypeVar("T")

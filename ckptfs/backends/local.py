@@ -52,9 +52,10 @@ def copy_with_checksum(src_fd: int, dst_fd: int) -> tuple[int, str]:
 
 
 class LocalStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, owner: str = "anon") -> None:
         self.root = root
         self.url = f"file://{root}"
+        self.owner = owner
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key.rstrip("/"))
@@ -69,7 +70,20 @@ class LocalStore:
 
     def _temp_name(self, final: str) -> str:
         directory, base = os.path.split(final)
-        return os.path.join(directory, f"{TEMP_PREFIX}{base[:100]}.{secrets.token_hex(4)}")
+        return os.path.join(directory, f"{TEMP_PREFIX}{self.owner}.{secrets.token_hex(4)}.{base[:100]}")
+
+    def abort_stale_uploads(self) -> int:
+        mine = f"{TEMP_PREFIX}{self.owner}."
+        removed = 0
+        for directory, _dirs, files in os.walk(self.root):
+            for name in files:
+                if name.startswith(mine):
+                    try:
+                        os.unlink(os.path.join(directory, name))
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+        return removed
 
     def stage_upload(self, key: str, src_path: str, meta: ObjectMeta) -> StagedUpload:
         final = self._path(key)
