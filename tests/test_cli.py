@@ -1,0 +1,141 @@
+"""Bad input gets one clear line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import Mount, ckptfs_cli
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("ckptfs:")]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> dict[str, Path]:
+    d = {name: tmp_path / name for name in ("store", "mnt", "cache", "run")}
+    d["store"].mkdir()
+    d["mnt"].mkdir()
+    return d
+
+
+def _mount(dirs: dict[str, Path], *args: str, source: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {"CKPTFS_RUNTIME_DIR": str(dirs["run"]), "PATH": "/usr/bin:/bin"}
+    import os
+
+    env = dict(os.environ, **env)
+    return ckptfs_cli("mount", source or f"file://{dirs['store']}", str(dirs["mnt"]),
+                      "--cache-dir", str(dirs["cache"]), *args, env=env, timeout=60)
+
+
+def test_unknown_scheme(dirs: dict[str, Path]) -> None:
+    result = _mount(dirs, source="ftp://host/x")
+    _one_line_error(result, "unsupported store URL", "file:///DIR")
+    assert result.returncode == 2
+
+
+def test_relative_file_url(dirs: dict[str, Path]) -> None:
+    _one_line_error(_mount(dirs, source="file://relative/dir"), "absolute path")
+
+
+def test_missing_store_directory(dirs: dict[str, Path]) -> None:
+    _one_line_error(_mount(dirs, source=f"file://{dirs['store']}/nope"), "does not exist", "mkdir -p")
+
+
+def test_mountpoint_missing(dirs: dict[str, Path]) -> None:
+    dirs["mnt"].rmdir()
+    _one_line_error(_mount(dirs), "mountpoint", "does not exist")
+
+
+def test_mountpoint_not_empty(dirs: dict[str, Path]) -> None:
+    (dirs["mnt"] / "stray").write_text("x")
+    _one_line_error(_mount(dirs), "not empty")
+
+
+def test_cache_dir_not_writable(dirs: dict[str, Path], tmp_path: Path) -> None:
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)], check=True)
+    try:
+        dirs["cache"] = readonly / "cache"
+        _one_line_error(_mount(dirs), "cache dir", "--cache-dir")
+        _one_line_error(_mount(dirs, "--daemon"), "cache dir", "--cache-dir")
+    finally:
+        subprocess.run(["umount", str(readonly)], check=True)
+
+
+def test_bad_size_and_config(dirs: dict[str, Path], tmp_path: Path) -> None:
+    _one_line_error(_mount(dirs, "--cache-size", "lots"), "size 'lots'")
+    config = tmp_path / "c.toml"
+    config.write_text('upload_dealy = 3\n')
+    _one_line_error(_mount(dirs, "--config", str(config)), "unknown key", "upload_dealy")
+    config.write_text('this is not toml')
+    _one_line_error(_mount(dirs, "--config", str(config)), "not valid TOML")
+
+
+def test_cache_dir_locked_by_another_daemon(mount: Mount, tmp_path: Path) -> None:
+    other = tmp_path / "other-mnt"
+    other.mkdir()
+    for extra in ((), ("--daemon",)):
+        result = mount.cli("mount", mount.source, str(other), "--cache-dir", str(mount.cache), *extra)
+        _one_line_error(result, "in use by another ckptfs daemon")
+
+
+def test_cache_dir_of_another_source(mount: Mount, tmp_path: Path) -> None:
+    assert mount.umount().returncode == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = mount.cli("mount", f"file://{elsewhere}", str(mount.mnt), "--cache-dir", str(mount.cache))
+    _one_line_error(result, "holds data of", "another --cache-dir")
+
+
+def test_status_flush_umount_without_daemon(dirs: dict[str, Path]) -> None:
+    import os
+
+    env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(dirs["run"]))
+    for args in (("status", str(dirs["mnt"])), ("flush", str(dirs["mnt"])), ("umount", str(dirs["mnt"]))):
+        _one_line_error(ckptfs_cli(*args, env=env), "no ckptfs daemon is serving")
+
+
+def test_daemon_mode_status_flush_umount(dirs: dict[str, Path]) -> None:
+    import os
+
+    env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(dirs["run"]))
+    result = _mount(dirs, "--daemon", "--upload-delay", "0")
+    assert result.returncode == 0, result.stderr
+    assert "mounted on" in result.stdout
+    try:
+        (dirs["mnt"] / "f").write_bytes(b"abc")
+        flush = ckptfs_cli("flush", str(dirs["mnt"]), str(dirs["mnt"] / "f"), "--timeout", "30", env=env)
+        assert flush.returncode == 0, flush.stderr
+        assert (dirs["store"] / "f").read_bytes() == b"abc"
+        status = json.loads(ckptfs_cli("status", str(dirs["mnt"]), "--json", env=env).stdout)
+        assert status["states"]["clean"] == {"files": 1, "bytes": 3}
+        assert status["queue"]["uploads"] == 0 and status["last_error"] is None
+        human = ckptfs_cli("status", str(dirs["mnt"]), env=env)
+        assert human.returncode == 0 and "clean" in human.stdout
+        outside = ckptfs_cli("flush", str(dirs["mnt"]), "/etc/passwd", env=env)
+        _one_line_error(outside, "is not inside")
+    finally:
+        umount = ckptfs_cli("umount", str(dirs["mnt"]), env=env)
+    assert umount.returncode == 0, umount.stderr
+    assert not os.path.ismount(dirs["mnt"])
+
+
+def test_flush_timeout_exit_code(mount: Mount) -> None:
+    handle = open(mount.mnt / "held-open", "wb")  # noqa: SIM115
+    handle.write(b"x")
+    handle.flush()
+    result = mount.cli("flush", str(mount.mnt), "--timeout", "0.5")
+    assert result.returncode == 3
+    assert "held-open" in result.stderr
+    handle.close()
+    mount.flush()
