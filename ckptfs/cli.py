@@ -123,7 +123,9 @@ def _detach(config: Config) -> int:
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         log_file = open(cache_dir / "ckptfs.log", "ab")  # noqa: SIM115 - handed to the child
     except OSError as exc:
-        raise CkptfsError(f"cache dir {cache_dir} is not writable ({exc.strerror}); choose another with --cache-dir") from None
+        raise CkptfsError(
+            f"cache dir {cache_dir} is not writable ({exc.strerror}); choose another with --cache-dir"
+        ) from None
     argv = [a for a in sys.argv[1:] if a != "--daemon"]
     read_fd, write_fd = os.pipe()
     env = dict(os.environ, **{READY_FD_ENV: str(write_fd)})
@@ -137,7 +139,8 @@ def _detach(config: Config) -> int:
     with os.fdopen(read_fd, "rb") as ready:
         message = ready.read().decode(errors="replace").strip()
     if message == "ready":
-        print(f"ckptfs: {config.source} mounted on {config.mountpoint} (pid {child.pid}, log {cache_dir / 'ckptfs.log'})")
+        log_path = cache_dir / "ckptfs.log"
+        print(f"ckptfs: {config.source} mounted on {config.mountpoint} (pid {child.pid}, log {log_path})")
         return 0
     child.wait()
     if message.startswith("error "):

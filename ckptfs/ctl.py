@@ -45,27 +45,44 @@ def socket_path(mountpoint: Path, base: Path | None = None) -> Path:
     return (base or runtime_dir()) / f"{digest}.sock"
 
 
-async def serve(
-    path: Path, handler: Handler, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
+def _prepare_socket_path(path: Path) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
+
+
+async def serve(
+    path: Path,
+    handler: Handler,
+    stop: trio.Event,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answer requests until `stop` is set; then stop accepting and return once the requests in flight
+    have been answered (the caller bounds that with a timeout)."""
+    _prepare_socket_path(path)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     await sock.bind(str(path))
     os.chmod(path, 0o600)
     sock.listen(16)
     listener = trio.SocketListener(sock)
     try:
-        async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as connections:
             task_status.started()
-            while True:
-                stream = await listener.accept()
-                nursery.start_soon(_serve_one, stream, handler)
+            async with trio.open_nursery() as acceptor:
+                acceptor.start_soon(_accept_loop, listener, connections, handler)
+                await stop.wait()
+                acceptor.cancel_scope.cancel()
     finally:
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            os.unlink(path)
         await listener.aclose()
+
+
+async def _accept_loop(listener: trio.SocketListener, connections: trio.Nursery, handler: Handler) -> None:
+    while True:
+        stream = await listener.accept()
+        connections.start_soon(_serve_one, stream, handler)
 
 
 async def _serve_one(stream: trio.SocketStream, handler: Handler) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import secrets
 import signal
@@ -82,8 +83,9 @@ class Daemon:
         self._stop_requested = trio.Event()
         self._stop_timeout: float | None = config.drain_timeout
         self._finished = trio.Event()
+        self._control_stop = trio.Event()
+        self._control_done = trio.Event()
         self.result: FlushResult | None = None
-        self._pending_replies = 0
 
     def request_stop(self, timeout: float | None) -> None:
         if not self._stop_requested.is_set():
@@ -101,7 +103,7 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._fuse_main, nursery)
                 await nursery.start(self.drain.run)
-                await nursery.start(ctl.serve, ctl.socket_path(self.mountpoint, self.config.runtime_dir), self._control)
+                await nursery.start(self._serve_control)
                 await trio.to_thread.run_sync(os.stat, self.mountpoint)
                 log.info("mounted %s on %s (cache %s)", self.store.url, self.mountpoint, self.cache.root)
                 ready()
@@ -140,7 +142,7 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         self.fs.stop_writes()
-        self.result = await self.drain.flush(None, self._stop_timeout)
+        self.result = await self.drain.flush(None, _deadline(self._stop_timeout))
         if self.result.ok:
             log.info("drained; unmounting %s", self.mountpoint)
         else:
@@ -151,9 +153,16 @@ class Daemon:
         pyfuse3.terminate()
         self._finished.set()
         # Let control clients (ckptfs umount) receive their answer before the nursery is cancelled.
-        with trio.move_on_after(2):
-            while self._pending_replies:
-                await trio.sleep(0.01)
+        self._control_stop.set()
+        with trio.move_on_after(5):
+            await self._control_done.wait()
+
+    async def _serve_control(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        path = ctl.socket_path(self.mountpoint, self.config.runtime_dir)
+        try:
+            await ctl.serve(path, self._control, self._control_stop, task_status=task_status)
+        finally:
+            self._control_done.set()
 
     # -- control socket -----------------------------------------------------------------------------
 
@@ -163,22 +172,18 @@ class Daemon:
             return {"ok": True, **self.status()}
         if op == "flush":
             paths = [p.strip("/") for p in request.get("paths") or []] or None
-            result = await self.drain.flush(paths, request.get("timeout"))
+            result = await self.drain.flush(paths, _deadline(request.get("timeout")))
             return {"ok": result.ok, "remaining": result.remaining[:100], "remaining_count": len(result.remaining)}
         if op == "umount":
             self.request_stop(request.get("timeout"))
-            self._pending_replies += 1
-            try:
-                await self._finished.wait()
-                assert self.result is not None
-                return {
-                    "ok": self.result.ok,
-                    "remaining": self.result.remaining[:100],
-                    "remaining_count": len(self.result.remaining),
-                    "cache_dir": str(self.cache.root),
-                }
-            finally:
-                self._pending_replies -= 1
+            await self._finished.wait()
+            assert self.result is not None
+            return {
+                "ok": self.result.ok,
+                "remaining": self.result.remaining[:100],
+                "remaining_count": len(self.result.remaining),
+                "cache_dir": str(self.cache.root),
+            }
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def status(self) -> dict[str, Any]:
@@ -211,6 +216,10 @@ class Daemon:
             "last_error_at": stats.last_error_at,
             "shutting_down": self._stop_requested.is_set(),
         }
+
+
+def _deadline(timeout: float | None) -> float:
+    return math.inf if timeout is None else trio.current_time() + float(timeout)
 
 
 def _owner_tag(journal: Journal) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+import trio.lowlevel
 
 from ckptfs.backends.base import ObjectMeta, ObjectStore, StagedUpload, backoff_delays
 from ckptfs.cache import CacheDir
@@ -126,35 +127,45 @@ class Drain:
                     with trio.move_on_at(next_due):
                         await self._new_work.wait()
                 # Coalesce bursts of notifications into one scan.
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
 
-    async def flush(self, paths: list[str] | None, timeout: float | None) -> FlushResult:
-        """Wait until everything under `paths` (None: everything) that is pending now is durable in the
-        store, ignoring upload_delay meanwhile. Files open for writing count as pending."""
+    async def wait_durable(self, paths: list[str] | None) -> None:
+        """Return once everything under `paths` (None: everything) that is pending now is durable in the
+        store, ignoring upload_delay meanwhile. Files open for writing count as pending. The caller owns
+        the timeout (trio.move_on_after); `pending(paths)` then says what is left."""
         snapshot = self._outstanding(paths)
         deletes = {d.id: d.key for d in self.journal.pending_deletes() if _in_scope(d.key, paths)}
         self._expedite += 1
         self.notify()
         try:
-            with trio.move_on_after(math.inf if timeout is None else timeout):
-                collected_old_copies = False
-                while True:
-                    remaining = self._still_outstanding(snapshot, deletes)
-                    if not remaining and not collected_old_copies:
-                        # Uploads and moves queue deletes of the copies they replace; wait for those too,
-                        # so that the store shows the namespace as it was, not stale names beside it.
-                        collected_old_copies = True
-                        deletes.update(
-                            (d.id, d.key) for d in self.journal.pending_deletes() if _in_scope(d.key, paths)
-                        )
-                        continue
-                    if not remaining:
-                        return FlushResult(True, [])
-                    with trio.move_on_after(FLUSH_POLL):
-                        await self._progress.wait()
-            return FlushResult(False, self._still_outstanding(snapshot, deletes))
+            collected_old_copies = False
+            while True:
+                remaining = self._still_outstanding(snapshot, deletes)
+                if not remaining and not collected_old_copies:
+                    # Uploads and moves queue deletes of the copies they replace; wait for those too,
+                    # so that the store shows the namespace as it was, not stale names beside it.
+                    collected_old_copies = True
+                    deletes.update((d.id, d.key) for d in self.journal.pending_deletes() if _in_scope(d.key, paths))
+                    continue
+                if not remaining:
+                    return
+                with trio.move_on_after(FLUSH_POLL):
+                    await self._progress.wait()
         finally:
             self._expedite -= 1
+
+    def pending(self, paths: list[str] | None) -> list[str]:
+        """What under `paths` is not yet durable in the store, now."""
+        snapshot = self._outstanding(paths)
+        deletes = {d.id: d.key for d in self.journal.pending_deletes() if _in_scope(d.key, paths)}
+        return self._still_outstanding(snapshot, deletes)
+
+    async def flush(self, paths: list[str] | None, deadline: float) -> FlushResult:
+        """wait_durable() until the trio time `deadline` (math.inf: no limit)."""
+        with trio.move_on_at(deadline):
+            await self.wait_durable(paths)
+            return FlushResult(True, [])
+        return FlushResult(False, self.pending(paths))
 
     # -- scheduling ----------------------------------------------------------------------------------
 

@@ -72,7 +72,8 @@ class Fetcher:
         if current is None or current.state != REMOTE:
             os.unlink(tmp)
             return
-        if current.checksum and current.checksum.split(":")[0] == checksum.split(":")[0] and current.checksum != checksum:
+        same_algorithm = current.checksum is not None and current.checksum.split(":")[0] == checksum.split(":")[0]
+        if same_algorithm and current.checksum != checksum:
             os.unlink(tmp)
             log.error("checksum mismatch fetching %s: journal %s, store %s", key, current.checksum, checksum)
             raise FsError(errno.EIO, f"{key}: checksum mismatch (store {checksum}, expected {current.checksum})")

@@ -398,7 +398,8 @@ class Journal:
         )
 
     def pending_deletes(self) -> list[PendingDelete]:
-        return [PendingDelete(*r) for r in self.db.execute("SELECT id, key, created_at FROM pending_deletes ORDER BY id")]
+        rows = self.db.execute("SELECT id, key, created_at FROM pending_deletes ORDER BY id")
+        return [PendingDelete(*row) for row in rows]
 
     def delete_done(self, delete_id: int) -> None:
         self.db.execute("DELETE FROM pending_deletes WHERE id = ?", (delete_id,))

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from ckptfs.backends.base import ObjectInfo, ObjectMeta, StagedUpload
 from ckptfs.backends.local import LocalStore
 from ckptfs.cache import CacheDir
@@ -147,14 +149,14 @@ class Stack:
         root = self.store.inner.root
         return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir() and not p.is_symlink()}
 
-    async def flush(self, timeout: float = 20) -> None:
-        result = await self.drain.flush(None, timeout)
+    async def flush(self, seconds: float = 20) -> None:
+        result = await self.drain.flush(None, trio.current_time() + seconds)
         assert result.ok, result.remaining
 
 
-def make_stack(root: Path, *, upload_delay: float = 0.0, markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS) -> Stack:
-    import trio
-
+def make_stack(
+    root: Path, *, upload_delay: float = 0.0, markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS
+) -> Stack:
     cache = CacheDir(root / "cache")
     cache.prepare()
     journal = Journal(cache.journal_path)

@@ -219,7 +219,7 @@ async def test_commit_marker_waits_for_earlier_files(stack: Stack) -> None:
 async def test_transient_and_permanent_errors_are_retried(stack: Stack) -> None:
     stack.store.failures = [TransientBackendError("503 slow down"), PermanentBackendError("access denied")]
     stack.write_file("f", b"data")
-    await stack.flush(timeout=30)
+    await stack.flush(seconds=30)
     assert stack.store_files() == {"f": b"data"}
     assert stack.drain.stats.errors == 2
     assert stack.drain.stats.last_error is not None and "access denied" in stack.drain.stats.last_error
@@ -231,11 +231,12 @@ async def test_flush_scoped_to_paths_and_timeout(tmp_path: Path, nursery: trio.N
     fh, _ = stack.fs.create(ROOT_ID, b"open-forever", 0o644, os.O_WRONLY, UID, GID)
     stack.fs.write(fh, 0, b"x")
     stack.write_file("done", b"y")
-    assert (await stack.drain.flush(["done"], 10)).ok
-    result = await stack.drain.flush(None, 0.5)
+    now = trio.current_time()
+    assert (await stack.drain.flush(["done"], now + 10)).ok
+    result = await stack.drain.flush(None, trio.current_time() + 0.5)
     assert not result.ok and result.remaining == ["open-forever"]
     stack.fs.release(fh)
-    assert (await stack.drain.flush(None, 10)).ok
+    assert (await stack.drain.flush(None, trio.current_time() + 10)).ok
     check_consistency(stack)
 
 
