@@ -79,8 +79,6 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "daemon": args.daemon,
         "log_level": args.log_level,
     }
-    if os.environ.get("CKPTFS_RUNTIME_DIR"):
-        overrides["runtime_dir"] = Path(os.environ["CKPTFS_RUNTIME_DIR"])
     return load_config(args.config, overrides)
 
 

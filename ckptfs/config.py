@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +74,6 @@ class Config:
     log_level: str = "INFO"
     """Python logging level name."""
 
-    runtime_dir: Path = field(default_factory=lambda: Path("/run/ckptfs"))
-    """Where control sockets live (also $CKPTFS_RUNTIME_DIR)."""
-
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else default_cache_dir(self.source)
 
@@ -116,7 +113,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
 def _coerce(name: str, value: Any) -> Any:
-    if name in ("mountpoint", "cache_dir", "runtime_dir") and value is not None:
+    if name in ("mountpoint", "cache_dir") and value is not None:
         return Path(value)
     if name in ("upload_delay", "drain_timeout"):
         try:

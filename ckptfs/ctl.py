@@ -30,6 +30,7 @@ Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 def runtime_dir() -> Path:
+    """Where control sockets live: $CKPTFS_RUNTIME_DIR, else /run/ckptfs."""
     return Path(os.environ.get("CKPTFS_RUNTIME_DIR", "/run/ckptfs"))
 
 
@@ -40,9 +41,9 @@ def canonical_mountpoint(mountpoint: Path) -> Path:
     return Path(os.path.realpath(absolute.parent)) / absolute.name
 
 
-def socket_path(mountpoint: Path, base: Path | None = None) -> Path:
+def socket_path(mountpoint: Path) -> Path:
     digest = hashlib.sha256(str(canonical_mountpoint(mountpoint)).encode()).hexdigest()[:16]
-    return (base or runtime_dir()) / f"{digest}.sock"
+    return runtime_dir() / f"{digest}.sock"
 
 
 def _prepare_socket_path(path: Path) -> None:

@@ -158,7 +158,7 @@ class Daemon:
             await self._control_done.wait()
 
     async def _serve_control(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        path = ctl.socket_path(self.mountpoint, self.config.runtime_dir)
+        path = ctl.socket_path(self.mountpoint)
         try:
             await ctl.serve(path, self._control, self._control_stop, task_status=task_status)
         finally:

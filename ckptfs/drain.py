@@ -194,8 +194,8 @@ class Drain:
         now = trio.current_time()
         next_due = math.inf
         jobs: list[Job] = []
-        uploads = self.journal.pending_uploads()[:SCAN_LIMIT]
-        moves = self.journal.misplaced()[:SCAN_LIMIT]
+        uploads = self.journal.pending_uploads(SCAN_LIMIT)
+        moves = self.journal.misplaced(SCAN_LIMIT)
         # Commit markers wait for every non-marker with pending work that became work before them.
         first_blocking_seq = min(
             (i.seq for i in [*uploads, *moves] if not self.is_commit_marker(i.name)), default=math.inf
@@ -230,7 +230,7 @@ class Drain:
             if self.is_commit_marker(inode.name) and first_blocking_seq < inode.seq:
                 continue
             jobs.append(Job("move", inode.id, (inode.remote_key, inode.key)))  # type: ignore[arg-type]
-        for delete in self.journal.pending_deletes()[:SCAN_LIMIT]:
+        for delete in self.journal.pending_deletes(SCAN_LIMIT):
             if waiting(("delete", delete.id)):
                 continue
             jobs.append(Job("delete", delete.id, (delete.key,)))
@@ -316,9 +316,12 @@ class Drain:
                 staged: StagedUpload = await self._thread(
                     self.store.stage_upload, key, self.cache.data_path(inode_id), self._meta(inode)
                 )
-            except BaseException:
+            except BaseException as exc:
                 with self.journal.transaction():
                     self.journal.abort_upload(inode_id)
+                current = self.journal.get(inode_id)
+                if isinstance(exc, NotFoundBackendError) and (current is None or current.path is None):
+                    return  # removed (and its cache file with it) while we read it: nothing to upload
                 raise
             # Re-check after the await: abandon the upload if the file changed, moved or went away.
             current = self.journal.get(inode_id)

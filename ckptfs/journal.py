@@ -382,23 +382,25 @@ class Journal:
 
     # -- drain bookkeeping ----------------------------------------------------------------------------
 
-    def pending_uploads(self) -> list[Inode]:
-        """Linked inodes whose content or marker the store lacks (dirty or mid-upload)."""
+    def pending_uploads(self, limit: int = -1) -> list[Inode]:
+        """Linked inodes whose content or marker the store lacks (dirty or mid-upload), oldest work first."""
         return self._all(
             f"SELECT {_COLUMNS} FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
-            " ORDER BY seq"
+            " ORDER BY seq LIMIT ?",
+            (limit,),
         )
 
-    def misplaced(self) -> list[Inode]:
+    def misplaced(self, limit: int = -1) -> list[Inode]:
         """Inodes whose store copy sits under an old name (renamed after upload), not dirty."""
         return self._all(
             f"SELECT {_COLUMNS} FROM inodes WHERE remote_key IS NOT NULL AND id != 1"
             " AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END)"
-            " AND state IN ('clean', 'remote') ORDER BY seq"
+            " AND state IN ('clean', 'remote') ORDER BY seq LIMIT ?",
+            (limit,),
         )
 
-    def pending_deletes(self) -> list[PendingDelete]:
-        rows = self.db.execute("SELECT id, key, created_at FROM pending_deletes ORDER BY id")
+    def pending_deletes(self, limit: int = -1) -> list[PendingDelete]:
+        rows = self.db.execute("SELECT id, key, created_at FROM pending_deletes ORDER BY id LIMIT ?", (limit,))
         return [PendingDelete(*row) for row in rows]
 
     def delete_done(self, delete_id: int) -> None:

@@ -1,0 +1,62 @@
+"""The dependency rule of DESIGN.md, checked: lower layers never import higher ones; only fuse_ops.py and
+daemon.py import pyfuse3; only backends/ import a cloud SDK."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ckptfs"
+
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "config": {"errors"},
+    "journal": set(),
+    "cache": {"errors"},
+    "systemd": set(),
+    "metrics": set(),
+    "backends": {"errors", "backends"},
+    "fetch": {"backends", "cache", "errors", "journal"},
+    "drain": {"backends", "cache", "errors", "journal"},
+    "recovery": {"backends", "cache", "errors", "journal"},
+    "fs": {"cache", "errors", "journal"},
+    "fuse_ops": {"errors", "fs"},
+    "ctl": {"errors"},
+    "daemon": {"backends", "cache", "config", "ctl", "drain", "errors", "fetch", "fs", "fuse_ops", "journal",
+               "recovery", "systemd", "metrics"},
+    "cli": {"config", "ctl", "daemon", "errors"},
+    "__main__": {"cli"},
+    "__init__": set(),
+}
+CLOUD_SDKS = {"boto3", "botocore", "google", "azure", "s3transfer"}
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def _layer(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    return "backends" if relative.parts[0] == "backends" else relative.stem
+
+
+def test_dependency_rule() -> None:
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert len(modules) > 10
+    for module in modules:
+        layer = _layer(module)
+        assert layer in ALLOWED, f"{module.name}: add its layer to the rule in DESIGN.md and here"
+        imported = _imports(module)
+        internal = {name.split(".")[1] for name in imported if name.startswith("ckptfs.")}
+        assert internal <= ALLOWED[layer] | {layer}, f"{module}: imports {internal - ALLOWED[layer]}"
+        top = {name.split(".")[0] for name in imported}
+        if "pyfuse3" in top:
+            assert layer in ("fuse_ops", "daemon"), f"{module} imports pyfuse3"
+        if top & CLOUD_SDKS:
+            assert layer == "backends", f"{module} imports a cloud SDK"
