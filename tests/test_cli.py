@@ -139,3 +139,27 @@ def test_flush_timeout_exit_code(mount: Mount) -> None:
     assert "held-open" in result.stderr
     handle.close()
     mount.flush()
+
+
+def test_sigterm_drains_then_unmounts(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import signal
+
+    m: Mount = mount_factory(upload_delay=3600)  # nothing would upload on its own for an hour
+    (m.mnt / "step_5.pt").write_bytes(b"w" * 100_000)
+    assert m.proc is not None
+    m.proc.send_signal(signal.SIGTERM)
+    assert m.proc.wait(timeout=60) == 0
+    m.proc = None
+    assert m.store_files() == {"step_5.pt": b"w" * 100_000}
+    assert not os.path.ismount(m.mnt)
+
+
+def test_external_unmount_drains_before_exit(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    m: Mount = mount_factory(upload_delay=3600)
+    (m.mnt / "f").write_bytes(b"data")
+    subprocess.run(["fusermount3", "-u", str(m.mnt)], check=True)
+    assert m.proc is not None
+    assert m.proc.wait(timeout=60) == 0
+    m.proc = None
+    assert m.store_files() == {"f": b"data"}
