@@ -119,7 +119,7 @@ def _detach(config: Config) -> int:
     cache_dir = config.resolved_cache_dir()
     try:
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        log_file = open(cache_dir / "ckptfs.log", "ab")  # noqa: SIM115 - handed to the child
+        log_fd = os.open(cache_dir / "ckptfs.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise CkptfsError(
             f"cache dir {cache_dir} is not writable ({exc.strerror}); choose another with --cache-dir"
@@ -129,11 +129,11 @@ def _detach(config: Config) -> int:
     env = dict(os.environ, **{READY_FD_ENV: str(write_fd)})
     child = subprocess.Popen(
         [sys.executable, "-m", "ckptfs", *argv, "--cache-dir", str(cache_dir)],
-        stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+        stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
         pass_fds=(write_fd,), env=env, start_new_session=True,
     )
     os.close(write_fd)
-    log_file.close()
+    os.close(log_fd)
     with os.fdopen(read_fd, "rb") as ready:
         message = ready.read().decode(errors="replace").strip()
     if message == "ready":

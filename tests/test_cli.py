@@ -163,3 +163,19 @@ def test_external_unmount_drains_before_exit(mount_factory) -> None:  # type: ig
     assert m.proc.wait(timeout=60) == 0
     m.proc = None
     assert m.store_files() == {"f": b"data"}
+
+
+def test_cache_dir_and_files_are_private(dirs: dict[str, Path]) -> None:
+    import os
+    import stat
+
+    result = _mount(dirs, "--daemon")
+    assert result.returncode == 0, result.stderr
+    env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(dirs["run"]))
+    try:
+        (dirs["mnt"] / "f").write_bytes(b"secret")
+        for path in [dirs["cache"], *dirs["cache"].rglob("*")]:
+            mode = stat.S_IMODE(path.stat().st_mode)
+            assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
+    finally:
+        assert ckptfs_cli("umount", str(dirs["mnt"]), env=env).returncode == 0
