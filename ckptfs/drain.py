@@ -196,9 +196,15 @@ class Drain:
         jobs: list[Job] = []
         uploads = self.journal.pending_uploads(SCAN_LIMIT)
         moves = self.journal.misplaced(SCAN_LIMIT)
-        # Commit markers wait for every non-marker with pending work that became work before them.
+        # Commit markers wait for every non-marker with pending work that became work before them. A file
+        # still open for writing was not closed before the marker, so it does not hold markers back.
         first_blocking_seq = min(
-            (i.seq for i in [*uploads, *moves] if not self.is_commit_marker(i.name)), default=math.inf
+            (
+                i.seq
+                for i in [*uploads, *moves]
+                if not self.is_commit_marker(i.name) and not (i.kind == FILE and i.closed_at is None)
+            ),
+            default=math.inf,
         )
 
         def waiting(job_id: tuple[str, int]) -> bool:
@@ -299,7 +305,9 @@ class Drain:
         return ObjectMeta(mtime_ns=inode.mtime_ns, mode=inode.mode & 0o7777)
 
     async def _thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        # Abandoned on cancel so that shutdown never waits for a long transfer; whatever the thread leaves
+        # half done is either invisible (staged) or harmless (a committed object the journal will redo).
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
 
     async def _upload(self, inode_id: int) -> None:
         inode = self.journal.get(inode_id)

@@ -308,3 +308,13 @@ async def test_crash_recovery_resumes_pending_work(tmp_path: Path, nursery: trio
     await fresh.flush()
     assert fresh.store_files() == {"open-at-crash": b"a" * 5000, "closed": b"b" * 10}
     check_consistency(fresh)
+
+
+async def test_file_open_for_writing_does_not_hold_back_markers(stack: Stack) -> None:
+    fh, _ = stack.fs.create(ROOT_ID, b"train.log", 0o644, os.O_WRONLY, UID, GID)
+    stack.fs.write(fh, 0, b"step 1\n")
+    stack.write_file("shard", b"s")
+    stack.write_file("latest", b"shard")
+    assert (await stack.drain.flush(["latest", "shard"], trio.current_time() + 10)).ok
+    assert stack.store_files() == {"shard": b"s", "latest": b"shard"}
+    stack.fs.release(fh)
