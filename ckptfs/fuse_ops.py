@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import stat
 from collections.abc import Sequence
 
 import pyfuse3
@@ -100,6 +101,8 @@ class FuseOperations(pyfuse3.Operations):
 
     async def mknod(self, parent_inode, name, mode, rdev, ctx):  # type: ignore[no-untyped-def]
         try:
+            if stat.S_ISREG(mode):  # a plain empty file; only FIFOs, sockets and devices are refused
+                return _entry(self.fs.create_empty(parent_inode, name, mode, ctx.uid, ctx.gid))
             self.fs.mknod()
         except FsError as exc:
             raise _fuse_error(exc) from None
