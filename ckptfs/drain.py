@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,11 @@ log = logging.getLogger(__name__)
 SCAN_LIMIT = 2000
 # While new work keeps arriving, rescan at most this often (a scan reads up to SCAN_LIMIT rows).
 RESCAN_INTERVAL = 0.2
-FLUSH_POLL = 0.25
+# Scans start at least this far apart, however often the filesystem notifies.
+MIN_SCAN_INTERVAL = 0.02
+# A flush re-checks its outstanding items at most this often.
+FLUSH_POLL = 0.05
+MARKER_LOOKBACK = 100
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,9 @@ class Drain:
         self.transfers = transfers
         self.upload_delay = upload_delay
         self.commit_markers = commit_markers
+        self._marker_pattern = (
+            re.compile("|".join(fnmatch.translate(glob) for glob in commit_markers)) if commit_markers else None
+        )
         self.clock = clock
         self.stats = DrainStats()
         self._limiter = trio.CapacityLimiter(transfers * 2)
@@ -102,7 +110,7 @@ class Drain:
         self._new_work.set()
 
     def is_commit_marker(self, name: str | None) -> bool:
-        return name is not None and any(fnmatch.fnmatchcase(name, g) for g in self.commit_markers)
+        return name is not None and self._marker_pattern is not None and self._marker_pattern.match(name) is not None
 
     def in_flight(self) -> int:
         return len(self._running)
@@ -126,39 +134,49 @@ class Drain:
                 else:
                     with trio.move_on_at(next_due):
                         await self._new_work.wait()
-                # Coalesce bursts of notifications into one scan.
-                await trio.lowlevel.checkpoint()
+                # Coalesce a burst of notifications (thousands of small files closing) into one scan.
+                await trio.sleep_until(scanned_at + MIN_SCAN_INTERVAL)
 
     async def wait_durable(self, paths: list[str] | None) -> None:
         """Return once everything under `paths` (None: everything) that is pending now is durable in the
         store, ignoring upload_delay meanwhile. Files open for writing count as pending. The caller owns
         the timeout (trio.move_on_after); `pending(paths)` then says what is left."""
-        snapshot = self._outstanding(paths)
+        items = self._outstanding(paths)
         deletes = {d.id: d.key for d in self.journal.pending_deletes() if _in_scope(d.key, paths)}
         self._expedite += 1
         self.notify()
         try:
             collected_old_copies = False
             while True:
-                remaining = self._still_outstanding(snapshot, deletes)
-                if not remaining and not collected_old_copies:
+                # Each check drops what is done, so a flush of N files costs O(N) checks in all.
+                checked_at = trio.current_time()
+                self._drop_durable(items, deletes)
+                if not items and not deletes:
+                    if collected_old_copies:
+                        return
                     # Uploads and moves queue deletes of the copies they replace; wait for those too,
                     # so that the store shows the namespace as it was, not stale names beside it.
                     collected_old_copies = True
-                    deletes.update((d.id, d.key) for d in self.journal.pending_deletes() if _in_scope(d.key, paths))
+                    deletes = {d.id: d.key for d in self.journal.pending_deletes() if _in_scope(d.key, paths)}
                     continue
-                if not remaining:
-                    return
-                with trio.move_on_after(FLUSH_POLL):
+                # Progress wakes us; a removal in the namespace (no drain progress) is seen within a second.
+                with trio.move_on_after(1.0):
                     await self._progress.wait()
+                await trio.sleep_until(checked_at + FLUSH_POLL)
         finally:
             self._expedite -= 1
 
     def pending(self, paths: list[str] | None) -> list[str]:
         """What under `paths` is not yet durable in the store, now."""
-        snapshot = self._outstanding(paths)
+        items = self._outstanding(paths)
         deletes = {d.id: d.key for d in self.journal.pending_deletes() if _in_scope(d.key, paths)}
-        return self._still_outstanding(snapshot, deletes)
+        self._drop_durable(items, deletes)
+        paths_left = [p for p in (self._path_of(i) for i in items) if p is not None]
+        return paths_left + [f"(delete) {key}" for key in deletes.values()]
+
+    def _path_of(self, inode_id: int) -> str | None:
+        inode = self.journal.get(inode_id)
+        return inode.path if inode is not None else None
 
     async def flush(self, paths: list[str] | None, deadline: float) -> FlushResult:
         """wait_durable() until the trio time `deadline` (math.inf: no limit)."""
@@ -170,42 +188,35 @@ class Drain:
     # -- scheduling ----------------------------------------------------------------------------------
 
     def _outstanding(self, paths: list[str] | None) -> dict[int, int]:
+        """inode id -> the version that must reach the store, for everything pending under `paths`."""
         items = {}
         for inode in [*self.journal.pending_uploads(), *self.journal.misplaced()]:
             if _in_scope(inode.path or "", paths):
                 items[inode.id] = inode.version
         return items
 
-    def _still_outstanding(self, snapshot: dict[int, int], deletes: dict[int, str]) -> list[str]:
-        remaining = []
-        for inode_id, version in snapshot.items():
+    def _drop_durable(self, items: dict[int, int], deletes: dict[int, str]) -> None:
+        for inode_id, version in list(items.items()):
             inode = self.journal.get(inode_id)
-            if inode is None or inode.path is None:
-                continue
-            if inode.uploaded_version < version or inode.remote_key != inode.key:
-                remaining.append(inode.path)
-        pending = {d.id for d in self.journal.pending_deletes()}
-        remaining.extend(f"(delete) {key}" for ident, key in deletes.items() if ident in pending)
-        return remaining
+            gone = inode is None or inode.path is None
+            if gone or (inode.uploaded_version >= version and inode.remote_key == inode.key):  # type: ignore[union-attr]
+                del items[inode_id]
+        for delete_id in list(deletes):
+            if not self.journal.delete_pending(delete_id):
+                del deletes[delete_id]
 
     def _scan(self) -> tuple[list[Job], float]:
-        """Work that may start now, in order, and the trio time at which more becomes due."""
+        """Work that may start now, in order, and the trio time at which more becomes due. Reads only
+        rows that are due, so thousands of files waiting out upload_delay cost nothing per scan."""
         now_wall = self.clock()
         now = trio.current_time()
         next_due = math.inf
         jobs: list[Job] = []
-        uploads = self.journal.pending_uploads(SCAN_LIMIT)
-        moves = self.journal.misplaced(SCAN_LIMIT)
-        # Commit markers wait for every non-marker with pending work that became work before them. A file
-        # still open for writing was not closed before the marker, so it does not hold markers back.
-        first_blocking_seq = min(
-            (
-                i.seq
-                for i in [*uploads, *moves]
-                if not self.is_commit_marker(i.name) and not (i.kind == FILE and i.closed_at is None)
-            ),
-            default=math.inf,
-        )
+        cut_off = math.inf if self._expedite else now_wall - self.upload_delay
+        if cut_off != math.inf:
+            next_close = self.journal.next_close_after(cut_off)
+            if next_close is not None:
+                next_due = now + (next_close + self.upload_delay - now_wall)
 
         def waiting(job_id: tuple[str, int]) -> bool:
             nonlocal next_due
@@ -217,23 +228,12 @@ class Drain:
                 return True
             return False
 
-        for inode in uploads:
-            if waiting(("upload", inode.id)):
-                continue
-            if inode.kind == FILE:
-                if inode.closed_at is None:
-                    continue  # a writer has it open; its close notifies us
-                due = inode.closed_at + self.upload_delay
-                if not self._expedite and due > now_wall:
-                    next_due = min(next_due, now + (due - now_wall))
-                    continue
-            if self.is_commit_marker(inode.name) and first_blocking_seq < inode.seq:
+        for inode in self.journal.uploads_due(cut_off, SCAN_LIMIT):
+            if waiting(("upload", inode.id)) or self._marker_blocked(inode):
                 continue
             jobs.append(Job("upload", inode.id, (inode.key,)))  # type: ignore[arg-type]
-        for inode in moves:
-            if waiting(("move", inode.id)):
-                continue
-            if self.is_commit_marker(inode.name) and first_blocking_seq < inode.seq:
+        for inode in self.journal.misplaced(SCAN_LIMIT):
+            if waiting(("move", inode.id)) or self._marker_blocked(inode):
                 continue
             jobs.append(Job("move", inode.id, (inode.remote_key, inode.key)))  # type: ignore[arg-type]
         for delete in self.journal.pending_deletes(SCAN_LIMIT):
@@ -241,6 +241,13 @@ class Drain:
                 continue
             jobs.append(Job("delete", delete.id, (delete.key,)))
         return jobs, next_due
+
+    def _marker_blocked(self, inode: Inode) -> bool:
+        """A commit marker waits for every non-marker that became work before it (a file still open for
+        writing was not closed before the marker, so it does not count). Its completion rescans."""
+        if not self.is_commit_marker(inode.name):
+            return False
+        return any(not self.is_commit_marker(i.name) for i in self.journal.work_before(inode.seq, MARKER_LOOKBACK))
 
     def _claim(self, job: Job) -> bool:
         job_id = (job.kind, job.ident)

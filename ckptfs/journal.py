@@ -382,6 +382,39 @@ class Journal:
 
     # -- drain bookkeeping ----------------------------------------------------------------------------
 
+    def uploads_due(self, closed_before: float, limit: int) -> list[Inode]:
+        """Pending uploads that may start now: directories and symlinks, and files closed before
+        `closed_before` (the upload_delay cut-off), oldest work first."""
+        return self._all(
+            f"SELECT {_COLUMNS} FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
+            " AND (kind != 'file' OR closed_at <= ?) ORDER BY seq LIMIT ?",
+            (closed_before, limit),
+        )
+
+    def next_close_after(self, cut_off: float) -> float | None:
+        """The earliest close time after `cut_off` among pending files: when the next one becomes due."""
+        row = self.db.execute(
+            "SELECT MIN(closed_at) FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
+            " AND kind = 'file' AND closed_at > ?",
+            (cut_off,),
+        ).fetchone()
+        return row[0] if row else None
+
+    def work_before(self, seq: int, limit: int) -> list[Inode]:
+        """Pending uploads of closed files, dirs and symlinks, and pending moves, that became work before
+        `seq` (what a commit marker with that seq waits for)."""
+        return self._all(
+            f"SELECT {_COLUMNS} FROM inodes WHERE seq < ? AND path IS NOT NULL AND id != 1 AND ("
+            " (state IN ('dirty', 'uploading') AND (kind != 'file' OR closed_at IS NOT NULL))"
+            " OR (state IN ('clean', 'remote') AND remote_key IS NOT NULL"
+            "     AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END))"
+            ") ORDER BY seq LIMIT ?",
+            (seq, limit),
+        )
+
+    def delete_pending(self, delete_id: int) -> bool:
+        return self.db.execute("SELECT 1 FROM pending_deletes WHERE id = ?", (delete_id,)).fetchone() is not None
+
     def pending_uploads(self, limit: int = -1) -> list[Inode]:
         """Linked inodes whose content or marker the store lacks (dirty or mid-upload), oldest work first."""
         return self._all(
