@@ -43,7 +43,7 @@ MARKER_LOOKBACK = 100
 
 @dataclass(frozen=True)
 class Job:
-    kind: str  # "upload", "move" or "delete"
+    kind: str  # "upload", "move", "meta" or "delete"
     ident: int  # inode id, or pending delete id
     keys: tuple[str, ...]  # store keys this job must hold exclusively
 
@@ -190,16 +190,14 @@ class Drain:
     def _outstanding(self, paths: list[str] | None) -> dict[int, int]:
         """inode id -> the version that must reach the store, for everything pending under `paths`."""
         items = {}
-        for inode in [*self.journal.pending_uploads(), *self.journal.misplaced()]:
+        for inode in [*self.journal.pending_uploads(), *self.journal.misplaced(), *self.journal.meta_stale(-1)]:
             if _in_scope(inode.path or "", paths):
                 items[inode.id] = inode.version
         return items
 
     def _drop_durable(self, items: dict[int, int], deletes: dict[int, str]) -> None:
         for inode_id, version in list(items.items()):
-            inode = self.journal.get(inode_id)
-            gone = inode is None or inode.path is None
-            if gone or (inode.uploaded_version >= version and inode.remote_key == inode.key):  # type: ignore[union-attr]
+            if _durable(self.journal.get(inode_id), version):
                 del items[inode_id]
         for delete_id in list(deletes):
             if not self.journal.delete_pending(delete_id):
@@ -236,6 +234,10 @@ class Drain:
             if waiting(("move", inode.id)) or self._marker_blocked(inode):
                 continue
             jobs.append(Job("move", inode.id, (inode.remote_key, inode.key)))  # type: ignore[arg-type]
+        for inode in self.journal.meta_stale(SCAN_LIMIT):
+            if waiting(("meta", inode.id)):
+                continue
+            jobs.append(Job("meta", inode.id, (inode.key,)))  # type: ignore[arg-type]
         for delete in self.journal.pending_deletes(SCAN_LIMIT):
             if waiting(("delete", delete.id)):
                 continue
@@ -266,6 +268,8 @@ class Drain:
                 await self._upload(job.ident)
             elif job.kind == "move":
                 await self._move(job.ident)
+            elif job.kind == "meta":
+                await self._update_meta(job.ident)
             else:
                 await self._delete(job.ident)
         except BackendError as exc:
@@ -401,6 +405,23 @@ class Drain:
         self.stats.moves += 1
         log.debug("moved %s -> %s", old, new)
 
+    async def _update_meta(self, inode_id: int) -> None:
+        """chmod/utime of an uploaded file: rewrite the object's metadata, not its bytes."""
+        inode = self.journal.get(inode_id)
+        if inode is None or not inode.meta_dirty or inode.key is None or inode.remote_key != inode.key:
+            return
+        meta = self._meta(inode)
+        try:
+            await self._thread(self.store.set_meta, inode.key, meta)
+        except NotFoundBackendError:
+            self._lost_remote_copy(inode_id, inode.key)
+            return
+        # Re-check after the await: clear the flag only if nothing changed the metadata meanwhile.
+        current = self.journal.get(inode_id)
+        if current is not None and self._meta(current) == meta and current.remote_key == inode.key:
+            with self.journal.transaction():
+                self.journal.clear_meta_dirty(inode_id)
+
     def _lost_remote_copy(self, inode_id: int, key: str) -> None:
         current = self.journal.get(inode_id)
         if current is None:
@@ -441,6 +462,14 @@ class Drain:
         if pending.key.endswith("/") and self.journal.keys_under(pending.key):
             return "defer"
         return "run"
+
+
+def _durable(inode: Inode | None, version: int) -> bool:
+    """Is `version` of this inode (or a newer one) in the store, under its name, with its metadata?
+    An inode that was removed meanwhile counts as done: there is nothing left to make durable."""
+    if inode is None or inode.path is None:
+        return True
+    return inode.uploaded_version >= version and inode.remote_key == inode.key and not inode.meta_dirty
 
 
 def _in_scope(path: str, paths: list[str] | None) -> bool:

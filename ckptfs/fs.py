@@ -250,12 +250,11 @@ class Filesystem:
             raise FsError(errno.EINVAL, "not a symlink")
         return inode.target.encode()
 
-    def mknod(self) -> None:
-        raise FsError(errno.EPERM, "device nodes, FIFOs and sockets cannot be stored in an object store")
-
-    def create_empty(self, parent_id: int, raw_name: bytes, mode: int, uid: int, gid: int) -> Attr:
-        """mknod(S_IFREG): an empty regular file, as create() + release() would leave it. The kernel sends
-        MKNOD for mknod(2) with S_IFREG and on its vfs_create path; refusing it would be a surprise EPERM."""
+    def mknod(self, parent_id: int, raw_name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        """mknod(S_IFREG) makes an empty regular file, as create() + release() would leave it (the kernel
+        sends MKNOD for mknod(2) and on some create paths). Devices, FIFOs and sockets get EPERM."""
+        if not stat.S_ISREG(mode):
+            raise FsError(errno.EPERM, "device nodes, FIFOs and sockets cannot be stored in an object store")
         fh, attr = self.create(parent_id, raw_name, mode, os.O_WRONLY, uid, gid)
         self.release(fh)
         return attr
@@ -353,12 +352,16 @@ class Filesystem:
             mtime = changes.mtime_ns if changes.mtime_ns is not None else current.mtime_ns
             atime = changes.atime_ns if changes.atime_ns is not None else current.atime_ns
             columns["mtime_ns"] = mtime
-            if inode.kind == FILE and self.journal.get(inode_id).state != REMOTE:  # type: ignore[union-attr]
+            if inode.kind == FILE and self._get(inode_id).state != REMOTE:
                 os.utime(self.cache.data_path(inode_id), ns=(atime, mtime))
         if columns or changes.size is not None:
             columns["ctime_ns"] = now
             with self.journal.transaction():
                 self.journal.set_attrs(inode_id, **columns)
+                if changes.mode is not None or changes.mtime_ns is not None:
+                    # Mode and mtime travel with the object: an uploaded one needs its metadata rewritten.
+                    self.journal.mark_meta_dirty(inode_id)
+            self._notify_drain()
         return self.attr(self._get(inode_id))
 
     # -- files -----------------------------------------------------------------------------------------

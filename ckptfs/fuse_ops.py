@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import stat
 from collections.abc import Sequence
 
 import pyfuse3
@@ -101,9 +100,7 @@ class FuseOperations(pyfuse3.Operations):
 
     async def mknod(self, parent_inode, name, mode, rdev, ctx):  # type: ignore[no-untyped-def]
         try:
-            if stat.S_ISREG(mode):  # a plain empty file; only FIFOs, sockets and devices are refused
-                return _entry(self.fs.create_empty(parent_inode, name, mode, ctx.uid, ctx.gid))
-            self.fs.mknod()
+            return _entry(self.fs.mknod(parent_inode, name, mode, ctx.uid, ctx.gid))
         except FsError as exc:
             raise _fuse_error(exc) from None
 

@@ -78,6 +78,10 @@ def create_tables(db: sqlite3.Connection) -> None:
             -- drain moves the object. Set only by the drain (and by recovery for imported objects).
             remote_key TEXT,
             checksum  TEXT,              -- 'crc32c:<hex>' or similar, of the uploaded content; NULL if none
+            -- 1 when mode or mtime changed since the store copy's metadata was written (chmod, utime
+            -- of an uploaded file): the drain rewrites the object's metadata. Set by fs.setattr, cleared
+            -- when an upload or a metadata update starts from the current values.
+            meta_dirty INTEGER NOT NULL DEFAULT 0,
             -- Wall-clock time the last writer closed the file; NULL while a writer has it open.
             -- upload_delay counts from here.
             closed_at REAL,
@@ -129,6 +133,7 @@ class Inode(NamedTuple):
     uploaded_version: int
     remote_key: str | None
     checksum: str | None
+    meta_dirty: int
     closed_at: float | None
     seq: int
 
@@ -468,7 +473,24 @@ class Journal:
         )
 
     def begin_upload(self, inode_id: int) -> None:
-        self.db.execute("UPDATE inodes SET state = 'uploading' WHERE id = ? AND state = 'dirty'", (inode_id,))
+        """An upload starts from the current row: it carries the current mode and mtime."""
+        self.db.execute(
+            "UPDATE inodes SET state = 'uploading', meta_dirty = 0 WHERE id = ? AND state = 'dirty'", (inode_id,)
+        )
+
+    def mark_meta_dirty(self, inode_id: int) -> None:
+        self.db.execute("UPDATE inodes SET meta_dirty = 1 WHERE id = ? AND remote_key IS NOT NULL", (inode_id,))
+
+    def meta_stale(self, limit: int) -> list[Inode]:
+        """Inodes in their right place in the store whose object metadata is out of date."""
+        return self._all(
+            f"SELECT {_COLUMNS} FROM inodes WHERE meta_dirty = 1 AND state IN ('clean', 'remote')"
+            " AND remote_key IS (CASE kind WHEN 'dir' THEN path || '/' ELSE path END) ORDER BY seq LIMIT ?",
+            (limit,),
+        )
+
+    def clear_meta_dirty(self, inode_id: int) -> None:
+        self.db.execute("UPDATE inodes SET meta_dirty = 0 WHERE id = ?", (inode_id,))
 
     def abort_upload(self, inode_id: int) -> None:
         self.db.execute("UPDATE inodes SET state = 'dirty' WHERE id = ? AND state = 'uploading'", (inode_id,))

@@ -92,6 +92,12 @@ class RecordingStore:
         with self._lock:
             self.calls.append(("put_dir", key))
 
+    def set_meta(self, key: str, meta: ObjectMeta) -> None:
+        self._maybe_fail()
+        self.inner.set_meta(key, meta)
+        with self._lock:
+            self.calls.append(("set_meta", key))
+
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
         self._maybe_fail()
         self.inner.put_symlink(key, target, meta)

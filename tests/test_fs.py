@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -84,8 +85,10 @@ async def test_names_the_store_cannot_keep(stack: Stack) -> None:
         stack.fs.link()
     assert errno_of(exc) == errno.EPERM
     with pytest.raises(FsError) as exc:
-        stack.fs.mknod()
+        stack.fs.mknod(ROOT_ID, b"fifo", stat.S_IFIFO | 0o644, UID, GID)
     assert errno_of(exc) == errno.EPERM
+    attr = stack.fs.mknod(ROOT_ID, b"plain", stat.S_IFREG | 0o644, UID, GID)
+    assert attr.size == 0 and stack.journal.by_path("plain") is not None
 
 
 async def test_rename_before_upload_uploads_new_name_only(tmp_path: Path, nursery: trio.Nursery) -> None:
@@ -341,3 +344,15 @@ async def test_flush_of_many_files_reads_each_a_bounded_number_of_times(tmp_path
     assert len(stack.store_files()) == count
     assert reads < 15 * count, f"{reads} journal reads to flush {count} files"
     check_consistency(stack)
+
+
+async def test_chmod_and_utime_of_uploaded_file_rewrite_store_metadata(stack: Stack) -> None:
+    ino = stack.write_file("run.sh", b"#!/bin/sh\n")
+    await stack.flush()
+    await stack.fs.setattr(ino, SetAttrs(mode=0o755, mtime_ns=1_600_000_000_000_000_000), None)
+    await stack.flush()
+    stored = (stack.store.inner.root / "run.sh").stat()
+    assert stat.S_IMODE(stored.st_mode) == 0o755 and stored.st_mtime_ns == 1_600_000_000_000_000_000
+    calls = [c for c in stack.store.calls if c[0] in ("commit", "set_meta")]
+    assert calls == [("commit", "run.sh"), ("set_meta", "run.sh")]
+    assert stack.journal.get(ino).meta_dirty == 0  # type: ignore[union-attr]

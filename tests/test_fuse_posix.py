@@ -686,12 +686,6 @@ def test_stat_chmod_chown_utime(mount_factory) -> None:  # type: ignore[no-untyp
     assert os.stat(path).st_mtime_ns > before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="chmod/utime of an already uploaded file never reach the store: Filesystem.setattr (fs.py) only"
-    " writes the journal, and the drain (drain.py) has no metadata-update job (it only uploads dirty"
-    " content), so the object keeps the mode/mtime of its upload and a fresh node imports those",
-)
 def test_chmod_utime_after_upload_reach_store(mount: Mount) -> None:
     path = mount.mnt / "script.sh"
     path.write_bytes(b"#!/bin/sh\n")

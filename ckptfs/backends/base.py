@@ -86,6 +86,11 @@ class ObjectStore(Protocol):
 
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None: ...
 
+    def set_meta(self, key: str, meta: ObjectMeta) -> None:
+        """Rewrite the metadata (mode, mtime) of an existing object without changing its bytes.
+        Raises NotFoundBackendError if the key is missing."""
+        ...
+
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object below prefix (recursively), in no particular order."""
         ...

@@ -188,6 +188,16 @@ class LocalStore:
             os.makedirs(self._path(key), exist_ok=True)
         except OSError as exc:
             raise _translate(exc, key) from exc
+        self.set_meta(key, meta)
+
+    def set_meta(self, key: str, meta: ObjectMeta) -> None:
+        path = self._path(key)
+        try:
+            if not os.path.islink(path):  # a symlink's own mode cannot be set on Linux
+                os.chmod(path, meta.mode & 0o7777)
+            os.utime(path, ns=(meta.mtime_ns, meta.mtime_ns), follow_symlinks=False)
+        except OSError as exc:
+            raise _translate(exc, key) from exc
 
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
         final = self._path(key)
