@@ -36,8 +36,9 @@ SCAN_LIMIT = 2000
 RESCAN_INTERVAL = 0.2
 # Scans start at least this far apart, however often the filesystem notifies.
 MIN_SCAN_INTERVAL = 0.02
-# A flush re-checks its outstanding items at most this often.
+# A flush re-checks the items whose jobs finished at most this often, and all of its items this often.
 FLUSH_POLL = 0.05
+FULL_CHECK_INTERVAL = 1.0
 MARKER_LOOKBACK = 100
 
 
@@ -101,6 +102,7 @@ class Drain:
         self._retry_at: dict[tuple[str, int], float] = {}
         self._attempts: dict[tuple[str, int], int] = {}
         self._expedite = 0
+        self._flush_waiters: list[set[tuple[str, int]]] = []
         self._permanent_reported: set[str] = set()
 
     # -- public ------------------------------------------------------------------------------------------
@@ -143,14 +145,23 @@ class Drain:
         the timeout (trio.move_on_after); `pending(paths)` then says what is left."""
         items = self._outstanding(paths)
         deletes = {d.id: d.key for d in self.journal.pending_deletes() if _in_scope(d.key, paths)}
+        # Jobs that finish while we wait, so that each check looks only at what may have changed; a full
+        # check now and then catches what changed without a job (an unlink, a rename).
+        finished: set[tuple[str, int]] = set()
+        self._flush_waiters.append(finished)
         self._expedite += 1
         self.notify()
         try:
             collected_old_copies = False
+            full_check_due = -math.inf
             while True:
-                # Each check drops what is done, so a flush of N files costs O(N) checks in all.
                 checked_at = trio.current_time()
-                self._drop_durable(items, deletes)
+                if checked_at >= full_check_due:
+                    self._drop_durable(items, deletes)
+                    full_check_due = checked_at + FULL_CHECK_INTERVAL
+                else:
+                    self._drop_durable(items, deletes, only=finished)
+                finished.clear()
                 if not items and not deletes:
                     if collected_old_copies:
                         return
@@ -159,12 +170,12 @@ class Drain:
                     collected_old_copies = True
                     deletes = {d.id: d.key for d in self.journal.pending_deletes() if _in_scope(d.key, paths)}
                     continue
-                # Progress wakes us; a removal in the namespace (no drain progress) is seen within a second.
-                with trio.move_on_after(1.0):
+                with trio.move_on_at(full_check_due):
                     await self._progress.wait()
                 await trio.sleep_until(checked_at + FLUSH_POLL)
         finally:
             self._expedite -= 1
+            self._flush_waiters.remove(finished)
 
     def pending(self, paths: list[str] | None) -> list[str]:
         """What under `paths` is not yet durable in the store, now."""
@@ -195,12 +206,15 @@ class Drain:
                 items[inode.id] = inode.version
         return items
 
-    def _drop_durable(self, items: dict[int, int], deletes: dict[int, str]) -> None:
+    def _drop_durable(
+        self, items: dict[int, int], deletes: dict[int, str], only: set[tuple[str, int]] | None = None
+    ) -> None:
+        """Remove from `items`/`deletes` what is durable now; look only at the jobs in `only` if given."""
         for inode_id, version in list(items.items()):
-            if _durable(self.journal.get(inode_id), version):
+            if (only is None or ("inode", inode_id) in only) and _durable(self.journal.get(inode_id), version):
                 del items[inode_id]
         for delete_id in list(deletes):
-            if not self.journal.delete_pending(delete_id):
+            if (only is None or ("delete", delete_id) in only) and not self.journal.delete_pending(delete_id):
                 del deletes[delete_id]
 
     def _scan(self) -> tuple[list[Job], float]:
@@ -284,6 +298,8 @@ class Drain:
             self._running.discard(job_id)
             self._busy_keys.difference_update(job.keys)
             slots.release()
+            for finished in self._flush_waiters:
+                finished.add(("delete" if job.kind == "delete" else "inode", job.ident))
             self._progress.set()
             self._progress = trio.Event()
             # Its outcome may be new work (a restart under a new name, a queued delete, an unblocked
