@@ -9,14 +9,25 @@ Uploads are two-phase so that the drain can check, between the phases, that what
 current content under the current name: `stage_upload` does the slow part (copying bytes, uploading parts),
 `commit_upload` makes the object appear at its key atomically (rename, multipart complete), and
 `abort_upload` throws a staged upload away. Nothing becomes visible at a final key before commit.
+
+Resume (optional for a store; S3 implements it, file:// simply stages afresh): a store whose staged uploads
+live server-side (a multipart upload) reports its progress through `stage_upload(progress=...)` as an
+`UploadState`, which the caller may persist (`to_json()`); after a crash it passes the state back as
+`stage_upload(resume=...)` and the store continues from the finished parts when the upload still exists and
+the file is unchanged, else it throws the old upload away and starts afresh. At start-up,
+`abort_stale_uploads(keep=...)` spares the upload ids the caller means to resume.
+
+Basenames starting with TEMP_PREFIX are reserved for the stores' own bookkeeping (temp files, upload
+markers): `list` never returns them and a key containing such a component must not be written.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from ckptfs.errors import TransientBackendError
@@ -24,6 +35,7 @@ from ckptfs.errors import TransientBackendError
 FILE = "file"
 DIR = "dir"
 SYMLINK = "symlink"
+TEMP_PREFIX = ".ckptfs-tmp."
 
 
 @dataclass(frozen=True)
@@ -42,7 +54,8 @@ class ObjectInfo:
     mtime_ns: int
     mode: int
     target: str | None = None  # symlink target
-    checksum: str | None = None
+    checksum: str | None = None  # whole-content checksum ('crc32:<hex>') when the store knows it
+    etag: str | None = None  # changes whenever the object is replaced (object stores); None for file://
 
 
 @dataclass
@@ -52,7 +65,48 @@ class StagedUpload:
     key: str
     size: int
     checksum: str
-    handle: Any  # store-specific: a temp path, a multipart upload id, ...
+    handle: Any  # store-specific: a temp path, a multipart UploadState, ...
+
+
+@dataclass(frozen=True)
+class UploadPart:
+    """One finished part of a staged multipart upload."""
+
+    number: int  # 1-based
+    etag: str
+    checksum: str  # the part's checksum as the store verified it (S3: base64 big-endian CRC32)
+
+
+@dataclass(frozen=True)
+class UploadState:
+    """Everything needed to continue (or throw away) a staged multipart upload in a later process.
+
+    Persist it with to_json(); pass it back as `stage_upload(resume=...)` or keep its `upload_id` alive
+    across start-up with `abort_stale_uploads(keep=...)`."""
+
+    key: str
+    upload_id: str
+    marker: str  # the store's owner marker of this upload (S3: the marker object's name)
+    size: int
+    checksum: str  # whole-file checksum, also in the object's metadata
+    mtime_ns: int
+    mode: int
+    part_size: int
+    parts: tuple[UploadPart, ...] = field(default=())
+
+    def to_json(self) -> str:
+        data = {k: v for k, v in self.__dict__.items() if k != "parts"}
+        data["parts"] = [[p.number, p.etag, p.checksum] for p in self.parts]
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> UploadState:
+        data = json.loads(text)
+        parts = tuple(UploadPart(int(n), str(e), str(c)) for n, e, c in data.pop("parts"))
+        return cls(**data, parts=parts)
+
+
+ProgressCallback = Callable[[UploadState], None]
 
 
 class ObjectStore(Protocol):
@@ -64,7 +118,16 @@ class ObjectStore(Protocol):
     def check(self) -> None:
         """Verify the store exists and is usable; raise CkptfsError naming the problem and the fix."""
 
-    def stage_upload(self, key: str, src_path: str, meta: ObjectMeta) -> StagedUpload: ...
+    def stage_upload(
+        self, key: str, src_path: str, meta: ObjectMeta, *,
+        resume: UploadState | None = None, progress: ProgressCallback | None = None,
+    ) -> StagedUpload:
+        """Copy src_path's bytes into the store, invisible until commit. `progress` (optional) is called,
+        from worker threads but one call at a time, with the state of a server-side staged upload after
+        it is created and after each finished part; when given, a failed stage leaves that upload for the
+        caller to resume or abort, else the store aborts it. `resume` continues an earlier state (see the
+        module docstring); a store without resumable uploads ignores both and stages afresh."""
+        ...
 
     def commit_upload(self, staged: StagedUpload) -> None: ...
 
@@ -92,14 +155,18 @@ class ObjectStore(Protocol):
         ...
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Every object below prefix (recursively), in no particular order."""
+        """Every object below the directory `prefix` (recursively), in no particular order. A directory
+        with no marker object of its own may be missing (object stores list only `dir/` markers). Object
+        stores report the upload time as mtime and a default mode: their listings carry no metadata;
+        head() has the exact values."""
         ...
 
     def head(self, key: str) -> ObjectInfo | None: ...
 
-    def abort_stale_uploads(self) -> int:
-        """Remove what interrupted uploads of `owner` left behind; return how many. Called at start-up,
-        before any upload of this daemon begins."""
+    def abort_stale_uploads(self, keep: Collection[str] = ()) -> int:
+        """Remove what interrupted uploads of `owner` left behind, except the staged uploads whose
+        `UploadState.upload_id` is in `keep` (to be resumed); return how many. Called at start-up, before
+        any upload of this daemon begins. Never touches other owners' uploads."""
         ...
 
 

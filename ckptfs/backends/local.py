@@ -13,13 +13,22 @@ import secrets
 import stat
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
-from ckptfs.backends.base import DIR, FILE, SYMLINK, ObjectInfo, ObjectMeta, StagedUpload
+from ckptfs.backends.base import (
+    DIR,
+    FILE,
+    SYMLINK,
+    TEMP_PREFIX,
+    ObjectInfo,
+    ObjectMeta,
+    ProgressCallback,
+    StagedUpload,
+    UploadState,
+)
 from ckptfs.errors import CkptfsError, NotFoundBackendError, PermanentBackendError, TransientBackendError
 
-TEMP_PREFIX = ".ckptfs-tmp."
 COPY_CHUNK = 8 << 20
 STALE_TEMP_SECONDS = 24 * 3600
 
@@ -72,7 +81,8 @@ class LocalStore:
         directory, base = os.path.split(final)
         return os.path.join(directory, f"{TEMP_PREFIX}{self.owner}.{secrets.token_hex(4)}.{base[:100]}")
 
-    def abort_stale_uploads(self) -> int:
+    def abort_stale_uploads(self, keep: Collection[str] = ()) -> int:
+        # Nothing is resumable here (a temp file is rewritten whole), so `keep` spares nothing.
         mine = f"{TEMP_PREFIX}{self.owner}."
         removed = 0
         for directory, _dirs, files in os.walk(self.root):
@@ -85,7 +95,11 @@ class LocalStore:
                         pass
         return removed
 
-    def stage_upload(self, key: str, src_path: str, meta: ObjectMeta) -> StagedUpload:
+    def stage_upload(
+        self, key: str, src_path: str, meta: ObjectMeta, *,
+        resume: UploadState | None = None, progress: ProgressCallback | None = None,
+    ) -> StagedUpload:
+        """A fresh temp copy every time: `resume` and `progress` do not apply to file://."""
         final = self._path(key)
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -265,4 +279,4 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-__all__ = ["FILE", "LocalStore"]
+__all__ = ["FILE", "TEMP_PREFIX", "LocalStore"]
