@@ -11,6 +11,20 @@ import logging
 from collections.abc import Sequence
 
 import pyfuse3
+from pyfuse3 import (
+    EntryAttributes,
+    FileHandleT,
+    FileInfo,
+    FileNameT,
+    FlagT,
+    InodeT,
+    ModeT,
+    ReaddirToken,
+    RequestContext,
+    SetattrFields,
+    StatvfsData,
+    XAttrNameT,
+)
 
 from ckptfs.errors import FsError
 from ckptfs.fs import Attr, Filesystem, SetAttrs
@@ -25,11 +39,11 @@ BLOCK_SIZE = 128 * 1024
 
 def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
     entry = pyfuse3.EntryAttributes()
-    entry.st_ino = attr.ino  # type: ignore[assignment]
+    entry.st_ino = attr.ino
     entry.generation = 0
     entry.entry_timeout = ENTRY_TIMEOUT
     entry.attr_timeout = ATTR_TIMEOUT
-    entry.st_mode = attr.mode  # type: ignore[assignment]
+    entry.st_mode = attr.mode
     entry.st_nlink = attr.nlink
     entry.st_uid = attr.uid
     entry.st_gid = attr.gid
@@ -59,19 +73,21 @@ class FuseOperations(pyfuse3.Operations):
         super().__init__()
         self.fs = fs
 
-    async def lookup(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+    async def lookup(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> EntryAttributes:
         try:
             return _entry(self.fs.lookup(parent_inode, name))
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def getattr(self, inode, ctx):  # type: ignore[no-untyped-def]
+    async def getattr(self, inode: InodeT, ctx: RequestContext) -> EntryAttributes:
         try:
             return _entry(self.fs.getattr(inode))
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def setattr(self, inode, attr, fields, fh, ctx):  # type: ignore[no-untyped-def]
+    async def setattr(
+        self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields, fh: FileHandleT | None, ctx: RequestContext
+    ) -> EntryAttributes:
         changes = SetAttrs(
             mode=attr.st_mode if fields.update_mode else None,
             uid=attr.st_uid if fields.update_uid else None,
@@ -92,90 +108,107 @@ class FuseOperations(pyfuse3.Operations):
             except Exception:
                 log.exception("forget(%d) failed", inode)
 
-    async def readlink(self, inode, ctx):  # type: ignore[no-untyped-def]
+    async def readlink(self, inode: InodeT, ctx: RequestContext) -> FileNameT:
         try:
             return self.fs.readlink(inode)
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):  # type: ignore[no-untyped-def]
+    async def mknod(
+        self, parent_inode: InodeT, name: FileNameT, mode: ModeT, rdev: int, ctx: RequestContext
+    ) -> EntryAttributes:
         try:
             return _entry(self.fs.mknod(parent_inode, name, mode, ctx.uid, ctx.gid))
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def link(self, inode, new_parent_inode, new_name, ctx):  # type: ignore[no-untyped-def]
+    async def link(
+        self, inode: InodeT, new_parent_inode: InodeT, new_name: FileNameT, ctx: RequestContext
+    ) -> EntryAttributes:
         try:
             self.fs.link()
         except FsError as exc:
             raise _fuse_error(exc) from None
+        raise AssertionError("link() always raises")
 
-    async def mkdir(self, parent_inode, name, mode, ctx):  # type: ignore[no-untyped-def]
+    async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, ctx: RequestContext) -> EntryAttributes:
         try:
             return _entry(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def symlink(self, parent_inode, name, target, ctx):  # type: ignore[no-untyped-def]
+    async def symlink(
+        self, parent_inode: InodeT, name: FileNameT, target: FileNameT, ctx: RequestContext
+    ) -> EntryAttributes:
         try:
             return _entry(self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def unlink(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+    async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         try:
             self.fs.unlink(parent_inode, name)
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def rmdir(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+    async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         try:
             self.fs.rmdir(parent_inode, name)
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):  # type: ignore[no-untyped-def]
+    async def rename(
+        self,
+        parent_inode_old: InodeT,
+        name_old: FileNameT,
+        parent_inode_new: InodeT,
+        name_new: FileNameT,
+        flags: FlagT,
+        ctx: RequestContext,
+    ) -> None:
         try:
             self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def create(self, parent_inode, name, mode, flags, ctx):  # type: ignore[no-untyped-def]
+    async def create(
+        self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT, ctx: RequestContext
+    ) -> tuple[FileInfo, EntryAttributes]:
         try:
             fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         except FsError as exc:
             raise _fuse_error(exc) from None
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), _entry(attr)
 
-    async def open(self, inode, flags, ctx):  # type: ignore[no-untyped-def]
+    async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         try:
             fh = await self.fs.open(inode, flags)
         except FsError as exc:
             raise _fuse_error(exc) from None
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
-    async def read(self, fh, off, size):  # type: ignore[no-untyped-def]
+    async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         try:
             return self.fs.read(fh, off, size)
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
 
-    async def write(self, fh, off, buf):  # type: ignore[no-untyped-def]
+    async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
         try:
             return self.fs.write(fh, off, buf)
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def flush(self, fh):  # type: ignore[no-untyped-def]
+    async def flush(self, fh: FileHandleT) -> None:
         return None
 
-    async def release(self, fh):  # type: ignore[no-untyped-def]
+    async def release(self, fh: FileHandleT) -> None:
         try:
             self.fs.release(fh)
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def fsync(self, fh, datasync):  # type: ignore[no-untyped-def]
+    async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
         try:
             await self.fs.fsync(fh, datasync)
         except FsError as exc:
@@ -183,13 +216,13 @@ class FuseOperations(pyfuse3.Operations):
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
 
-    async def opendir(self, inode, ctx):  # type: ignore[no-untyped-def]
+    async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
         try:
             return self.fs.opendir(inode)
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def readdir(self, fh, start_id, token):  # type: ignore[no-untyped-def]
+    async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> None:
         after = start_id
         while True:
             try:
@@ -204,13 +237,13 @@ class FuseOperations(pyfuse3.Operations):
                 self.fs.remember(entry.attr.ino)
                 after = entry.next_id
 
-    async def releasedir(self, fh):  # type: ignore[no-untyped-def]
+    async def releasedir(self, fh: FileHandleT) -> None:
         return None
 
-    async def fsyncdir(self, fh, datasync):  # type: ignore[no-untyped-def]
+    async def fsyncdir(self, fh: FileHandleT, datasync: bool) -> None:
         self.fs.fsyncdir()
 
-    async def statfs(self, ctx):  # type: ignore[no-untyped-def]
+    async def statfs(self, ctx: RequestContext) -> StatvfsData:
         info = self.fs.statfs()
         data = pyfuse3.StatvfsData()
         data.f_bsize = info.block_size
@@ -224,7 +257,7 @@ class FuseOperations(pyfuse3.Operations):
         data.f_namemax = info.name_max
         return data
 
-    async def getxattr(self, inode, name, ctx):  # type: ignore[no-untyped-def]
+    async def getxattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> bytes:
         try:
             return self.fs.getxattr(inode, name)
         except FsError as exc:
@@ -232,19 +265,19 @@ class FuseOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
             raise _fuse_error(exc) from None
 
-    async def listxattr(self, inode, ctx):  # type: ignore[no-untyped-def]
+    async def listxattr(self, inode: InodeT, ctx: RequestContext) -> Sequence[XAttrNameT]:
         try:
             return self.fs.listxattr(inode)
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def setxattr(self, inode, name, value, ctx):  # type: ignore[no-untyped-def]
+    async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes, ctx: RequestContext) -> None:
         try:
             self.fs.setxattr(inode, name)
         except FsError as exc:
             raise _fuse_error(exc) from None
 
-    async def removexattr(self, inode, name, ctx):  # type: ignore[no-untyped-def]
+    async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
         try:
             self.fs.setxattr(inode, name)
         except FsError as exc:

@@ -158,7 +158,7 @@ class PendingDelete(NamedTuple):
 _COLUMNS = ", ".join(Inode._fields)
 
 
-def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:  # type: ignore[type-arg]
+def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:
     return Inode(*row)
 
 
@@ -223,12 +223,12 @@ class Journal:
 
     # -- reads --------------------------------------------------------------------------------------
 
-    def _one(self, sql: str, args: tuple = ()) -> Inode | None:  # type: ignore[type-arg]
+    def _one(self, sql: str, args: tuple = ()) -> Inode | None:
         cur = self.db.execute(sql, args)
         cur.row_factory = _inode_factory
-        return cur.fetchone()  # type: ignore[no-any-return]
+        return cur.fetchone()
 
-    def _all(self, sql: str, args: tuple = ()) -> list[Inode]:  # type: ignore[type-arg]
+    def _all(self, sql: str, args: tuple = ()) -> list[Inode]:
         cur = self.db.execute(sql, args)
         cur.row_factory = _inode_factory
         return cur.fetchall()
