@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--drain-timeout", type=float)
     mount.add_argument("--allow-other", action="store_true", default=None)
     mount.add_argument("--daemon", action="store_true", default=None, help="detach once the mount is live")
+    mount.add_argument("--foreground", dest="daemon", action="store_false", help="stay in the foreground"
+                       " (the default; overrides daemon = true in the config file)")
     mount.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     umount = sub.add_parser("umount", help="drain, then unmount")
@@ -128,7 +130,7 @@ def _detach(config: Config) -> int:
     read_fd, write_fd = os.pipe()
     env = dict(os.environ, **{READY_FD_ENV: str(write_fd)})
     child = subprocess.Popen(
-        [sys.executable, "-m", "ckptfs", *argv, "--cache-dir", str(cache_dir)],
+        [sys.executable, "-m", "ckptfs", *argv, "--cache-dir", str(cache_dir), "--foreground"],
         stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
         pass_fds=(write_fd,), env=env, start_new_session=True,
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import os
 import re
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ import trio.lowlevel
 
 from ckptfs.backends.base import ObjectMeta, ObjectStore, StagedUpload, backoff_delays
 from ckptfs.cache import CacheDir
-from ckptfs.errors import BackendError, NotFoundBackendError, PermanentBackendError
+from ckptfs.errors import BackendError, NotFoundBackendError, PermanentBackendError, TransientBackendError
 from ckptfs.journal import DIR, FILE, SYMLINK, UPLOADING, Inode, Journal, PendingDelete
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ MIN_SCAN_INTERVAL = 0.02
 # A flush re-checks the items whose jobs finished at most this often, and all of its items this often.
 FLUSH_POLL = 0.05
 FULL_CHECK_INTERVAL = 1.0
-MARKER_LOOKBACK = 100
+MARKER_PAGE = 100
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,12 @@ class Drain:
         writing was not closed before the marker, so it does not count). Its completion rescans."""
         if not self.is_commit_marker(inode.name):
             return False
-        return any(not self.is_commit_marker(i.name) for i in self.journal.work_before(inode.seq, MARKER_LOOKBACK))
+        after = -1
+        while page := self.journal.work_before(inode.seq, MARKER_PAGE, after):
+            if any(not self.is_commit_marker(i.name) for i in page):
+                return True
+            after = page[-1].seq
+        return False
 
     def _claim(self, job: Job) -> bool:
         job_id = (job.kind, job.ident)
@@ -288,6 +294,11 @@ class Drain:
                 await self._delete(job.ident)
         except BackendError as exc:
             self._failed(job_id, op, exc)
+        except Exception as exc:
+            # A bug must not take the mount down with it: report it loudly, keep the work journaled,
+            # and retry with backoff like a store error.
+            log.exception("unexpected error in %s job %s; it will be retried", op, job.ident)
+            self._failed(job_id, op, TransientBackendError(f"internal error: {exc!r}"), logged=True)
         else:
             self._retry_at.pop(job_id, None)
             self._attempts.pop(job_id, None)
@@ -306,7 +317,7 @@ class Drain:
             # marker); scans are cheap and rate-limited by the dispatch loop.
             self.notify()
 
-    def _failed(self, job_id: tuple[str, int], op: str, exc: BackendError) -> None:
+    def _failed(self, job_id: tuple[str, int], op: str, exc: BackendError, *, logged: bool = False) -> None:
         attempts = self._attempts.get(job_id, 0) + 1
         self._attempts[job_id] = attempts
         delays = backoff_delays(base=0.5, cap=60.0 if isinstance(exc, PermanentBackendError) else 30.0)
@@ -318,7 +329,9 @@ class Drain:
         self.stats.retries += 1
         self.stats.last_error = f"{op}: {exc}"
         self.stats.last_error_at = time.time()
-        if isinstance(exc, PermanentBackendError):
+        if logged:
+            pass
+        elif isinstance(exc, PermanentBackendError):
             message = str(exc)
             if message not in self._permanent_reported:
                 self._permanent_reported.add(message)
@@ -367,6 +380,9 @@ class Drain:
                         self.journal.abort_upload(inode_id)
                     log.debug("upload of %s abandoned: changed or renamed during upload", key)
                 return
+            # The journal is about to call the local copy clean: it must survive power loss as it is.
+            await self._thread(_fsync_path, self.cache.data_path(inode_id))
+            self._write_ahead(key)
             try:
                 await self._thread(self.store.commit_upload, staged)
             except BaseException:
@@ -379,20 +395,27 @@ class Drain:
             self._record_upload(inode_id, key, version, staged.checksum, staged.size)
             log.debug("uploaded %s (%d bytes, %s)", key, staged.size, staged.checksum)
         elif inode.kind == DIR:
+            self._write_ahead(key)
             await self._thread(self.store.put_dir, key, self._meta(inode))
             self._record_upload(inode_id, key, version, None, 0)
         elif inode.kind == SYMLINK:
             assert inode.target is not None
+            self._write_ahead(key)
             await self._thread(self.store.put_symlink, key, inode.target, self._meta(inode))
             self._record_upload(inode_id, key, version, None, 0)
 
+    def _write_ahead(self, key: str) -> None:
+        """Before an object appears at `key`, journal its deletion. If the daemon dies before recording
+        which inode owns the object (or the inode is removed meanwhile), that delete removes the orphan;
+        once an inode owns the key or is about to write it, the delete is dropped or deferred."""
+        with self.journal.transaction():
+            self.journal.queue_delete(key)
+
     def _record_upload(self, inode_id: int, key: str, version: int, checksum: str | None, size: int) -> None:
         current = self.journal.get(inode_id)
+        if current is None or current.path is None:
+            return  # removed while the object was committed: the write-ahead delete removes the object
         with self.journal.transaction():
-            if current is None or current.path is None:
-                # Removed while the object was being committed: it must not outlive the file.
-                self.journal.queue_delete(key)
-                return
             self.journal.finish_upload(
                 current, key=key, version=version, checksum=checksum, size=size, clean=current.version == version
             )
@@ -402,6 +425,7 @@ class Drain:
         if inode is None or inode.remote_key is None or inode.key is None or inode.remote_key == inode.key:
             return
         old, new = inode.remote_key, inode.key
+        self._write_ahead(new)
         try:
             if inode.kind == DIR:
                 await self._thread(self.store.put_dir, new, self._meta(inode))
@@ -411,13 +435,10 @@ class Drain:
             self._lost_remote_copy(inode_id, old)
             return
         current = self.journal.get(inode_id)
-        with self.journal.transaction():
-            if current is None or current.path is None:
-                self.journal.queue_delete(new)
-            elif current.remote_key == old:
+        if current is not None and current.path is not None and current.remote_key == old:
+            with self.journal.transaction():
                 self.journal.finish_move(current, old, new)
-            else:
-                self.journal.queue_delete(new)
+        # Otherwise (removed, or re-uploaded meanwhile) the write-ahead delete of `new` cleans up.
         self.stats.moves += 1
         log.debug("moved %s -> %s", old, new)
 
@@ -451,7 +472,7 @@ class Drain:
                 self.journal.detach(current._replace(remote_key=None))
 
     async def _delete(self, delete_id: int) -> None:
-        pending = next((d for d in self.journal.pending_deletes() if d.id == delete_id), None)
+        pending = self.journal.get_pending_delete(delete_id)
         if pending is None:
             return
         verdict = self._delete_verdict(pending)
@@ -478,6 +499,17 @@ class Drain:
         if pending.key.endswith("/") and self.journal.keys_under(pending.key):
             return "defer"
         return "run"
+
+
+def _fsync_path(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # removed meanwhile; the re-check after the await notices
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _durable(inode: Inode | None, version: int) -> bool:

@@ -158,12 +158,15 @@ class Filesystem:
                 log.error("cache file of %s (inode %d) is missing", inode.path, inode.id)
                 raise FsError(errno.EIO, "cache file missing") from None
             size, blocks, atime, mtime = st.st_size, st.st_blocks, st.st_atime_ns, st.st_mtime_ns
+            # Writes change the cache file's ctime; namespace and attribute changes the journal's.
+            ctime = max(st.st_ctime_ns, inode.ctime_ns)
         else:
             size = len(inode.target.encode()) if inode.target is not None else inode.size
             blocks = (size + 511) // 512
             atime = mtime = inode.mtime_ns
+            ctime = inode.ctime_ns
         nlink = 0 if inode.path is None else (2 if inode.kind == DIR else 1)
-        return Attr(inode.id, inode.mode, nlink, inode.uid, inode.gid, size, blocks, atime, mtime, inode.ctime_ns)
+        return Attr(inode.id, inode.mode, nlink, inode.uid, inode.gid, size, blocks, atime, mtime, ctime)
 
     def _remember(self, inode_id: int) -> None:
         self._lookup_count[inode_id] = self._lookup_count.get(inode_id, 0) + 1
@@ -309,6 +312,12 @@ class Filesystem:
             raise FsError(errno.EEXIST, f"{target.path!r} exists")
         if source.kind == DIR and self.journal.is_ancestor(source.id, new_parent_id):
             raise FsError(errno.EINVAL, "cannot move a directory into itself")
+        if source.kind == DIR and source.path is not None:
+            # Moving a tree deeper lengthens every path in it; none may outgrow what a store key holds.
+            new_path_bytes = len(self._child_path(new_parent, new_name).encode())
+            growth = new_path_bytes - len(source.path.encode())
+            if self.journal.longest_path_under(source.path) + growth > PATH_MAX_BYTES:
+                raise FsError(errno.ENAMETOOLONG, f"a path below {source.path!r} would exceed {PATH_MAX_BYTES} bytes")
         if target is not None:
             if target.kind == DIR and source.kind != DIR:
                 raise FsError(errno.EISDIR, f"{target.path!r} is a directory")

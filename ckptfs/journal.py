@@ -200,11 +200,12 @@ class Journal:
         self.db.execute("COMMIT")
 
     def sync(self) -> None:
-        """Make every committed transaction survive power loss (fsync the WAL)."""
+        """Make every committed transaction survive power loss (fsync the WAL): a write transaction
+        committed with synchronous=FULL syncs the WAL, and with it every transaction before it."""
         self.db.execute("PRAGMA synchronous = FULL")
         try:
             with self.transaction():
-                self.db.execute("UPDATE meta SET value = value WHERE key = 'source'")
+                self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('synced_at', ?)", (str(time.time()),))
         finally:
             self.db.execute("PRAGMA synchronous = NORMAL")
 
@@ -301,17 +302,19 @@ class Journal:
         return inode
 
     def import_remote(
-        self, parent: Inode, name: str, kind: str, *, size: int, mtime_ns: int, mode: int, key: str,
-        target: str | None = None, checksum: str | None = None,
+        self, parent: Inode, name: str, kind: str, *, size: int, mtime_ns: int, mode: int, key: str | None,
+        uid: int, gid: int, now: float, target: str | None = None, checksum: str | None = None,
     ) -> Inode:
-        """An inode for an object that exists only in the store (state 'remote'; 'clean' for dirs)."""
+        """An inode for an object that exists only in the store (state 'remote'; 'clean' for dirs).
+        `key` None: a directory implied by deeper keys, with no marker object of its own."""
         path = f"{parent.path}/{name}" if parent.path else name
         state = REMOTE if kind == FILE else CLEAN
         cur = self.db.execute(
             "INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,"
             " state, version, uploaded_version, remote_key, checksum, closed_at)"
-            " VALUES (?, ?, ?, ?, ?, 0, 0, ?, ?, ?, ?, ?, 1, 1, ?, ?, 0)",
-            (parent.id, name, path, kind, mode, size, mtime_ns, mtime_ns, target, state, key, checksum),
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, 1, ?, ?, ?)",
+            (parent.id, name, path, kind, mode, uid, gid, size, mtime_ns, mtime_ns, target, state, key, checksum,
+             now),
         )
         inode = self.get(cur.lastrowid)  # type: ignore[arg-type]
         assert inode is not None
@@ -405,17 +408,30 @@ class Journal:
         ).fetchone()
         return row[0] if row else None
 
-    def work_before(self, seq: int, limit: int) -> list[Inode]:
+    def work_before(self, seq: int, limit: int, after_seq: int = -1) -> list[Inode]:
         """Pending uploads of closed files, dirs and symlinks, and pending moves, that became work before
-        `seq` (what a commit marker with that seq waits for)."""
+        `seq` (what a commit marker with that seq waits for); a page of them after `after_seq`."""
         return self._all(
-            f"SELECT {_COLUMNS} FROM inodes WHERE seq < ? AND path IS NOT NULL AND id != 1 AND ("
+            f"SELECT {_COLUMNS} FROM inodes WHERE seq < ? AND seq > ? AND path IS NOT NULL AND id != 1 AND ("
             " (state IN ('dirty', 'uploading') AND (kind != 'file' OR closed_at IS NOT NULL))"
             " OR (state IN ('clean', 'remote') AND remote_key IS NOT NULL"
             "     AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END))"
             ") ORDER BY seq LIMIT ?",
-            (seq, limit),
+            (seq, after_seq, limit),
         )
+
+    def get_pending_delete(self, delete_id: int) -> PendingDelete | None:
+        row = self.db.execute("SELECT id, key, created_at FROM pending_deletes WHERE id = ?", (delete_id,)).fetchone()
+        return PendingDelete(*row) if row else None
+
+    def longest_path_under(self, path: str) -> int:
+        """Length in bytes of the longest path at or below `path`."""
+        prefix = path + "/"
+        row = self.db.execute(
+            "SELECT MAX(length(CAST(path AS BLOB))) FROM inodes WHERE path = ? OR substr(path, 1, ?) = ?",
+            (path, len(prefix), prefix),
+        ).fetchone()
+        return int(row[0] or 0)
 
     def delete_pending(self, delete_id: int) -> bool:
         return self.db.execute("SELECT 1 FROM pending_deletes WHERE id = ?", (delete_id,)).fetchone() is not None
@@ -479,7 +495,9 @@ class Journal:
         )
 
     def mark_meta_dirty(self, inode_id: int) -> None:
-        self.db.execute("UPDATE inodes SET meta_dirty = 1 WHERE id = ? AND remote_key IS NOT NULL", (inode_id,))
+        """Mode or mtime changed. An upload that starts later carries them (and clears this); one in
+        flight or done leaves it set, and the drain rewrites the object's metadata."""
+        self.db.execute("UPDATE inodes SET meta_dirty = 1 WHERE id = ?", (inode_id,))
 
     def meta_stale(self, limit: int) -> list[Inode]:
         """Inodes in their right place in the store whose object metadata is out of date."""

@@ -107,8 +107,12 @@ def _valid_path(key: str) -> str | None:
     return path
 
 
-def import_listing(journal: Journal, cache: CacheDir, listing: list[ObjectInfo], report: RecoveryReport) -> None:
-    """Bring the journal's view of the store up to date with a full listing of it."""
+def import_listing(
+    journal: Journal, cache: CacheDir, listing: list[ObjectInfo], report: RecoveryReport, *, now: float
+) -> None:
+    """Bring the journal's view of the store up to date with a full listing of it. Imported entries belong
+    to the daemon's user (object stores keep no owner)."""
+    uid, gid = os.getuid(), os.getgid()
     owned = {i.remote_key for i in journal.all_inodes() if i.remote_key is not None}
     deleting = {d.key for d in journal.pending_deletes()}
     present: dict[str, ObjectInfo] = {}
@@ -129,7 +133,7 @@ def import_listing(journal: Journal, cache: CacheDir, listing: list[ObjectInfo],
                 continue
             if info.key in owned:
                 continue  # an old copy of a renamed file; the drain moves it
-            parent = _ensure_parents(journal, path)
+            parent = _ensure_parents(journal, path, uid=uid, gid=gid, now=now)
             if parent is None:
                 report.skipped_keys.append(info.key)
                 continue
@@ -138,18 +142,22 @@ def import_listing(journal: Journal, cache: CacheDir, listing: list[ObjectInfo],
             type_bits = {DIR: stat.S_IFDIR, SYMLINK: stat.S_IFLNK, FILE: stat.S_IFREG}[kind]
             journal.import_remote(
                 parent, name, kind, size=info.size, mtime_ns=info.mtime_ns, mode=type_bits | (info.mode & 0o7777),
-                key=info.key, target=info.target, checksum=info.checksum,
+                key=info.key, target=info.target, checksum=info.checksum, uid=uid, gid=gid, now=now,
             )
             report.imported += 1
         for inode in journal.all_inodes():
-            if inode.remote_key and inode.remote_key not in present and inode.state in (CLEAN, REMOTE):
-                if inode.kind == FILE and inode.state == REMOTE:
-                    log.warning("%s was deleted from the store by someone else; removing it", inode.path)
-                    journal.detach(inode._replace(remote_key=None))
+            if not inode.remote_key or inode.remote_key in present or inode.state not in (CLEAN, REMOTE):
+                continue
+            if inode.kind == FILE:
+                # Someone deleted it from the shared store (another node, an operator): the namespace is
+                # shared, so the delete wins over our clean copy, as it would on any other node.
+                log.warning("%s was deleted from the store by someone else; removing it here too", inode.path)
+                journal.detach(inode._replace(remote_key=None))
+                if not journal.has_children(inode.id):
                     journal.purge(inode.id)
-                else:
-                    log.warning("%s is missing from the store; uploading it again", inode.path)
-                    journal.forget_remote_copy(inode.id, now=0.0)
+                    cache.remove_data(inode.id)
+            else:
+                journal.forget_remote_copy(inode.id, now=now)  # a lost marker: recreate it
     if report.imported:
         log.info("imported %d entries from %s", report.imported, "the store")
 
@@ -167,7 +175,7 @@ def _refresh_clean(journal: Journal, cache: CacheDir, inode: Inode, info: Object
     cache.remove_data(inode.id)
 
 
-def _ensure_parents(journal: Journal, path: str) -> Inode | None:
+def _ensure_parents(journal: Journal, path: str, *, uid: int, gid: int, now: float) -> Inode | None:
     parent = journal.get(ROOT_ID)
     assert parent is not None
     parts = path.split("/")[:-1]
@@ -176,11 +184,9 @@ def _ensure_parents(journal: Journal, path: str) -> Inode | None:
         if child is None:
             # A directory implied by a deeper key, with no marker object of its own.
             child = journal.import_remote(
-                parent, part, DIR, size=0, mtime_ns=parent.mtime_ns, mode=stat.S_IFDIR | 0o755, key=""
+                parent, part, DIR, size=0, mtime_ns=parent.mtime_ns, mode=stat.S_IFDIR | 0o755, key=None,
+                uid=uid, gid=gid, now=now,
             )
-            journal.db.execute("UPDATE inodes SET remote_key = NULL WHERE id = ?", (child.id,))
-            child = journal.get(child.id)
-            assert child is not None
         elif child.kind != DIR:
             log.warning("skipping %s: %s is a file here", path, child.path)
             return None
@@ -194,5 +200,5 @@ async def recover(journal: Journal, cache: CacheDir, store: ObjectStore, now: fl
     if report.aborted_uploads:
         log.info("removed %d leftovers of uploads interrupted by the last stop", report.aborted_uploads)
     listing = await trio.to_thread.run_sync(lambda: list(store.list()))
-    import_listing(journal, cache, listing, report)
+    import_listing(journal, cache, listing, report, now=now)
     return report

@@ -17,7 +17,6 @@ from ckptfs.backends.local import LocalStore
 from ckptfs.cache import CacheDir
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.drain import Drain
-from ckptfs.errors import BackendError
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, Journal
@@ -37,7 +36,7 @@ class RecordingStore:
         self.committed: list[tuple[str, bytes]] = []
         self.stage_gate: threading.Event | None = None
         self.staging = threading.Event()
-        self.failures: list[BackendError] = []
+        self.failures: list[Exception] = []
         self._lock = threading.Lock()
 
     def _maybe_fail(self) -> None:

@@ -179,3 +179,14 @@ def test_cache_dir_and_files_are_private(dirs: dict[str, Path]) -> None:
             assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
     finally:
         assert ckptfs_cli("umount", str(dirs["mnt"]), env=env).returncode == 0
+
+
+def test_daemon_true_in_config_file_detaches_once(dirs: dict[str, Path], tmp_path: Path) -> None:
+    import os
+
+    config = tmp_path / "node.toml"
+    config.write_text(f'source = "file://{dirs["store"]}"\nmountpoint = "{dirs["mnt"]}"\ndaemon = true\n')
+    env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(dirs["run"]))
+    result = ckptfs_cli("mount", "--config", str(config), "--cache-dir", str(dirs["cache"]), env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert ckptfs_cli("umount", str(dirs["mnt"]), env=env).returncode == 0

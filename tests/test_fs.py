@@ -268,6 +268,7 @@ async def test_fresh_cache_imports_store_and_fetches_on_open(tmp_path: Path, nur
     assert report.imported == 4  # run, run/step_1, model.pt, empty-dir
     inode = stack.journal.by_path("run/step_1/model.pt")
     assert inode is not None and inode.state == REMOTE and inode.size == 7000
+    assert (inode.uid, inode.gid) == (os.getuid(), os.getgid())
     fh = await stack.fs.open(inode.id, os.O_RDONLY)
     assert stack.fs.read(fh, 0, 14) == b"weightsweights"
     stack.fs.release(fh)
@@ -356,3 +357,91 @@ async def test_chmod_and_utime_of_uploaded_file_rewrite_store_metadata(stack: St
     calls = [c for c in stack.store.calls if c[0] in ("commit", "set_meta")]
     assert calls == [("commit", "run.sh"), ("set_meta", "run.sh")]
     assert stack.journal.get(ino).meta_dirty == 0  # type: ignore[union-attr]
+
+
+async def test_chmod_during_first_upload_reaches_store(stack: Stack) -> None:
+    stack.store.stage_gate = threading.Event()
+    ino = stack.write_file("s.sh", b"x")
+    stack.drain.notify()
+    await trio.to_thread.run_sync(stack.store.staging.wait, 10)
+    await stack.fs.setattr(ino, SetAttrs(mode=0o700), None)
+    stack.store.stage_gate.set()
+    await stack.flush()
+    assert stat.S_IMODE((stack.store.inner.root / "s.sh").stat().st_mode) == 0o700
+
+
+async def test_moving_a_tree_deeper_cannot_outgrow_key_length(stack: Stack) -> None:
+    stack.fs.mkdir(ROOT_ID, b"a", 0o755, UID, GID)
+    stack.fs.mkdir(ROOT_ID, b"deep", 0o755, UID, GID)
+    stack.write_file("a/" + "n" * 250, b"x")
+    parent = stack.resolve_dir("deep")
+    for _ in range(3):
+        stack.fs.mkdir(parent, b"d" * 255, 0o755, UID, GID)
+        parent = stack.journal.lookup(parent, "d" * 255).id  # type: ignore[union-attr]
+    with pytest.raises(FsError) as exc:
+        stack.fs.rename(ROOT_ID, b"a", parent, b"a", 0)
+    assert errno_of(exc) == errno.ENAMETOOLONG
+    await stack.flush()
+
+
+async def test_object_committed_by_a_dying_daemon_does_not_outlive_its_file(tmp_path: Path) -> None:
+    """Die after the object appeared but before the journal recorded it; the file is then removed. The
+    orphan must go, or a fresh node would import a file that was deleted."""
+
+    class Died(BaseException):
+        pass
+
+    stack = make_stack(tmp_path)
+
+    def die(*args: object, **kwargs: object) -> None:
+        raise Died
+
+    stack.drain._record_upload = die  # type: ignore[method-assign]
+    stack.write_file("gone.pt", b"bytes")
+    with pytest.raises(BaseExceptionGroup) as group:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stack.drain.run)
+            await stack.drain.wait_durable(None)
+    assert group.group_contains(Died)
+    assert "gone.pt" in stack.store_files()  # the object is there, unrecorded
+    stack.journal.close()
+
+    restarted = make_stack(tmp_path)
+    repair_journal(restarted.journal, restarted.cache, now=0.0)
+    restarted.fs.unlink(ROOT_ID, b"gone.pt")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(restarted.drain.run)
+        await restarted.flush()
+        nursery.cancel_scope.cancel()
+    assert restarted.store_files() == {}
+    check_consistency(restarted)
+
+
+async def test_file_deleted_from_store_by_another_node_goes_here_too(stack: Stack) -> None:
+    stack.write_file("shared.pt", b"x")
+    stack.write_file("mine-dirty.pt", b"y")
+    await stack.flush()
+    (stack.store.inner.root / "shared.pt").unlink()
+    report = await recover(stack.journal, stack.cache, stack.store, 0.0)  # type: ignore[arg-type]
+    assert report.imported == 0
+    assert stack.journal.by_path("shared.pt") is None
+    assert stack.journal.by_path("mine-dirty.pt") is not None
+
+
+async def test_unexpected_error_in_a_job_is_retried_not_fatal(stack: Stack) -> None:
+    stack.store.failures = [RuntimeError("bug in a backend")]
+    stack.write_file("f", b"data")
+    await stack.flush(seconds=30)
+    assert stack.store_files() == {"f": b"data"}
+    assert stack.drain.stats.last_error is not None and "bug in a backend" in stack.drain.stats.last_error
+
+
+async def test_write_updates_ctime(stack: Stack) -> None:
+    ino = stack.write_file("c", b"1")
+    before = stack.fs.getattr(ino).ctime_ns
+    await trio.sleep(0.01)
+    fh = await stack.fs.open(ino, os.O_WRONLY)
+    stack.fs.write(fh, 0, b"2")
+    stack.fs.release(fh)
+    assert stack.fs.getattr(ino).ctime_ns > before
+    await stack.flush()
