@@ -33,6 +33,8 @@ NAME_MAX = 255
 # S3 keys are at most 1024 bytes; leave room for a prefix.
 PATH_MAX_BYTES = 1000
 STATE_XATTR = b"user.ckptfs.state"
+# Stores keep their own bookkeeping (temp files, upload markers) under names with this prefix.
+RESERVED_PREFIX = b".ckptfs-tmp."
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 # st_blksize tells stdio how much to buffer; bigger buffers mean fewer FUSE write requests.
@@ -99,6 +101,8 @@ def _decode_name(raw: bytes) -> str:
         raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
     if raw in (b"", b".", b"..") or b"/" in raw or b"\0" in raw:
         raise FsError(errno.EINVAL, f"invalid name {raw!r}")
+    if raw.startswith(RESERVED_PREFIX):
+        raise FsError(errno.EINVAL, f"names starting with {RESERVED_PREFIX.decode()} are reserved for ckptfs")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:

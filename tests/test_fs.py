@@ -82,6 +82,9 @@ async def test_names_the_store_cannot_keep(stack: Stack) -> None:
         stack.fs.create(ROOT_ID, b"n" * 256, 0o644, os.O_WRONLY, UID, GID)
     assert errno_of(exc) == errno.ENAMETOOLONG
     with pytest.raises(FsError) as exc:
+        stack.fs.create(ROOT_ID, b".ckptfs-tmp.x", 0o644, os.O_WRONLY, UID, GID)
+    assert errno_of(exc) == errno.EINVAL
+    with pytest.raises(FsError) as exc:
         stack.fs.link()
     assert errno_of(exc) == errno.EPERM
     with pytest.raises(FsError) as exc:
