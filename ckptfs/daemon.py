@@ -30,7 +30,7 @@ from ckptfs import ctl
 from ckptfs.backends import open_store
 from ckptfs.backends.base import ObjectStore
 from ckptfs.cache import CacheDir
-from ckptfs.config import Config
+from ckptfs.config import Config, parse_size
 from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError
 from ckptfs.fetch import Fetcher
@@ -234,7 +234,7 @@ def _owner_tag(journal: Journal) -> str:
 
 async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
     """Mount and serve until stopped. Raises CkptfsError for anything the user must fix before mounting."""
-    store = open_store(config.source, endpoint_url=config.endpoint_url)
+    store = open_store(config.source, endpoint_url=config.endpoint_url, part_size=parse_size(config.part_size))
     check_mountpoint(config.mountpoint)
     await trio.to_thread.run_sync(store.check)
     cache = CacheDir(config.resolved_cache_dir())

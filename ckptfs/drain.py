@@ -12,7 +12,9 @@ each await before it records anything. The protocol is written up in docs/design
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import functools
 import logging
 import math
 import os
@@ -25,7 +27,7 @@ from typing import Any
 import trio
 import trio.lowlevel
 
-from ckptfs.backends.base import ObjectMeta, ObjectStore, StagedUpload, backoff_delays
+from ckptfs.backends.base import ObjectMeta, ObjectStore, StagedUpload, UploadState, backoff_delays
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError, NotFoundBackendError, PermanentBackendError, TransientBackendError
 from ckptfs.journal import DIR, FILE, SYMLINK, UPLOADING, Inode, Journal, PendingDelete
@@ -104,6 +106,7 @@ class Drain:
         self._attempts: dict[tuple[str, int], int] = {}
         self._expedite = 0
         self._flush_waiters: list[set[tuple[str, int]]] = []
+        self._token: trio.lowlevel.TrioToken | None = None
         self._permanent_reported: set[str] = set()
 
     # -- public ------------------------------------------------------------------------------------------
@@ -119,6 +122,7 @@ class Drain:
         return len(self._running)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:
@@ -360,10 +364,13 @@ class Drain:
             with self.journal.transaction():
                 self.journal.begin_upload(inode_id)
             started = trio.current_time()
+            resume = await self._resumable_state(inode, key)
+            stage = functools.partial(
+                self.store.stage_upload, key, self.cache.data_path(inode_id), self._meta(inode),
+                resume=resume, progress=self._progress_saver(inode_id),
+            )
             try:
-                staged: StagedUpload = await self._thread(
-                    self.store.stage_upload, key, self.cache.data_path(inode_id), self._meta(inode)
-                )
+                staged: StagedUpload = await self._thread(stage)
             except BaseException as exc:
                 with self.journal.transaction():
                     self.journal.abort_upload(inode_id)
@@ -378,6 +385,7 @@ class Drain:
                 if current is not None:
                     with self.journal.transaction():
                         self.journal.abort_upload(inode_id)
+                        self.journal.save_upload_state(inode_id, None)
                     log.debug("upload of %s abandoned: changed or renamed during upload", key)
                 return
             # The journal is about to call the local copy clean: it must survive power loss as it is.
@@ -403,6 +411,41 @@ class Drain:
             self._write_ahead(key)
             await self._thread(self.store.put_symlink, key, inode.target, self._meta(inode))
             self._record_upload(inode_id, key, version, None, 0)
+
+    async def _resumable_state(self, inode: Inode, key: str) -> UploadState | None:
+        """The staged upload an earlier attempt (or daemon) left for this file, if it can continue here.
+        One for another key is thrown away. The store itself checks that the file is unchanged."""
+        if inode.upload_state is None:
+            return None
+        try:
+            state = UploadState.from_json(inode.upload_state)
+        except (ValueError, KeyError, TypeError):
+            state = None
+        if state is not None and state.key == key:
+            log.info("resuming upload of %s: %d parts already in the store", key, len(state.parts))
+            return state
+        if state is not None:
+            stale = StagedUpload(state.key, state.size, state.checksum, state)
+            with contextlib.suppress(BackendError):
+                await self._thread(self.store.abort_upload, stale)
+        with self.journal.transaction():
+            self.journal.save_upload_state(inode.id, None)
+        return None
+
+    def _progress_saver(self, inode_id: int) -> Callable[[UploadState], None]:
+        """A callback for the store's worker threads: journal each step of a staged upload, so that a
+        crash resumes from the last finished part."""
+        token = self._token
+
+        def save(state: UploadState) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._save_upload_state, inode_id, state.to_json(), trio_token=token)
+
+        return save
+
+    def _save_upload_state(self, inode_id: int, text: str) -> None:
+        with self.journal.transaction():
+            self.journal.save_upload_state(inode_id, text)
 
     def _write_ahead(self, key: str) -> None:
         """Before an object appears at `key`, journal its deletion. If the daemon dies before recording

@@ -82,6 +82,10 @@ def create_tables(db: sqlite3.Connection) -> None:
             -- of an uploaded file): the drain rewrites the object's metadata. Set by fs.setattr, cleared
             -- when an upload or a metadata update starts from the current values.
             meta_dirty INTEGER NOT NULL DEFAULT 0,
+            -- JSON of the store's staged upload in progress (backends.base.UploadState: upload id,
+            -- finished parts) so that an upload interrupted by a crash resumes; NULL if none. Set by the
+            -- drain as parts finish, cleared when the upload commits or is thrown away.
+            upload_state TEXT,
             -- Wall-clock time the last writer closed the file; NULL while a writer has it open.
             -- upload_delay counts from here.
             closed_at REAL,
@@ -134,6 +138,7 @@ class Inode(NamedTuple):
     remote_key: str | None
     checksum: str | None
     meta_dirty: int
+    upload_state: str | None
     closed_at: float | None
     seq: int
 
@@ -494,6 +499,12 @@ class Journal:
             "UPDATE inodes SET state = 'uploading', meta_dirty = 0 WHERE id = ? AND state = 'dirty'", (inode_id,)
         )
 
+    def save_upload_state(self, inode_id: int, state: str | None) -> None:
+        self.db.execute("UPDATE inodes SET upload_state = ? WHERE id = ?", (state, inode_id))
+
+    def upload_states(self) -> list[tuple[int, str]]:
+        return list(self.db.execute("SELECT id, upload_state FROM inodes WHERE upload_state IS NOT NULL"))
+
     def mark_meta_dirty(self, inode_id: int) -> None:
         """Mode or mtime changed. An upload that starts later carries them (and clears this); one in
         flight or done leaves it set, and the drain rewrites the object's metadata."""
@@ -521,7 +532,7 @@ class Journal:
         if inode.remote_key is not None and inode.remote_key != key:
             self.queue_delete(inode.remote_key)
         self.db.execute(
-            "UPDATE inodes SET remote_key = ?, uploaded_version = ?, checksum = ?, size = ?,"
+            "UPDATE inodes SET remote_key = ?, uploaded_version = ?, checksum = ?, size = ?, upload_state = NULL,"
             " state = CASE WHEN ? THEN 'clean' ELSE 'dirty' END WHERE id = ?",
             (key, version, checksum, size, clean, inode.id),
         )

@@ -17,7 +17,7 @@ import trio
 
 from ckptfs.backends.base import DIR as STORE_DIR
 from ckptfs.backends.base import SYMLINK as STORE_SYMLINK
-from ckptfs.backends.base import ObjectInfo, ObjectStore
+from ckptfs.backends.base import ObjectInfo, ObjectStore, UploadState
 from ckptfs.cache import CacheDir
 from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, UPLOADING, Inode, Journal
 
@@ -108,7 +108,8 @@ def _valid_path(key: str) -> str | None:
 
 
 def import_listing(
-    journal: Journal, cache: CacheDir, listing: list[ObjectInfo], report: RecoveryReport, *, now: float
+    journal: Journal, cache: CacheDir, listing: list[ObjectInfo], report: RecoveryReport, *, now: float,
+    exact_mtimes: bool = True,
 ) -> None:
     """Bring the journal's view of the store up to date with a full listing of it. Imported entries belong
     to the daemon's user (object stores keep no owner)."""
@@ -129,7 +130,7 @@ def import_listing(
             existing = journal.by_path(path)
             if existing is not None:
                 if info.key in owned:
-                    _refresh_clean(journal, cache, existing, info)
+                    _refresh_clean(journal, cache, existing, info, exact_mtimes=exact_mtimes)
                 continue
             if info.key in owned:
                 continue  # an old copy of a renamed file; the drain moves it
@@ -162,11 +163,14 @@ def import_listing(
         log.info("imported %d entries from %s", report.imported, "the store")
 
 
-def _refresh_clean(journal: Journal, cache: CacheDir, inode: Inode, info: ObjectInfo) -> None:
-    """Another node replaced an object we hold clean: drop our copy, serve theirs (last upload wins)."""
+def _refresh_clean(
+    journal: Journal, cache: CacheDir, inode: Inode, info: ObjectInfo, *, exact_mtimes: bool
+) -> None:
+    """Another node replaced an object we hold clean: drop our copy, serve theirs (last upload wins).
+    Where listings carry no metadata (object stores: mtime is the upload time) only the size tells."""
     if inode.kind != FILE or inode.state not in (CLEAN, REMOTE) or inode.remote_key != info.key:
         return
-    if info.size == inode.size and info.mtime_ns == inode.mtime_ns:
+    if info.size == inode.size and (info.mtime_ns == inode.mtime_ns or not exact_mtimes):
         return
     journal.db.execute(
         "UPDATE inodes SET state = 'remote', size = ?, mtime_ns = ?, checksum = ? WHERE id = ?",
@@ -196,9 +200,16 @@ def _ensure_parents(journal: Journal, path: str, *, uid: int, gid: int, now: flo
 
 async def recover(journal: Journal, cache: CacheDir, store: ObjectStore, now: float) -> RecoveryReport:
     report = repair_journal(journal, cache, now)
-    report.aborted_uploads = await trio.to_thread.run_sync(store.abort_stale_uploads)
+    # Staged uploads the journal knows about resume; every other leftover of ours goes.
+    keep = set()
+    for _inode_id, text in journal.upload_states():
+        try:
+            keep.add(UploadState.from_json(text).upload_id)
+        except (ValueError, KeyError, TypeError):
+            pass
+    report.aborted_uploads = await trio.to_thread.run_sync(store.abort_stale_uploads, keep)
     if report.aborted_uploads:
         log.info("removed %d leftovers of uploads interrupted by the last stop", report.aborted_uploads)
     listing = await trio.to_thread.run_sync(lambda: list(store.list()))
-    import_listing(journal, cache, listing, report, now=now)
+    import_listing(journal, cache, listing, report, now=now, exact_mtimes=store.listing_has_metadata)
     return report

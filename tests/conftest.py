@@ -28,7 +28,9 @@ def ckptfs_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 1
 class Mount:
     """A ckptfs daemon serving `store` on `mnt`, run in the foreground as a child process."""
 
-    def __init__(self, root: Path, *, upload_delay: float = 0.1, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, root: Path, *, upload_delay: float = 0.1, extra_args: tuple[str, ...] = (), source: str | None = None
+    ) -> None:
         self.root = root
         self.store = root / "store"
         self.mnt = root / "mnt"
@@ -38,6 +40,7 @@ class Mount:
         self.upload_delay = upload_delay
         self.extra_args = extra_args
         self.allowed_log_words: list[str] = []
+        self._source = source
         self.proc: subprocess.Popen[bytes] | None = None
         self.env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(self.runtime))
         self.store.mkdir(parents=True, exist_ok=True)
@@ -45,7 +48,7 @@ class Mount:
 
     @property
     def source(self) -> str:
-        return f"file://{self.store}"
+        return self._source or f"file://{self.store}"
 
     def start(self, timeout: float = 60) -> None:
         read_fd, write_fd = os.pipe()

@@ -32,6 +32,7 @@ class RecordingStore:
         self.inner = inner
         self.url = inner.url
         self.owner = inner.owner
+        self.listing_has_metadata = inner.listing_has_metadata
         self.calls: list[tuple[str, str]] = []
         self.committed: list[tuple[str, bytes]] = []
         self.stage_gate: threading.Event | None = None
@@ -47,9 +48,9 @@ class RecordingStore:
     def check(self) -> None:
         self.inner.check()
 
-    def stage_upload(self, key: str, src_path: str, meta: ObjectMeta) -> StagedUpload:
+    def stage_upload(self, key: str, src_path: str, meta: ObjectMeta, **kwargs: Any) -> StagedUpload:
         self._maybe_fail()
-        staged = self.inner.stage_upload(key, src_path, meta)
+        staged = self.inner.stage_upload(key, src_path, meta, **kwargs)
         if self.stage_gate is not None:
             self.staging.set()
             self.stage_gate.wait(30)
@@ -109,8 +110,8 @@ class RecordingStore:
     def head(self, key: str) -> ObjectInfo | None:
         return self.inner.head(key)
 
-    def abort_stale_uploads(self) -> int:
-        return self.inner.abort_stale_uploads()
+    def abort_stale_uploads(self, keep: Any = ()) -> int:
+        return self.inner.abort_stale_uploads(keep)
 
 
 @dataclass

@@ -114,6 +114,9 @@ class ObjectStore(Protocol):
     # Identifies the cache dir that stages uploads through this store object. Leftovers of interrupted
     # uploads carry it, so that the next daemon on the same cache dir removes its own (and only its own).
     owner: str
+    # True if list() reports each object's own mtime and mode (file://); False where a listing carries no
+    # metadata (object stores report the upload time and a default mode; head() has the real values).
+    listing_has_metadata: bool
 
     def check(self) -> None:
         """Verify the store exists and is usable; raise CkptfsError naming the problem and the fix."""

@@ -61,6 +61,8 @@ def copy_with_checksum(src_fd: int, dst_fd: int) -> tuple[int, str]:
 
 
 class LocalStore:
+    listing_has_metadata = True  # a listing is lstat(): exact mtime and mode
+
     def __init__(self, root: Path, owner: str = "anon") -> None:
         self.root = root
         self.url = f"file://{root}"

@@ -381,6 +381,8 @@ class _SinglePut:
 
 
 class S3Store:
+    listing_has_metadata = False  # listings carry LastModified and no user metadata
+
     def __init__(
         self,
         bucket: str,
