@@ -98,3 +98,26 @@ def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Serve
     assert int(resumed[-1].split(": ")[-1].split()[0]) >= 4
     uploads = seaweedfs_s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
     assert uploads == [], "an abandoned multipart upload was left behind"
+
+
+def test_mount_time_store_errors_are_one_clear_line(seaweedfs_s3: S3Server, tmp_path: Path) -> None:  # noqa: F811
+    from conftest import ckptfs_cli
+
+    (tmp_path / "mnt").mkdir()
+    base = ["mount", "--endpoint-url", seaweedfs_s3.endpoint, "--cache-dir", str(tmp_path / "cache")]
+    env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(tmp_path / "run"))
+    missing = ckptfs_cli(*base, "s3://no-such-bucket-here/x", str(tmp_path / "mnt"), env=env, timeout=120)
+    no_keys = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+    no_keys.update(
+        AWS_CONFIG_FILE="/dev/null", AWS_SHARED_CREDENTIALS_FILE="/dev/null", AWS_EC2_METADATA_DISABLED="true"
+    )
+    with s3_bucket(seaweedfs_s3) as name:
+        no_credentials = ckptfs_cli(*base, f"s3://{name}", str(tmp_path / "mnt"), env=no_keys, timeout=120)
+    for result, words in ((missing, ("no-such-bucket-here",)), (no_credentials, ("credentials",))):
+        assert result.returncode == 1, result.stderr
+        assert "Traceback" not in result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.startswith("ckptfs:")]
+        assert len(lines) == 1, result.stderr
+        for word in words:
+            assert word in lines[0], lines[0]
+    assert not os.path.ismount(tmp_path / "mnt")
