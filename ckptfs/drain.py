@@ -378,7 +378,9 @@ class Drain:
                 if isinstance(exc, NotFoundBackendError) and (current is None or current.path is None):
                     return  # removed (and its cache file with it) while we read it: nothing to upload
                 raise
-            # Re-check after the await: abandon the upload if the file changed, moved or went away.
+            # The journal will call the local copy clean: it must survive power loss as it is.
+            await self._thread(_fsync_path, self.cache.data_path(inode_id))
+            # Re-check after the awaits: abandon the upload if the file changed, moved or went away.
             current = self.journal.get(inode_id)
             if current is None or current.key != key or current.version != version:
                 await self._thread(self.store.abort_upload, staged)
@@ -388,8 +390,6 @@ class Drain:
                         self.journal.save_upload_state(inode_id, None)
                     log.debug("upload of %s abandoned: changed or renamed during upload", key)
                 return
-            # The journal is about to call the local copy clean: it must survive power loss as it is.
-            await self._thread(_fsync_path, self.cache.data_path(inode_id))
             self._write_ahead(key)
             try:
                 await self._thread(self.store.commit_upload, staged)
