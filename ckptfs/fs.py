@@ -37,8 +37,6 @@ STATE_XATTR = b"user.ckptfs.state"
 RESERVED_PREFIX = b".ckptfs-tmp."
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
-# st_blksize tells stdio how much to buffer; bigger buffers mean fewer FUSE write requests.
-BLOCK_SIZE = 128 * 1024
 
 
 class Attr(NamedTuple):
@@ -197,14 +195,7 @@ class Filesystem:
         elif raw_name == b"..":
             inode = self._get(parent.parent or ROOT_ID)
         else:
-            try:
-                name = raw_name.decode("utf-8")
-            except UnicodeDecodeError:
-                raise FsError(errno.ENOENT, "no such entry") from None
-            found = self.journal.lookup(parent_id, name)
-            if found is None:
-                raise FsError(errno.ENOENT, "no such entry")
-            inode = found
+            inode = self._existing_child(parent, raw_name)
         self._remember(inode.id)
         return self.attr(inode)
 
@@ -270,26 +261,25 @@ class Filesystem:
         raise FsError(errno.EPERM, "hard links are not supported")
 
     def unlink(self, parent_id: int, raw_name: bytes) -> None:
-        inode = self._existing_child(parent_id, raw_name)
+        inode = self._existing_child(self._dir(parent_id), raw_name)
         if inode.kind == DIR:
             raise FsError(errno.EISDIR, f"{inode.path!r} is a directory")
         self._remove(inode)
 
     def rmdir(self, parent_id: int, raw_name: bytes) -> None:
-        inode = self._existing_child(parent_id, raw_name)
+        inode = self._existing_child(self._dir(parent_id), raw_name)
         if inode.kind != DIR:
             raise FsError(errno.ENOTDIR, f"{inode.path!r} is not a directory")
         if self.journal.has_children(inode.id):
             raise FsError(errno.ENOTEMPTY, f"{inode.path!r} is not empty")
         self._remove(inode)
 
-    def _existing_child(self, parent_id: int, raw_name: bytes) -> Inode:
-        self._dir(parent_id)
+    def _existing_child(self, parent: Inode, raw_name: bytes) -> Inode:
         try:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
-            raise FsError(errno.ENOENT, "no such entry") from None
-        inode = self.journal.lookup(parent_id, name)
+            raise FsError(errno.ENOENT, "no such entry") from None  # it could not have been created
+        inode = self.journal.lookup(parent.id, name)
         if inode is None:
             raise FsError(errno.ENOENT, f"no entry {name!r}")
         return inode
@@ -305,7 +295,7 @@ class Filesystem:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         if flags & ~RENAME_NOREPLACE:
             raise FsError(errno.EINVAL, f"unsupported rename flags {flags:#x}")
-        source = self._existing_child(old_parent_id, raw_old)
+        source = self._existing_child(self._dir(old_parent_id), raw_old)
         new_parent = self._dir(new_parent_id)
         new_name = _decode_name(raw_new)
         self._child_path(new_parent, new_name)

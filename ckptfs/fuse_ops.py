@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # Nothing changes the namespace behind the kernel's back (until refresh), so let it cache generously.
 ATTR_TIMEOUT = 1.0
 ENTRY_TIMEOUT = 1.0
+# st_blksize tells stdio how much to buffer: bigger buffers mean fewer FUSE write requests.
 BLOCK_SIZE = 128 * 1024
 
 
