@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 # Nothing changes the namespace behind the kernel's back (until refresh), so let it cache generously.
 ATTR_TIMEOUT = 1.0
 ENTRY_TIMEOUT = 1.0
-# st_blksize tells stdio how much to buffer: bigger buffers mean fewer FUSE write requests.
-BLOCK_SIZE = 128 * 1024
+# st_blksize tells stdio how much to buffer: 1 MiB matches the largest FUSE write request, so buffered
+# small writes arrive as 1 MiB requests (bench/: buffered 16 KiB writes ran 2x faster than with 128 KiB).
+BLOCK_SIZE = 1024 * 1024
 
 
 def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
