@@ -68,15 +68,17 @@ class StatFs(NamedTuple):
 
 
 class OpenFile:
-    """One open() of a file: the cache file descriptor and whether this handle has dirtied the file."""
+    """One open() of a file: the cache file descriptor, whether this handle has dirtied the file, and
+    whether it bypasses the kernel's page cache (write-only handles do: see Filesystem.caching)."""
 
-    __slots__ = ("dirtied", "fd", "inode_id", "writable")
+    __slots__ = ("direct", "dirtied", "fd", "inode_id", "writable")
 
-    def __init__(self, inode_id: int, fd: int, writable: bool, dirtied: bool) -> None:
+    def __init__(self, inode_id: int, fd: int, writable: bool, dirtied: bool, direct: bool) -> None:
         self.inode_id = inode_id
         self.fd = fd
         self.writable = writable
         self.dirtied = dirtied
+        self.direct = direct
 
 
 @dataclass
@@ -126,6 +128,8 @@ class Filesystem:
         self._lookup_count: dict[int, int] = {}
         # Inodes written since their last close by any handle: their close queues an upload.
         self._changed: set[int] = set()
+        # Inodes written through page-cache-bypassing handles since the kernel's cached pages were dropped.
+        self._uncached_writes: set[int] = set()
         self.writes_allowed = True
         self.uid = os.getuid()
         self.gid = os.getgid()
@@ -409,10 +413,14 @@ class Filesystem:
         if changed:
             self._notify_drain()
 
-    def _new_handle(self, inode_id: int, fd: int, writable: bool, dirtied: bool) -> int:
+    def _new_handle(self, inode_id: int, fd: int, flags: int, dirtied: bool) -> int:
         fh = self._next_fh
         self._next_fh += 1
-        self.handles[fh] = OpenFile(inode_id, fd, writable, dirtied)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        direct = (flags & os.O_ACCMODE) == os.O_WRONLY
+        self.handles[fh] = OpenFile(inode_id, fd, writable, dirtied, direct)
+        if direct and dirtied:
+            self._uncached_writes.add(inode_id)
         self._open_count[inode_id] = self._open_count.get(inode_id, 0) + 1
         if writable:
             writers = self._writer_count.get(inode_id, 0)
@@ -441,7 +449,7 @@ class Filesystem:
                 raise FsError(exc.errno or errno.EIO, f"cannot create cache file: {exc.strerror}") from None
         fd = os.open(self.cache.data_path(inode.id), os.O_RDWR | os.O_CLOEXEC)
         self._changed.add(inode.id)
-        fh = self._new_handle(inode.id, fd, writable, dirtied=True)
+        fh = self._new_handle(inode.id, fd, flags, dirtied=True)
         self._remember(inode.id)
         if not writable:
             self._closed(inode.id)
@@ -469,7 +477,7 @@ class Filesystem:
             self._begin_change(inode_id)
             dirtied = True
             os.ftruncate(fd, 0)
-        return self._new_handle(inode_id, fd, writable, dirtied)
+        return self._new_handle(inode_id, fd, flags, dirtied)
 
     def read(self, fh: int, offset: int, size: int) -> bytes:
         return os.pread(self.handles[fh].fd, size, offset)
@@ -488,6 +496,24 @@ class Filesystem:
             raise FsError(errno.EBADF, "file is not open for writing")
         self._begin_change(handle.inode_id)
         handle.dirtied = True
+        if handle.direct:
+            self._uncached_writes.add(handle.inode_id)
+
+    def caching(self, fh: int) -> tuple[bool, bool]:
+        """(direct_io, keep_cache) for a new handle. Write-only handles bypass the kernel's page cache:
+        their data reaches the cache file with one copy less (checkpoint writers are write-only). A handle
+        that can read keeps the kernel's cached pages unless a write-only handle changed the file since
+        they were last dropped; then this open drops them, so that no kernel, old or new, serves stale
+        pages after a direct write."""
+        handle = self.handles[fh]
+        if handle.direct:
+            return True, False
+        inode_id = handle.inode_id
+        if inode_id not in self._uncached_writes:
+            return False, True
+        if not any(h.direct and h.inode_id == inode_id for h in self.handles.values()):
+            self._uncached_writes.discard(inode_id)
+        return False, False
 
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh)

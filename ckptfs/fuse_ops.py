@@ -180,14 +180,16 @@ class FuseOperations(pyfuse3.Operations):
             fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         except FsError as exc:
             raise _fuse_error(exc) from None
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), _entry(attr)
+        direct_io, keep_cache = self.fs.caching(fh)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache), _entry(attr)
 
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         try:
             fh = await self.fs.open(inode, flags)
         except FsError as exc:
             raise _fuse_error(exc) from None
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        direct_io, keep_cache = self.fs.caching(fh)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         try:

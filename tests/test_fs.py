@@ -448,3 +448,24 @@ async def test_write_updates_ctime(stack: Stack) -> None:
     stack.fs.release(fh)
     assert stack.fs.getattr(ino).ctime_ns > before
     await stack.flush()
+
+
+async def test_write_only_handles_bypass_the_page_cache_and_readers_then_drop_it(stack: Stack) -> None:
+    ino = stack.write_file("p", b"old")  # written through a write-only handle
+    reader = await stack.fs.open(ino, os.O_RDONLY)
+    assert stack.fs.caching(reader) == (False, False)
+    stack.fs.release(reader)
+    reader = await stack.fs.open(ino, os.O_RDONLY)
+    assert stack.fs.caching(reader) == (False, True)  # nothing changed behind the kernel's cached pages
+    stack.fs.release(reader)
+    writer = await stack.fs.open(ino, os.O_WRONLY)
+    assert stack.fs.caching(writer) == (True, False)
+    stack.fs.write(writer, 0, b"new")
+    stack.fs.release(writer)
+    reader = await stack.fs.open(ino, os.O_RDONLY)
+    assert stack.fs.caching(reader) == (False, False)  # this open drops pages cached before the write
+    stack.fs.release(reader)
+    reader = await stack.fs.open(ino, os.O_RDONLY)
+    assert stack.fs.caching(reader) == (False, True)
+    stack.fs.release(reader)
+    await stack.flush()

@@ -869,3 +869,22 @@ def test_commit_marker_uploaded_after_data(mount_factory) -> None:  # type: igno
     order = uploaded_order(m)
     assert order.index("latest") > max(order.index(k) for k in data), order
 
+
+
+def test_rewrite_through_write_only_handle_is_seen_by_the_next_reader(mount: Mount) -> None:
+    """Write-only handles bypass the kernel page cache (direct_io); pages a reader cached before must not be
+    served after such a rewrite."""
+    path = mount.mnt / "cached.bin"
+    path.write_bytes(b"A" * 1_000_000)
+    assert path.read_bytes() == b"A" * 1_000_000  # now in the kernel's page cache (keep_cache)
+    with open(path, "r+b") as f:  # a read-write handle goes through the page cache
+        f.seek(10)
+        f.write(b"B")
+    fd = os.open(path, os.O_WRONLY)  # write-only: direct_io
+    try:
+        os.pwrite(fd, b"C" * 1_000_000, 0)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"C" * 1_000_000
+    mount.flush()
+    assert (mount.store / "cached.bin").read_bytes() == b"C" * 1_000_000
