@@ -50,7 +50,7 @@ MIB = 1 << 20
 GIB = 1 << 30
 MAX_TENSOR_BYTES = 128 * MIB
 WORKLOADS = ("seq", "save", "bufwrite")
-PY_SPY_CANDIDATES = (Path(sys.executable).parent / "py-spy", Path("/opt/ckptfs-venv/bin/py-spy"))
+PY_SPY_CANDIDATES = (Path(sys.executable).parent / "py-spy",)
 
 
 class BenchError(Exception):
