@@ -248,9 +248,13 @@ class Drain:
         for inode in self.journal.uploads_due(cut_off, SCAN_LIMIT):
             if waiting(("upload", inode.id)) or self._marker_blocked(inode):
                 continue
+            if self._target_taken(inode, inode.key):  # type: ignore[arg-type]
+                continue
             jobs.append(Job("upload", inode.id, (inode.key,)))  # type: ignore[arg-type]
         for inode in self.journal.misplaced(SCAN_LIMIT):
             if waiting(("move", inode.id)) or self._marker_blocked(inode):
+                continue
+            if self._target_taken(inode, inode.key):  # type: ignore[arg-type]
                 continue
             jobs.append(Job("move", inode.id, (inode.remote_key, inode.key)))  # type: ignore[arg-type]
         for inode in self.journal.meta_stale(SCAN_LIMIT):
@@ -268,12 +272,19 @@ class Drain:
         writing was not closed before the marker, so it does not count). Its completion rescans."""
         if not self.is_commit_marker(inode.name):
             return False
-        after = -1
+        after = (-1, -1)
         while page := self.journal.work_before(inode.seq, MARKER_PAGE, after):
             if any(not self.is_commit_marker(i.name) for i in page):
                 return True
-            after = page[-1].seq
+            after = (page[-1].seq, page[-1].id)
         return False
+
+    def _target_taken(self, inode: Inode, key: str) -> bool:
+        """Another inode's object still sits at `key`, waiting to be moved away (a rename after upload,
+        then a new file under the old name). Writing `key` now would destroy it: wait for the move, unless
+        that inode has local data to upload again (then the write goes first; see Journal.release_key)."""
+        owner = self.journal.key_owner(key)
+        return owner is not None and owner.id != inode.id and not owner.has_local_data
 
     def _claim(self, job: Job) -> bool:
         job_id = (job.kind, job.ident)

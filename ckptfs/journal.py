@@ -384,11 +384,14 @@ class Journal:
             (new_parent.id, new_name, new_path, now, self.next_seq(), inode.id),
         )
         if inode.kind == DIR:
+            # The subtree becomes work after everything before the rename, in the order its entries
+            # became work before it: a commit marker inside still follows its siblings.
             prefix = old_path + "/"
             self.db.execute(
-                "UPDATE inodes SET path = ? || substr(path, ?), seq = ? WHERE substr(path, 1, ?) = ?",
+                "UPDATE inodes SET path = ? || substr(path, ?), seq = seq + ? WHERE substr(path, 1, ?) = ?",
                 (new_path + "/", len(prefix) + 1, self.next_seq(), len(prefix), prefix),
             )
+            self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
         if inode.parent is not None:
             self.touch_dir(inode.parent, now)
         self.touch_dir(new_parent.id, now)
@@ -413,16 +416,17 @@ class Journal:
         ).fetchone()
         return row[0] if row else None
 
-    def work_before(self, seq: int, limit: int, after_seq: int = -1) -> list[Inode]:
+    def work_before(self, seq: int, limit: int, after: tuple[int, int] = (-1, -1)) -> list[Inode]:
         """Pending uploads of closed files, dirs and symlinks, and pending moves, that became work before
-        `seq` (what a commit marker with that seq waits for); a page of them after `after_seq`."""
+        `seq` (what a commit marker with that seq waits for); a page of them after `after` (seq, id)."""
         return self._all(
-            f"SELECT {_COLUMNS} FROM inodes WHERE seq < ? AND seq > ? AND path IS NOT NULL AND id != 1 AND ("
+            f"SELECT {_COLUMNS} FROM inodes WHERE seq < ? AND (seq, id) > (?, ?) AND path IS NOT NULL"
+            " AND id != 1 AND ("
             " (state IN ('dirty', 'uploading') AND (kind != 'file' OR closed_at IS NOT NULL))"
             " OR (state IN ('clean', 'remote') AND remote_key IS NOT NULL"
             "     AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END))"
-            ") ORDER BY seq LIMIT ?",
-            (seq, after_seq, limit),
+            ") ORDER BY seq, id LIMIT ?",
+            (seq, after[0], after[1], limit),
         )
 
     def get_pending_delete(self, delete_id: int) -> PendingDelete | None:
@@ -531,6 +535,7 @@ class Journal:
         deletion. `clean` is False when the content changed meanwhile (it stays dirty)."""
         if inode.remote_key is not None and inode.remote_key != key:
             self.queue_delete(inode.remote_key)
+        self.release_key(key, inode.id)
         self.db.execute(
             "UPDATE inodes SET remote_key = ?, uploaded_version = ?, checksum = ?, size = ?, upload_state = NULL,"
             " state = CASE WHEN ? THEN 'clean' ELSE 'dirty' END WHERE id = ?",
@@ -540,7 +545,14 @@ class Journal:
     def finish_move(self, inode: Inode, old_key: str, new_key: str) -> None:
         """The store has a copy at `new_key` now; the one at `old_key` is queued for deletion."""
         self.queue_delete(old_key)
+        self.release_key(new_key, inode.id)
         self.db.execute("UPDATE inodes SET remote_key = ? WHERE id = ?", (new_key, inode.id))
+
+    def release_key(self, key: str, keeper: int) -> None:
+        """An object was just written at `key` for inode `keeper`: any other inode whose copy lived there
+        has lost it (the drain lets that happen only to inodes with local data, which upload again)."""
+        for other in self._all(f"SELECT {_COLUMNS} FROM inodes WHERE remote_key = ? AND id != ?", (key, keeper)):
+            self.forget_remote_copy(other.id, now=time.time())
 
     def forget_remote_copy(self, inode_id: int, *, now: float) -> None:
         """The store lost this inode's object: upload it again from local data."""

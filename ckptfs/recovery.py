@@ -146,19 +146,23 @@ def import_listing(
                 key=info.key, target=info.target, checksum=info.checksum, uid=uid, gid=gid, now=now,
             )
             report.imported += 1
-        for inode in journal.all_inodes():
-            if not inode.remote_key or inode.remote_key in present or inode.state not in (CLEAN, REMOTE):
+        # Someone deleted these from the shared store (another node, an operator): the namespace is
+        # shared, so the delete wins over our clean copies, as it would on any other node. Deepest first,
+        # so that a directory emptied this way goes too; one that still holds local work keeps its place
+        # and gets its marker back.
+        vanished = [
+            i for i in journal.all_inodes()
+            if i.remote_key and i.remote_key not in present and i.state in (CLEAN, REMOTE)
+        ]
+        for inode in sorted(vanished, key=lambda i: (i.path or "").count("/"), reverse=True):
+            if inode.kind == DIR and journal.has_children(inode.id):
+                journal.forget_remote_copy(inode.id, now=now)
                 continue
+            log.warning("%s was deleted from the store by someone else; removing it here too", inode.path)
+            journal.detach(inode._replace(remote_key=None))
+            journal.purge(inode.id)
             if inode.kind == FILE:
-                # Someone deleted it from the shared store (another node, an operator): the namespace is
-                # shared, so the delete wins over our clean copy, as it would on any other node.
-                log.warning("%s was deleted from the store by someone else; removing it here too", inode.path)
-                journal.detach(inode._replace(remote_key=None))
-                if not journal.has_children(inode.id):
-                    journal.purge(inode.id)
-                    cache.remove_data(inode.id)
-            else:
-                journal.forget_remote_copy(inode.id, now=now)  # a lost marker: recreate it
+                cache.remove_data(inode.id)
     if report.imported:
         log.info("imported %d entries from %s", report.imported, "the store")
 

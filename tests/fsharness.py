@@ -36,6 +36,7 @@ class RecordingStore:
         self.calls: list[tuple[str, str]] = []
         self.committed: list[tuple[str, bytes]] = []
         self.stage_gate: threading.Event | None = None
+        self.gated_keys: set[str] | None = None  # hold only these keys' stages (None: all)
         self.staging = threading.Event()
         self.failures: list[Exception] = []
         self._lock = threading.Lock()
@@ -51,7 +52,7 @@ class RecordingStore:
     def stage_upload(self, key: str, src_path: str, meta: ObjectMeta, **kwargs: Any) -> StagedUpload:
         self._maybe_fail()
         staged = self.inner.stage_upload(key, src_path, meta, **kwargs)
-        if self.stage_gate is not None:
+        if self.stage_gate is not None and (self.gated_keys is None or key in self.gated_keys):
             self.staging.set()
             self.stage_gate.wait(30)
         return staged

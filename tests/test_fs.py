@@ -469,3 +469,67 @@ async def test_write_only_handles_bypass_the_page_cache_and_readers_then_drop_it
     assert stack.fs.caching(reader) == (False, True)
     stack.fs.release(reader)
     await stack.flush()
+
+
+async def test_new_file_under_a_moved_files_old_name_keeps_both_objects(stack: Stack) -> None:
+    stack.write_file("x", b"AAAA")
+    await stack.flush()
+    stack.fs.rename(ROOT_ID, b"x", ROOT_ID, b"y", 0)
+    stack.write_file("x", b"BBBB")
+    await stack.flush()
+    assert stack.store_files() == {"x": b"BBBB", "y": b"AAAA"}
+
+
+async def test_new_file_under_a_remote_only_files_old_name_waits_for_its_move(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "x").write_bytes(b"REMOTE")
+    stack = make_stack(tmp_path)
+    await recover(stack.journal, stack.cache, stack.store, 0.0)  # type: ignore[arg-type]
+    await nursery.start(stack.drain.run)
+    stack.fs.rename(ROOT_ID, b"x", ROOT_ID, b"y", 0)
+    stack.write_file("x", b"NEW")
+    await stack.flush()
+    assert stack.store_files() == {"x": b"NEW", "y": b"REMOTE"}
+    check_consistency(stack)
+
+
+async def test_marker_inside_a_renamed_directory_still_follows_its_siblings(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    stack = make_stack(tmp_path, upload_delay=3600)
+    await nursery.start(stack.drain.run)
+    stack.fs.mkdir(ROOT_ID, b"step.tmp", 0o755, UID, GID)
+    await stack.flush()  # the directory marker is in the store; the files below wait for upload_delay
+    stack.write_file("step.tmp/shard", b"s" * 1000)
+    stack.write_file("step.tmp/commit_success.txt", b"ok")
+    stack.fs.rename(ROOT_ID, b"step.tmp", ROOT_ID, b"step", 0)
+    stack.store.gated_keys = {"step/shard"}
+    stack.store.stage_gate = threading.Event()
+    flushed = trio.Event()
+
+    async def flush() -> None:
+        await stack.flush()
+        flushed.set()
+
+    nursery.start_soon(flush)
+    await trio.to_thread.run_sync(stack.store.staging.wait, 10)
+    await trio.sleep(0.5)  # every chance to upload the marker early
+    assert not any(key.endswith("commit_success.txt") for _, key in stack.store.calls)
+    stack.store.stage_gate.set()
+    await flushed.wait()
+    keys = [key for op, key in stack.store.calls if op == "commit"]
+    assert keys.index("step/shard") < keys.index("step/commit_success.txt")
+
+
+async def test_tree_deleted_by_another_node_goes_here_too(stack: Stack) -> None:
+    import shutil
+
+    stack.fs.mkdir(ROOT_ID, b"old_step", 0o755, UID, GID)
+    stack.write_file("old_step/model.pt", b"m")
+    await stack.flush()
+    shutil.rmtree(stack.store.inner.root / "old_step")
+    await recover(stack.journal, stack.cache, stack.store, 0.0)  # type: ignore[arg-type]
+    assert stack.journal.by_path("old_step") is None
+    assert stack.journal.by_path("old_step/model.pt") is None
