@@ -90,6 +90,9 @@ def _setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # The SDKs' DEBUG output carries access key ids and request signatures: never log those.
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3", "azure", "google"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def cmd_mount(args: argparse.Namespace) -> int:

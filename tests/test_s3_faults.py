@@ -508,10 +508,6 @@ def test_dcp_save_through_faults_and_load_on_fresh_mount(s3_mount, seaweedfs_s3:
     assert int(target["step"]) == 7
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "S3Store.download: the first ranged GET goes through _call (botocore's 2 attempts only, no retry_transient "
-    "as for the later ranges), so two throttled answers in a row fail the read-through fetch of a fresh node "
-    "with EIO instead of being retried"))
 def test_fresh_mount_reads_through_throttling(s3_mount, seaweedfs_s3: S3Server, proxy: FaultProxy,  # noqa: F811
                                               bucket: str) -> None:
     m = s3_mount("--part-size", "5M")
@@ -525,9 +521,6 @@ def test_fresh_mount_reads_through_throttling(s3_mount, seaweedfs_s3: S3Server, 
     assert (fresh.mnt / "model.bin").read_bytes() == data
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "S3Store.check (and the recovery listing) run once at mount, without retry_transient: two throttled "
-    "answers in a row make `ckptfs mount` fail instead of retrying a transient error"))
 def test_mount_rides_out_throttling_at_start(s3_mount, proxy: FaultProxy) -> None:
     proxy.set_rules(Rule("slowdown", match=r"^GET \S+list-type=2", count=2))
     m = s3_mount()

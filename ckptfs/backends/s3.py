@@ -466,7 +466,7 @@ class S3Store:
                 " or AWS_PROFILE, or run with an instance/pod role"
             )
         try:
-            self._call(f"list {self.url}", "list_objects_v2", Prefix=self.prefix, MaxKeys=1)
+            self._retrying(f"list {self.url}", "list_objects_v2", Prefix=self.prefix, MaxKeys=1)
         except BackendError as exc:
             raise CkptfsError(self._check_message(exc)) from None
 
@@ -788,11 +788,11 @@ class S3Store:
         first = self.download_part_size
         what = f"download {key}"
         try:
-            response = self._call(what, "get_object", Key=full, Range=f"bytes=0-{first - 1}")
+            response = self._retrying(what, "get_object", Key=full, Range=f"bytes=0-{first - 1}")
         except PermanentBackendError as exc:
             if not _is_code(exc, "InvalidRange"):
                 raise
-            response = self._call(what, "get_object", Key=full)  # an empty object has no byte 0
+            response = self._retrying(what, "get_object", Key=full)  # an empty object has no byte 0
         length = int(response["ContentLength"])
         content_range = response.get("ContentRange") or ""
         total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else length
@@ -886,10 +886,17 @@ class S3Store:
                           DEFAULT_FILE_MODE if mode < 0 else mode, checksum=metadata.get(META_CHECKSUM), etag=etag)
 
     def _list_raw(self, full_prefix: str) -> Iterator[dict[str, Any]]:
-        with _mapped(f"list {self.url}"):
-            paginator = self._client.get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
-                yield from page.get("Contents", [])
+        # Page by page, each retried on transient errors: a listing runs at mount and must ride out throttling.
+        token: str | None = None
+        while True:
+            page_args: dict[str, Any] = {"Prefix": full_prefix}
+            if token:
+                page_args["ContinuationToken"] = token
+            page = self._retrying(f"list {self.url}", "list_objects_v2", **page_args)
+            yield from page.get("Contents", [])
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix and not prefix.endswith("/"):
