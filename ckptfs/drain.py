@@ -1,9 +1,11 @@
 """The drain: makes the store converge on the journal's namespace, in the background.
 
 Owns: choosing work from the journal (uploads of dirty files, directory markers and symlinks; moves of
-objects whose inode was renamed after upload; pending deletes), the order constraints between them (one
-operation per store key at a time; commit markers after everything before them; directory markers deleted
-after their contents), retries with backoff, and the waiters of `ckptfs flush`.
+objects whose inode was renamed after upload; metadata rewrites after chmod/utime; pending deletes), the
+order constraints between them (one operation per store key at a time; no write to a key whose old object
+still waits to be moved away; commit markers after everything before them; directory markers deleted after
+their contents), write-ahead deletes before every object it creates, journaling the progress of resumable
+uploads, retries with backoff, and the waiters of `ckptfs flush`.
 
 It learns its work only from the journal and records results only there; blocking store calls run in
 worker threads. Between two awaits a run of journal calls is atomic, so every job re-reads its inode after
