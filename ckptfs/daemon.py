@@ -210,6 +210,8 @@ class Daemon:
                 "files": stats.uploaded_files,
                 "bytes": stats.uploaded_bytes,
                 "seconds": round(stats.upload_seconds, 3),
+                "moves": stats.moves,
+                "deletes": stats.deletes,
             },
             "errors": stats.errors,
             "last_error": stats.last_error,

@@ -23,7 +23,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -62,10 +62,8 @@ class DrainStats:
     moves: int = 0
     deletes: int = 0
     errors: int = 0
-    retries: int = 0
     last_error: str | None = None
     last_error_at: float | None = None
-    by_op: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -299,7 +297,6 @@ class Drain:
     async def _run_job(self, job: Job, slots: trio.Semaphore) -> None:
         job_id = (job.kind, job.ident)
         op = job.kind
-        started = trio.current_time()
         try:
             if job.kind == "upload":
                 await self._upload(job.ident)
@@ -319,9 +316,6 @@ class Drain:
         else:
             self._retry_at.pop(job_id, None)
             self._attempts.pop(job_id, None)
-            stats = self.stats.by_op.setdefault(op, {"count": 0, "seconds": 0.0})
-            stats["count"] += 1
-            stats["seconds"] += trio.current_time() - started
         finally:
             self._running.discard(job_id)
             self._busy_keys.difference_update(job.keys)
@@ -343,7 +337,6 @@ class Drain:
             delay = next(delays)
         self._retry_at[job_id] = trio.current_time() + max(delay, 0.05)
         self.stats.errors += 1
-        self.stats.retries += 1
         self.stats.last_error = f"{op}: {exc}"
         self.stats.last_error_at = time.time()
         if logged:

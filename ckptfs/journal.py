@@ -257,15 +257,6 @@ class Journal:
     def has_children(self, parent: int) -> bool:
         return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
 
-    def subtree(self, path: str) -> list[Inode]:
-        """Every linked inode at or below `path` ('' = everything)."""
-        if not path:
-            return self._all(f"SELECT {_COLUMNS} FROM inodes WHERE path IS NOT NULL AND id != ?", (ROOT_ID,))
-        return self._all(
-            f"SELECT {_COLUMNS} FROM inodes WHERE path = ? OR substr(path, 1, ?) = ?",
-            (path, len(path) + 1, path + "/"),
-        )
-
     def all_inodes(self) -> list[Inode]:
         return self._all(f"SELECT {_COLUMNS} FROM inodes")
 

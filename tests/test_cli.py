@@ -120,6 +120,10 @@ def test_daemon_mode_status_flush_umount(dirs: dict[str, Path]) -> None:
         status = json.loads(ckptfs_cli("status", str(dirs["mnt"]), "--json", env=env).stdout)
         assert status["states"]["clean"] == {"files": 1, "bytes": 3}
         assert status["queue"]["uploads"] == 0 and status["last_error"] is None
+        (dirs["mnt"] / "f").rename(dirs["mnt"] / "g")
+        assert ckptfs_cli("flush", str(dirs["mnt"]), "--timeout", "30", env=env).returncode == 0
+        status = json.loads(ckptfs_cli("status", str(dirs["mnt"]), "--json", env=env).stdout)
+        assert status["uploaded"]["moves"] == 1 and status["uploaded"]["deletes"] >= 1
         human = ckptfs_cli("status", str(dirs["mnt"]), env=env)
         assert human.returncode == 0 and "clean" in human.stdout
         outside = ckptfs_cli("flush", str(dirs["mnt"]), "/etc/passwd", env=env)
