@@ -6,6 +6,12 @@ Layout (all 0700 / 0600):
     CACHE_DIR/data/<id>    the content of file inode <id>, byte for byte; its size and mtime are the file's
     CACHE_DIR/tmp/         partial downloads, renamed into data/ once complete
 
+Space accounting: `used` is the sum of the apparent sizes of the data files (minus ranges already freed by
+a spill, see drain.py) plus reservations of downloads in progress; `limit` is the budget: `cache_size`,
+lowered when the cache filesystem would otherwise keep less than `min_free` free. Both are plain
+attributes read on every FUSE write, so the write path pays two attribute loads and a compare. The
+evictor (evict.py) keeps `used` under `limit` and makes writers wait when it cannot.
+
 It knows inode ids but not the namespace or file states (the journal has those), nor any object store.
 """
 
@@ -13,11 +19,28 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptfs.config import parse_size
 from ckptfs.errors import CkptfsError
+
+
+class CacheFile:
+    """What the accounting knows of one data file. Open handles share it, so the write path updates
+    it without a dict lookup."""
+
+    __slots__ = ("freed", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size  # apparent size as far as the accounting has seen it
+        self.freed = 0  # bytes at the start of the file uploaded and punched out (a spill); reads fail there
+
+    @property
+    def charge(self) -> int:
+        return self.size - self.freed
 
 
 @dataclass(frozen=True)
@@ -37,6 +60,13 @@ class CacheDir:
         self.journal_path = root / "journal.db"
         self._lock_fd: int | None = None
         self._data_dir_str = str(self.data_dir) + "/"
+        self.files: dict[int, CacheFile] = {}
+        self.used = 0
+        self.reserved = 0
+        # No budget until configure_budget(): the filesystem's own free space is the only limit.
+        self.limit: float = math.inf
+        self._cap: str | int | None = None
+        self._min_free: str | int = 0
 
     def prepare(self) -> None:
         """Create the layout (0700) and check that it is writable; raise a CkptfsError naming the fix."""
@@ -86,15 +116,104 @@ class CacheDir:
     def tmp_path(self, inode_id: int) -> str:
         return str(self.tmp_dir / f"{inode_id}.part")
 
-    def create_data(self, inode_id: int) -> None:
+    def create_data(self, inode_id: int) -> CacheFile:
         fd = os.open(self.data_path(inode_id), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         os.close(fd)
+        return self._account(inode_id, 0)
 
     def remove_data(self, inode_id: int) -> None:
         try:
             os.unlink(self.data_path(inode_id))
         except FileNotFoundError:
             pass
+        entry = self.files.pop(inode_id, None)
+        if entry is not None:
+            self.used -= entry.charge
+
+    # -- space accounting -----------------------------------------------------------------------------
+
+    def configure_budget(self, cache_size: str | int, min_free: str | int) -> None:
+        """Set the budget (sizes as in config: bytes, '512M' or a percentage of the cache filesystem)."""
+        self._cap = cache_size
+        self._min_free = min_free
+        self.measure()
+
+    def measure(self) -> None:
+        """Recompute `limit` from the filesystem's free space now (others may write to it too)."""
+        if self._cap is None:
+            return
+        space = self.space()
+        cap = parse_size(self._cap, total=space.total_bytes)
+        min_free = parse_size(self._min_free, total=space.total_bytes)
+        # Our own files are part of what the filesystem has used: they count as room we may keep.
+        self.limit = max(0, min(cap, self.used + space.free_bytes - min_free))
+
+    def scan(self) -> dict[int, float]:
+        """Account every data file (at start-up, after recovery); return their last access times."""
+        self.files.clear()
+        self.used = self.reserved
+        atimes = {}
+        for inode_id in self.data_ids():
+            try:
+                st = os.stat(self.data_path(inode_id))
+            except FileNotFoundError:
+                continue
+            self._account(inode_id, st.st_size)
+            atimes[inode_id] = st.st_atime
+        return atimes
+
+    def _account(self, inode_id: int, size: int) -> CacheFile:
+        old = self.files.get(inode_id)
+        if old is not None:
+            self.used -= old.charge
+        entry = CacheFile(size)
+        self.files[inode_id] = entry
+        self.used += size
+        return entry
+
+    def file(self, inode_id: int) -> CacheFile:
+        """The accounting entry of a data file that exists (created on first sight)."""
+        entry = self.files.get(inode_id)
+        if entry is None:
+            entry = self._account(inode_id, os.stat(self.data_path(inode_id)).st_size)
+        return entry
+
+    def grow(self, entry: CacheFile, end: int) -> None:
+        """A write extended a data file to `end` bytes (the write path: keep it cheap)."""
+        self.used += end - entry.size
+        entry.size = end
+
+    def resize(self, inode_id: int, size: int) -> None:
+        """A data file's apparent size is now `size` (after truncate, close, fsync)."""
+        entry = self.files.get(inode_id)
+        if entry is None:
+            self._account(inode_id, size)
+            return
+        self.used += size - entry.size
+        entry.size = size
+        if entry.freed > size:
+            self.used += entry.freed - size
+            entry.freed = size
+
+    def freed(self, inode_id: int, length: int) -> None:
+        """`length` more bytes at the start of the file were punched out (uploaded by a spill)."""
+        entry = self.files.get(inode_id)
+        if entry is not None:
+            entry.freed += length
+            self.used -= length
+
+    def reserve(self, size: int) -> None:
+        """Count a download in progress (its tmp file) before its bytes arrive."""
+        self.reserved += size
+        self.used += size
+
+    def unreserve(self, size: int) -> None:
+        self.reserved -= size
+        self.used -= size
+
+    def adopt(self, inode_id: int, size: int) -> None:
+        """A finished download became the data file of `inode_id`."""
+        self._account(inode_id, size)
 
     def has_data(self, inode_id: int) -> bool:
         return os.path.exists(self.data_path(inode_id))

@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--cache-dir", type=Path)
     mount.add_argument("--config", type=Path, help="TOML file; flags override its keys")
     mount.add_argument("--cache-size")
+    mount.add_argument("--min-free")
+    mount.add_argument("--dirty-wait", type=float)
     mount.add_argument("--upload-delay", type=float)
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
@@ -71,6 +73,8 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "mountpoint": args.mountpoint,
         "cache_dir": args.cache_dir,
         "cache_size": args.cache_size,
+        "min_free": args.min_free,
+        "dirty_wait": args.dirty_wait,
         "upload_delay": args.upload_delay,
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
@@ -199,6 +203,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"oldest dirty  {'-' if oldest is None else f'{oldest}s'}")
     uploaded = status["uploaded"]
     print(f"uploaded   {uploaded['files']} files, {_human_bytes(uploaded['bytes'])} since start")
+    cache = status["cache"]
+    budget = "-" if cache["budget_bytes"] is None else _human_bytes(cache["budget_bytes"])
+    print(f"cache      {_human_bytes(cache['used_bytes'])} used of {budget}; {cache['evicted_files']} files"
+          f" evicted; {cache['waits']} writes waited for room ({cache['writes_waiting']} now)")
     print(f"last error {status['last_error'] or '-'}")
     return 0
 

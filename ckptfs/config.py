@@ -44,6 +44,12 @@ class Config:
     cache_size: str = "80%"
     """Cache budget: bytes with a suffix (512M, 200G) or a percentage of the cache filesystem."""
 
+    min_free: str = "5%"
+    """Free space the cache always leaves on its filesystem (bytes or a percentage of it)."""
+
+    dirty_wait: float = 600.0
+    """Seconds a write waits for room when dirty data fills the cache, before it fails with ENOSPC."""
+
     upload_delay: float = 2.0
     """Seconds a closed file must stay unchanged before it is queued for upload."""
 
@@ -115,7 +121,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 def _coerce(name: str, value: Any) -> Any:
     if name in ("mountpoint", "cache_dir") and value is not None:
         return Path(value)
-    if name in ("upload_delay", "drain_timeout"):
+    if name in ("upload_delay", "drain_timeout", "dirty_wait"):
         try:
             value = float(value)
         except (TypeError, ValueError):
@@ -135,7 +141,7 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value
-    if name in ("cache_size", "part_size"):
+    if name in ("cache_size", "part_size", "min_free"):
         parse_size(value, total=100)  # validate now, resolve against the filesystem later
         return str(value)
     return value

@@ -33,6 +33,7 @@ from ckptfs.cache import CacheDir
 from ckptfs.config import Config, parse_size
 from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError
+from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations
@@ -74,18 +75,26 @@ class Daemon:
         self.journal = journal
         self.mountpoint = ctl.canonical_mountpoint(config.mountpoint)
         self.started_at = time.time()
-        self.fetcher = Fetcher(journal, cache, store, limiter=trio.CapacityLimiter(config.transfers))
         self.drain = Drain(
             journal, cache, store,
             transfers=config.transfers, upload_delay=config.upload_delay, commit_markers=config.commit_markers,
         )
-        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify)
+        self.evictor = Evictor(
+            journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure
+        )
+        self.fetcher = Fetcher(
+            journal, cache, store, limiter=trio.CapacityLimiter(config.transfers), evictor=self.evictor
+        )
+        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor)
         self._stop_requested = trio.Event()
         self._stop_timeout: float | None = config.drain_timeout
         self._finished = trio.Event()
         self._control_stop = trio.Event()
         self._control_done = trio.Event()
         self.result: FlushResult | None = None
+
+    def _in_use(self, inode_id: int) -> bool:
+        return self.fs.in_use(inode_id)
 
     def request_stop(self, timeout: float | None) -> None:
         if not self._stop_requested.is_set():
@@ -103,6 +112,7 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._fuse_main, nursery)
                 await nursery.start(self.drain.run)
+                await nursery.start(self.evictor.run)
                 await nursery.start(self._serve_control)
                 await trio.to_thread.run_sync(os.stat, self.mountpoint)
                 log.info("mounted %s on %s (cache %s)", self.store.url, self.mountpoint, self.cache.root)
@@ -206,6 +216,16 @@ class Daemon:
             },
             "oldest_dirty_age_seconds": round(time.time() - oldest, 1) if oldest else None,
             "open_for_write": self.fs.open_writers(),
+            "cache": {
+                "used_bytes": self.cache.used,
+                "budget_bytes": int(self.cache.limit) if self.cache.limit != math.inf else None,
+                "evicted_files": self.evictor.stats.evicted_files,
+                "evicted_bytes": self.evictor.stats.evicted_bytes,
+                "writes_waiting": self.evictor.waiting,
+                "waits": self.evictor.stats.waits,
+                "wait_seconds": round(self.evictor.stats.wait_seconds, 3),
+                "enospc": self.evictor.stats.enospc,
+            },
             "uploaded": {
                 "files": stats.uploaded_files,
                 "bytes": stats.uploaded_bytes,
@@ -264,7 +284,10 @@ async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
                 ",".join(config.commit_markers),
             )
             await recover(journal, cache, store, time.time())
+            atimes = cache.scan()
+            cache.configure_budget(config.cache_size, config.min_free)
             daemon = Daemon(config, store, cache, journal)
+            daemon.evictor.start(atimes)
             return await daemon.run(ready)
         finally:
             journal.close()

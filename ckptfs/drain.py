@@ -115,6 +115,13 @@ class Drain:
         """Something in the journal may have become work (called by fs.py after each change)."""
         self._new_work.set()
 
+    def set_pressure(self, on: bool) -> None:
+        """The cache is full (evict.py): upload closed files at once, ignoring upload_delay, until it
+        is not."""
+        self._expedite += 1 if on else -1
+        if on:
+            self.notify()
+
     def is_commit_marker(self, name: str | None) -> bool:
         return name is not None and self._marker_pattern is not None and self._marker_pattern.match(name) is not None
 

@@ -16,16 +16,21 @@ import trio
 from ckptfs.backends.base import ObjectStore
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
+from ckptfs.evict import Evictor
 from ckptfs.journal import REMOTE, Inode, Journal
 
 log = logging.getLogger(__name__)
 
 
 class Fetcher:
-    def __init__(self, journal: Journal, cache: CacheDir, store: ObjectStore, *, limiter: trio.CapacityLimiter) -> None:
+    def __init__(
+        self, journal: Journal, cache: CacheDir, store: ObjectStore, *, limiter: trio.CapacityLimiter,
+        evictor: Evictor | None = None,
+    ) -> None:
         self.journal = journal
         self.cache = cache
         self.store = store
+        self.evictor = evictor
         self._limiter = limiter
         self._in_flight: dict[int, trio.Event] = {}
         self._failures: dict[int, FsError] = {}
@@ -60,6 +65,22 @@ class Fetcher:
         key = inode.remote_key
         tmp = self.cache.tmp_path(inode.id)
         log.debug("fetching %s (%d bytes)", key, inode.size)
+        if inode.size > self.cache.limit:
+            log.error(
+                "cannot open %s: it is %d bytes, larger than the whole cache budget (%d bytes); raise cache_size",
+                inode.path, inode.size, self.cache.limit,
+            )
+            raise FsError(errno.EFBIG, f"{key} is larger than the cache budget")
+        if self.evictor is not None:
+            await self.evictor.wait_for_room(inode.size, what=f"the fetch of {key}")
+        # The download's bytes count against the budget from the start (the tmp file grows meanwhile).
+        self.cache.reserve(inode.size)
+        try:
+            await self._download_reserved(inode, key, tmp)
+        finally:
+            self.cache.unreserve(inode.size)
+
+    async def _download_reserved(self, inode: Inode, key: str, tmp: str) -> None:
         try:
             checksum = await trio.to_thread.run_sync(self.store.download, key, tmp, limiter=self._limiter)
         except BackendError as exc:
@@ -80,6 +101,7 @@ class Fetcher:
         st = os.stat(tmp)
         os.utime(tmp, ns=(current.mtime_ns, current.mtime_ns))
         os.rename(tmp, self.cache.data_path(inode.id))
+        self.cache.adopt(inode.id, st.st_size)
         with self.journal.transaction():
             self.journal.finish_fetch(inode.id, size=st.st_size, mtime_ns=current.mtime_ns)
         log.debug("fetched %s", key)

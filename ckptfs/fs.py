@@ -6,8 +6,10 @@ it is handed to the drain. It changes persistent state only through the journal 
 only through cache files. It never talks to an object store (the fetcher does that for it) and never
 imports pyfuse3: fuse_ops.py translates its results and FsError into FUSE replies.
 
-The write path (`write`) is the hot path: one dict lookup, one pwrite, no SQL. The journal learns that a
-file changed at the first write of each open handle (`_first_write`), and its final size at release.
+The write path (`write`) is the hot path: one dict lookup, one budget compare, one pwrite, no SQL. The
+journal learns that a file changed at the first write of each open handle (`_first_write`), and its final
+size at release. A write that finds the cache over its budget raises RoomNeeded before it writes anything;
+the caller awaits wait_for_room() and writes again (back-pressure, see evict.py).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import NamedTuple
 
 import trio
 
-from ckptfs.cache import CacheDir
+from ckptfs.cache import CacheDir, CacheFile
 from ckptfs.errors import FsError
+from ckptfs.evict import Evictor
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal
 
 log = logging.getLogger(__name__)
@@ -67,15 +70,23 @@ class StatFs(NamedTuple):
     name_max: int
 
 
+class RoomNeeded(Exception):
+    """The cache is over its budget: await Filesystem.wait_for_room(), then repeat the write."""
+
+
 class OpenFile:
-    """One open() of a file: the cache file descriptor, whether this handle has dirtied the file, and
-    whether it bypasses the kernel's page cache (write-only handles do: see Filesystem.caching)."""
+    """One open() of a file: the cache file descriptor, its space accounting entry, whether this handle
+    has dirtied the file, and whether it bypasses the kernel's page cache (write-only handles do: see
+    Filesystem.caching)."""
 
-    __slots__ = ("direct", "dirtied", "fd", "inode_id", "writable")
+    __slots__ = ("direct", "dirtied", "fd", "inode_id", "local", "writable")
 
-    def __init__(self, inode_id: int, fd: int, writable: bool, dirtied: bool, direct: bool) -> None:
+    def __init__(
+        self, inode_id: int, fd: int, local: CacheFile, writable: bool, dirtied: bool, direct: bool
+    ) -> None:
         self.inode_id = inode_id
         self.fd = fd
+        self.local = local
         self.writable = writable
         self.dirtied = dirtied
         self.direct = direct
@@ -116,11 +127,13 @@ class Filesystem:
         cache: CacheDir,
         fetch: FetchFn,
         notify_drain: Callable[[], None] = lambda: None,
+        evictor: Evictor | None = None,
     ) -> None:
         self.journal = journal
         self.cache = cache
         self._fetch = fetch
         self._notify_drain = notify_drain
+        self.evictor = evictor if evictor is not None else Evictor(journal, cache, in_use=self.in_use)
         self.handles: dict[int, OpenFile] = {}
         self._next_fh = 1
         self._open_count: dict[int, int] = {}
@@ -189,6 +202,7 @@ class Filesystem:
         self._changed.discard(inode_id)
         if inode.kind == FILE:
             self.cache.remove_data(inode_id)
+            self.evictor.forget(inode_id)
 
     # -- namespace -----------------------------------------------------------------------------------
 
@@ -342,10 +356,13 @@ class Filesystem:
                 raise FsError(errno.EISDIR if inode.kind == DIR else errno.EINVAL, "not a regular file")
             await self._make_local(inode, keep_content=changes.size > 0)
             self._begin_change(inode_id)
+            if changes.size > self.cache.file(inode_id).size:
+                await self.wait_for_room(changes.size - self.cache.file(inode_id).size)
             try:
                 os.truncate(self.cache.data_path(inode_id), changes.size)
             except OSError as exc:
                 raise FsError(exc.errno or errno.EIO, f"truncate: {exc.strerror}") from None
+            self.cache.resize(inode_id, changes.size)
             self._end_change_if_unopened(inode_id)
         columns: dict[str, object] = {}
         if changes.mode is not None:
@@ -406,6 +423,7 @@ class Filesystem:
             st = os.stat(self.cache.data_path(inode_id))
         except FileNotFoundError:
             return
+        self.cache.resize(inode_id, st.st_size)
         with self.journal.transaction():
             self.journal.mark_closed(
                 inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=time.time()
@@ -418,7 +436,8 @@ class Filesystem:
         self._next_fh += 1
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         direct = (flags & os.O_ACCMODE) == os.O_WRONLY
-        self.handles[fh] = OpenFile(inode_id, fd, writable, dirtied, direct)
+        self.handles[fh] = OpenFile(inode_id, fd, self.cache.file(inode_id), writable, dirtied, direct)
+        self.evictor.touch(inode_id)
         if direct and dirtied:
             self._uncached_writes.add(inode_id)
         self._open_count[inode_id] = self._open_count.get(inode_id, 0) + 1
@@ -466,8 +485,12 @@ class Filesystem:
         if writable:
             self._check_writable()
         await self._make_local(inode, keep_content=not truncate)
-        # Re-check after the await: the file may have been removed while it was fetched.
+        # Re-check after the await: the file may have been removed while it was fetched, or (a cache
+        # under heavy pressure) evicted again before this open came back to it.
         inode = self._get(inode_id)
+        while inode.state == REMOTE:
+            await self._make_local(inode, keep_content=not truncate)
+            inode = self._get(inode_id)
         try:
             fd = os.open(self.cache.data_path(inode_id), (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -477,6 +500,7 @@ class Filesystem:
             self._begin_change(inode_id)
             dirtied = True
             os.ftruncate(fd, 0)
+            self.cache.resize(inode_id, 0)
         return self._new_handle(inode_id, fd, flags, dirtied)
 
     def read(self, fh: int, offset: int, size: int) -> bytes:
@@ -484,12 +508,28 @@ class Filesystem:
 
     def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self.handles[fh]
+        cache = self.cache
+        if cache.used > cache.limit:
+            raise RoomNeeded
         if not handle.dirtied:
             self._first_write(handle)
         try:
-            return os.pwrite(handle.fd, data, offset)
+            written = os.pwrite(handle.fd, data, offset)
         except OSError as exc:
             raise FsError(exc.errno or errno.EIO, f"write to cache failed: {exc.strerror}") from None
+        end = offset + written
+        if end > handle.local.size:
+            cache.grow(handle.local, end)
+        return written
+
+    async def wait_for_room(self, needed: int = 0) -> None:
+        """Back-pressure: wait until `needed` more bytes fit in the cache budget (FsError ENOSPC after
+        dirty_wait)."""
+        await self.evictor.wait_for_room(needed)
+
+    def in_use(self, inode_id: int) -> bool:
+        """Open handles refer to the inode's data file: it must not be evicted."""
+        return inode_id in self._open_count
 
     def _first_write(self, handle: OpenFile) -> None:
         if not handle.writable:
@@ -531,6 +571,7 @@ class Filesystem:
             self._open_count[inode_id] = opens
         else:
             del self._open_count[inode_id]
+            self.evictor.touch(inode_id)
             self._maybe_purge(inode_id)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -541,6 +582,7 @@ class Filesystem:
         inode = self.journal.get(handle.inode_id)
         if inode is not None and inode.kind == FILE:
             st = os.fstat(handle.fd)
+            self.cache.resize(inode.id, st.st_size)
             with self.journal.transaction():
                 self.journal.set_attrs(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns)
         self.journal.sync()
@@ -566,9 +608,17 @@ class Filesystem:
         self._remember(inode_id)
 
     def statfs(self) -> StatFs:
+        """The cache budget as the filesystem's size: `df` on the mount shows how much more can be
+        written before writes wait for the drain (clean files count as free: they can be evicted)."""
         space = self.cache.space()
         block = space.block_size
-        return StatFs(block, space.total_bytes // block, space.free_bytes // block,
+        limit = self.cache.limit
+        if limit == float("inf"):
+            return StatFs(block, space.total_bytes // block, space.free_bytes // block,
+                          space.total_files, space.free_files, NAME_MAX)
+        evictable = self.journal.clean_bytes()
+        free = max(0, int(limit) - self.cache.used + evictable)
+        return StatFs(block, int(limit) // block, min(free, int(limit)) // block,
                       space.total_files, space.free_files, NAME_MAX)
 
     # -- xattrs -------------------------------------------------------------------------------------------

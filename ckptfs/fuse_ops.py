@@ -27,7 +27,7 @@ from pyfuse3 import (
 )
 
 from ckptfs.errors import FsError
-from ckptfs.fs import Attr, Filesystem, SetAttrs
+from ckptfs.fs import Attr, Filesystem, RoomNeeded, SetAttrs
 
 log = logging.getLogger(__name__)
 
@@ -198,10 +198,17 @@ class FuseOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
 
     async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
-        try:
-            return self.fs.write(fh, off, buf)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        while True:
+            try:
+                return self.fs.write(fh, off, buf)
+            except RoomNeeded:
+                pass
+            except FsError as exc:
+                raise _fuse_error(exc) from None
+            try:
+                await self.fs.wait_for_room()
+            except FsError as exc:
+                raise _fuse_error(exc) from None
 
     async def flush(self, fh: FileHandleT) -> None:
         return None

@@ -559,6 +559,31 @@ class Journal:
             (size, mtime_ns, inode_id),
         )
 
+    # -- eviction (called by evict.py) -----------------------------------------------------------------
+
+    def clean_files(self) -> list[int]:
+        """Ids of linked files whose local data is a clean copy of what the store holds: what may be
+        evicted (the evictor skips open ones)."""
+        return [row[0] for row in self.db.execute(
+            "SELECT id FROM inodes WHERE state = 'clean' AND kind = 'file' AND path IS NOT NULL"
+        )]
+
+    def clean_bytes(self) -> int:
+        row = self.db.execute(
+            "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE state = 'clean' AND kind = 'file' AND path IS NOT NULL"
+        ).fetchone()
+        return int(row[0])
+
+    def mark_evicted(self, inode_id: int, *, size: int, mtime_ns: int) -> bool:
+        """The local copy of a clean file is about to go: the store's copy serves it from now ('remote').
+        False (nothing changed) if the file is no longer clean."""
+        cur = self.db.execute(
+            "UPDATE inodes SET state = 'remote', size = ?, mtime_ns = ? WHERE id = ? AND state = 'clean'"
+            " AND kind = 'file'",
+            (size, mtime_ns, inode_id),
+        )
+        return cur.rowcount == 1
+
     # -- status ----------------------------------------------------------------------------------------
 
     def state_summary(self) -> dict[str, dict[str, int]]:

@@ -17,6 +17,7 @@ from ckptfs.backends.local import LocalStore
 from ckptfs.cache import CacheDir
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.drain import Drain
+from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, Journal
@@ -162,16 +163,26 @@ class Stack:
 
 
 def make_stack(
-    root: Path, *, upload_delay: float = 0.0, markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS
+    root: Path, *, upload_delay: float = 0.0, markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS,
+    cache_size: int | None = None, dirty_wait: float = 600.0,
 ) -> Stack:
+    """Wired like daemon.py. `cache_size` (bytes) sets a budget (min_free 0); the evictor's background
+    task runs only if a test starts it (stack.fs.evictor.run)."""
     cache = CacheDir(root / "cache")
     cache.prepare()
     journal = Journal(cache.journal_path)
     (root / "store").mkdir(exist_ok=True)
     store = RecordingStore(LocalStore(root / "store"))
     drain = Drain(journal, cache, store, transfers=2, upload_delay=upload_delay, commit_markers=markers)  # type: ignore[arg-type]
-    fetcher = Fetcher(journal, cache, store, limiter=trio.CapacityLimiter(2))  # type: ignore[arg-type]
-    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify)
+    in_use: list[Filesystem] = []
+    evictor = Evictor(
+        journal, cache, in_use=lambda i: in_use[0].in_use(i), dirty_wait=dirty_wait, on_pressure=drain.set_pressure
+    )
+    fetcher = Fetcher(journal, cache, store, limiter=trio.CapacityLimiter(2), evictor=evictor)  # type: ignore[arg-type]
+    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor)
+    in_use.append(fs)
+    if cache_size is not None:
+        cache.configure_budget(cache_size, 0)
     return Stack(root, cache, journal, store, drain, fetcher, fs)
 
 

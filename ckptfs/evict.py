@@ -1,0 +1,198 @@
+"""The evictor: keeps the cache within its budget, and makes writers wait when it cannot.
+
+Owns: which clean files leave the cache (least recently used first; never dirty, uploading or open ones),
+when (above a high-water mark, down to a low-water mark, so that writers rarely meet a full cache), and
+back-pressure: a write that finds the cache over its budget waits here until eviction or the drain makes
+room, up to `dirty_wait`, then fails with ENOSPC. While writers wait it asks the drain (through
+`on_pressure`) to upload at once, ignoring upload_delay, and to spill files still open for writing.
+
+An evicted file keeps its inode and becomes 'remote': the next open fetches it again (fetch.py).
+Everything here runs in the trio thread; eviction itself is a journal update and an unlink.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from ckptfs.cache import CacheDir
+from ckptfs.errors import FsError
+from ckptfs.journal import Journal
+
+log = logging.getLogger(__name__)
+
+# Eviction starts above HIGH_WATER x limit and goes down to LOW_WATER x limit.
+HIGH_WATER = 0.95
+LOW_WATER = 0.90
+# How often the budget is re-measured against the filesystem (others may fill it).
+MEASURE_INTERVAL = 1.0
+# How often a waiting writer re-checks for room the drain made (an upload finishing makes a file evictable).
+WAIT_POLL = 0.05
+# Back-pressure episodes are logged at most this often.
+LOG_INTERVAL = 30.0
+
+
+@dataclass
+class EvictStats:
+    evicted_files: int = 0
+    evicted_bytes: int = 0
+    waits: int = 0  # writes (and fetches) that had to wait for room
+    wait_seconds: float = 0.0
+    enospc: int = 0  # waits that gave up after dirty_wait
+
+
+class Evictor:
+    def __init__(
+        self,
+        journal: Journal,
+        cache: CacheDir,
+        *,
+        in_use: Callable[[int], bool],
+        dirty_wait: float = 600.0,
+        on_pressure: Callable[[bool], None] = lambda on: None,
+    ) -> None:
+        self.journal = journal
+        self.cache = cache
+        self.in_use = in_use
+        self.dirty_wait = dirty_wait
+        self.on_pressure = on_pressure
+        self.stats = EvictStats()
+        # inode id -> when it was last opened or closed (monotonic seconds, or the data file's atime
+        # for files not touched since start-up: both only order files, never compared to a clock).
+        self.last_used: dict[int, float] = {}
+        self._kick = trio.Event()
+        self._room = trio.Event()
+        self._waiters = 0
+        self._pressure = False
+        self._logged_at = -LOG_INTERVAL
+
+    def start(self, atimes: dict[int, float]) -> None:
+        """Seed the LRU order with the data files' access times (from CacheDir.scan at start-up)."""
+        offset = time.monotonic() - time.time()
+        self.last_used = {inode_id: atime + offset for inode_id, atime in atimes.items()}
+
+    def touch(self, inode_id: int) -> None:
+        self.last_used[inode_id] = time.monotonic()
+
+    def forget(self, inode_id: int) -> None:
+        self.last_used.pop(inode_id, None)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiters
+
+    # -- the background task ----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            with trio.move_on_after(WAIT_POLL if self._waiters else MEASURE_INTERVAL):
+                await self._kick.wait()
+            self._kick = trio.Event()
+            self.cache.measure()
+            self.evict_if_needed()
+            self._set_pressure(self._waiters > 0 or self.cache.used > self.cache.limit)
+            room, self._room = self._room, trio.Event()
+            room.set()
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    def evict_if_needed(self) -> int:
+        """Evict least recently used clean files while the cache is above its high-water mark."""
+        limit = self.cache.limit
+        if self.cache.used <= limit * HIGH_WATER:
+            return 0
+        return self.evict(self.cache.used - int(limit * LOW_WATER))
+
+    def evict(self, wanted: int) -> int:
+        """Evict clean, closed files, least recently used first, until `wanted` bytes are freed or no
+        candidate is left; return the bytes freed. Synchronous: nothing can open a file meanwhile."""
+        freed = 0
+        candidates = self.journal.clean_files()
+        candidates.sort(key=lambda inode_id: self.last_used.get(inode_id, 0.0))
+        for inode_id in candidates:
+            if freed >= wanted:
+                break
+            if self.in_use(inode_id):
+                continue
+            freed += self._evict_one(inode_id)
+        return freed
+
+    def _evict_one(self, inode_id: int) -> int:
+        entry = self.cache.files.get(inode_id)
+        try:
+            st = os.stat(self.cache.data_path(inode_id))
+        except FileNotFoundError:
+            return 0
+        with self.journal.transaction():
+            if not self.journal.mark_evicted(inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns):
+                return 0
+        charge = entry.charge if entry is not None else st.st_size
+        self.cache.remove_data(inode_id)
+        self.last_used.pop(inode_id, None)
+        self.stats.evicted_files += 1
+        self.stats.evicted_bytes += charge
+        log.debug("evicted inode %d (%d bytes)", inode_id, charge)
+        return charge
+
+    def _set_pressure(self, on: bool) -> None:
+        if on != self._pressure:
+            self._pressure = on
+            self.on_pressure(on)
+
+    # -- back-pressure --------------------------------------------------------------------------------
+
+    async def wait_for_room(self, needed: int = 0, *, what: str = "a write") -> None:
+        """Return once `needed` more bytes fit in the budget (0: once the cache is back within it).
+        Evicts first; then waits for the drain, up to dirty_wait; then raises FsError(ENOSPC)."""
+        if self._fits(needed):
+            return
+        self.evict(self.cache.used + needed - int(self.cache.limit * LOW_WATER))
+        if self._fits(needed):
+            return
+        self.stats.waits += 1
+        self._waiters += 1
+        started = trio.current_time()
+        self._set_pressure(True)
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_INTERVAL:
+            self._logged_at = now
+            log.info(
+                "cache full (%s used of a %s budget, mostly data not yet uploaded): writes wait for the drain"
+                " for up to %ss", _size(self.cache.used), _size(int(self.cache.limit)), self.dirty_wait,
+            )
+        try:
+            with trio.move_on_after(self.dirty_wait):
+                while not self._fits(needed):
+                    self.kick()
+                    await self._room.wait()
+                return
+            self.stats.enospc += 1
+            log.error(
+                "%s gave up after waiting %ss for room in the cache (%s used of %s): ENOSPC. The drain is"
+                " not keeping up or the store refuses uploads (see ckptfs status); raise cache_size or"
+                " dirty_wait", what, self.dirty_wait, _size(self.cache.used), _size(int(self.cache.limit)),
+            )
+            raise FsError(errno.ENOSPC, "cache full of data not yet uploaded")
+        finally:
+            self._waiters -= 1
+            self.stats.wait_seconds += trio.current_time() - started
+            self.kick()
+
+    def _fits(self, needed: int) -> bool:
+        return self.cache.used + needed <= self.cache.limit
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,169 @@
+"""The cache budget without a kernel: accounting, LRU eviction of clean files, back-pressure, ENOSPC."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import trio
+from fsharness import GID, UID, Stack, check_consistency, make_stack
+
+from ckptfs.errors import FsError, PermanentBackendError
+from ckptfs.fs import RoomNeeded, SetAttrs
+from ckptfs.journal import CLEAN, REMOTE, ROOT_ID
+
+KIB = 1024
+
+
+def data_bytes(stack: Stack) -> int:
+    return sum(os.stat(stack.cache.data_path(i)).st_size for i in stack.cache.data_ids())
+
+
+async def write_waiting(stack: Stack, fh: int, offset: int, data: bytes) -> None:
+    """What fuse_ops.write does: write, and wait for room when the cache is over its budget."""
+    while True:
+        try:
+            stack.fs.write(fh, offset, data)
+            return
+        except RoomNeeded:
+            await stack.fs.wait_for_room()
+
+
+async def read_all(stack: Stack, ino: int) -> bytes:
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    try:
+        return stack.fs.read(fh, 0, 1 << 24)
+    finally:
+        stack.fs.release(fh)
+
+
+async def test_accounting_follows_writes_truncates_and_removes(tmp_path: Path) -> None:
+    stack = make_stack(tmp_path, cache_size=10 << 20)
+    assert stack.cache.limit == 10 << 20
+    fh, attr = stack.fs.create(ROOT_ID, b"f", 0o644, os.O_RDWR, UID, GID)
+    stack.fs.write(fh, 0, b"x" * 1000)
+    stack.fs.write(fh, 500, b"y" * 100)  # inside: no growth
+    stack.fs.write(fh, 4000, b"z")  # sparse: counted at its apparent size
+    assert stack.cache.used == 4001
+    stack.fs.release(fh)
+    await stack.fs.setattr(attr.ino, SetAttrs(size=10), None)
+    assert stack.cache.used == 10
+    stack.fs.unlink(ROOT_ID, b"f")
+    stack.fs.forget(attr.ino, 1)
+    assert stack.cache.used == 0
+    # A fresh scan (what a restart sees) agrees with the running count.
+    stack.write_file("g", b"g" * 3000)
+    before = stack.cache.used
+    stack.cache.scan()
+    assert stack.cache.used == before == data_bytes(stack)
+    check_consistency(stack)
+
+
+async def test_clean_files_are_evicted_least_recently_used_first_and_come_back(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    stack = make_stack(tmp_path, cache_size=1000 * KIB)
+    await nursery.start(stack.drain.run)
+    inos = [stack.write_file(f"ckpt-{i}", bytes([i]) * (300 * KIB)) for i in range(3)]
+    await stack.flush()
+    # Read ckpt-0 so that ckpt-1 becomes the least recently used.
+    assert await read_all(stack, inos[0]) == bytes([0]) * (300 * KIB)
+    inos.append(stack.write_file("ckpt-3", b"\3" * (300 * KIB)))  # 1200 KiB > 950 KiB high-water mark
+    stack.fs.evictor.evict_if_needed()
+    states = {i: stack.journal.get(i).state for i in inos}  # type: ignore[union-attr]
+    assert states[inos[1]] == REMOTE, states
+    assert states[inos[0]] == CLEAN and states[inos[2]] == CLEAN
+    assert stack.cache.used <= 1000 * KIB
+    assert stack.fs.getxattr(inos[1], b"user.ckptfs.state") == b"remote"
+    assert stack.fs.getattr(inos[1]).size == 300 * KIB  # stat still answers, from the journal
+    # Reading it back fetches it, which evicts the next least recently used clean file.
+    assert await read_all(stack, inos[1]) == b"\1" * (300 * KIB)
+    assert stack.cache.used <= 1000 * KIB
+    assert stack.fs.evictor.stats.evicted_files >= 2
+    check_consistency(stack)
+
+
+async def test_open_and_dirty_files_are_never_evicted(tmp_path: Path, nursery: trio.Nursery) -> None:
+    stack = make_stack(tmp_path, cache_size=1000 * KIB, upload_delay=3600)
+    await nursery.start(stack.drain.run)
+    fh, attr = stack.fs.create(ROOT_ID, b"open", 0o644, os.O_RDWR, UID, GID)
+    stack.fs.write(fh, 0, b"o" * (300 * KIB))
+    stack.fs.release(fh)
+    await stack.flush()
+    fh = await stack.fs.open(attr.ino, os.O_RDONLY)  # clean now, but open
+    dirty = stack.write_file("dirty", b"d" * (400 * KIB))  # waits out the upload delay: stays dirty
+    stack.write_file("more", b"m" * (400 * KIB))
+    assert stack.fs.evictor.evict(1 << 30) == 0
+    assert stack.journal.get(dirty).state != REMOTE  # type: ignore[union-attr]
+    assert stack.journal.get(attr.ino).state == CLEAN  # type: ignore[union-attr]
+    stack.fs.release(fh)
+    assert stack.fs.evictor.evict(1 << 30) > 0
+    assert stack.journal.get(attr.ino).state == REMOTE  # type: ignore[union-attr]
+    check_consistency(stack)
+
+
+async def test_writes_wait_for_the_drain_instead_of_failing(tmp_path: Path, nursery: trio.Nursery) -> None:
+    # upload_delay is an hour: only the back-pressure's "upload now" gets the first file out in time.
+    stack = make_stack(tmp_path, cache_size=1000 * KIB, upload_delay=3600)
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fs.evictor.run)
+    stack.write_file("first", b"1" * (800 * KIB))
+    fh, _ = stack.fs.create(ROOT_ID, b"second", 0o644, os.O_WRONLY, UID, GID)
+    peak = 0
+    with trio.fail_after(20):
+        for offset in range(0, 768 * KIB, 64 * KIB):
+            await write_waiting(stack, fh, offset, b"2" * (64 * KIB))
+            peak = max(peak, data_bytes(stack))
+    stack.fs.release(fh)
+    # Never more than the budget plus one write request.
+    assert peak <= 1000 * KIB + 64 * KIB
+    assert stack.fs.evictor.stats.waits >= 1 and stack.fs.evictor.stats.enospc == 0
+    await stack.flush()
+    assert stack.store_files() == {"first": b"1" * (800 * KIB), "second": b"2" * (768 * KIB)}
+    check_consistency(stack)
+
+
+async def test_write_fails_with_enospc_after_dirty_wait(tmp_path: Path, nursery: trio.Nursery) -> None:
+    stack = make_stack(tmp_path, cache_size=1000 * KIB, dirty_wait=0.5)
+    stack.store.failures = [PermanentBackendError("AccessDenied")] * 1000  # the bucket refuses writes
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fs.evictor.run)
+    stack.write_file("first", b"1" * (900 * KIB))
+    fh, _ = stack.fs.create(ROOT_ID, b"second", 0o644, os.O_WRONLY, UID, GID)
+    with pytest.raises(FsError) as exc_info:
+        for offset in range(0, 768 * KIB, 64 * KIB):
+            await write_waiting(stack, fh, offset, b"2" * (64 * KIB))
+    assert exc_info.value.errno == errno.ENOSPC
+    assert stack.fs.evictor.stats.enospc == 1
+    stack.fs.release(fh)
+    # Nothing written before is lost: both files are still in the cache, dirty, and journaled.
+    assert stack.journal.by_path("first").state != REMOTE  # type: ignore[union-attr]
+    check_consistency(stack)
+
+
+async def test_statfs_reports_the_budget(tmp_path: Path, nursery: trio.Nursery) -> None:
+    stack = make_stack(tmp_path, cache_size=1000 * KIB, upload_delay=3600)
+    await nursery.start(stack.drain.run)
+    info = stack.fs.statfs()
+    assert info.blocks * info.block_size <= 1000 * KIB
+    assert info.blocks_free == info.blocks
+    stack.write_file("dirty", b"d" * (400 * KIB))
+    info = stack.fs.statfs()
+    assert (info.blocks - info.blocks_free) * info.block_size >= 390 * KIB
+    await stack.flush()  # clean files can be evicted: they count as free
+    assert stack.fs.statfs().blocks_free == info.blocks
+
+
+async def test_fetch_larger_than_the_budget_is_a_clear_error(tmp_path: Path, nursery: trio.Nursery) -> None:
+    stack = make_stack(tmp_path, cache_size=1000 * KIB)
+    await nursery.start(stack.drain.run)
+    ino = stack.write_file("big", b"b" * (900 * KIB))
+    await stack.flush()
+    assert stack.fs.evictor.evict(1 << 30) > 0
+    stack.cache.configure_budget(500 * KIB, 0)
+    with pytest.raises(FsError) as exc_info:
+        await stack.fs.open(ino, os.O_RDONLY)
+    assert exc_info.value.errno == errno.EFBIG
+    check_consistency(stack)
