@@ -17,6 +17,7 @@ It knows inode ids but not the namespace or file states (the journal has those),
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import math
@@ -32,15 +33,25 @@ class CacheFile:
     """What the accounting knows of one data file. Open handles share it, so the write path updates
     it without a dict lookup."""
 
-    __slots__ = ("freed", "size")
+    __slots__ = ("freed", "sealed", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size  # apparent size as far as the accounting has seen it
-        self.freed = 0  # bytes at the start of the file uploaded and punched out (a spill); reads fail there
+        # A spill (drain.py) uploads the start of a file still being written and punches it out:
+        self.sealed = 0  # bytes at the start that are being or have been spilled: writes there fail
+        self.freed = 0  # bytes at the start already punched out: reads there fail too
 
     @property
     def charge(self) -> int:
         return self.size - self.freed
+
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_fallocate.restype = ctypes.c_int
 
 
 @dataclass(frozen=True)
@@ -191,15 +202,30 @@ class CacheDir:
             return
         self.used += size - entry.size
         entry.size = size
+        entry.sealed = min(entry.sealed, size)
         if entry.freed > size:
             self.used += entry.freed - size
             entry.freed = size
 
-    def freed(self, inode_id: int, length: int) -> None:
-        """`length` more bytes at the start of the file were punched out (uploaded by a spill)."""
+    def punch(self, inode_id: int, offset: int, length: int) -> None:
+        """Free `length` bytes at `offset` of a data file (uploaded by a spill), keeping its size."""
+        fd = os.open(self.data_path(inode_id), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+        finally:
+            os.close(fd)
         entry = self.files.get(inode_id)
         if entry is not None:
-            entry.freed += length
+            entry.freed = max(entry.freed, offset + length)
+            self.used -= length
+
+    def restore_spilled(self, inode_id: int, length: int) -> None:
+        """At start-up: the first `length` bytes of this data file were spilled before the restart."""
+        entry = self.files.get(inode_id)
+        if entry is not None and length <= entry.size:
+            entry.sealed = entry.freed = length
             self.used -= length
 
     def reserve(self, size: int) -> None:

@@ -28,7 +28,7 @@ import trio
 
 from ckptfs import ctl
 from ckptfs.backends import open_store
-from ckptfs.backends.base import ObjectStore
+from ckptfs.backends.base import ObjectStore, UploadState
 from ckptfs.cache import CacheDir
 from ckptfs.config import Config, parse_size
 from ckptfs.drain import Drain, FlushResult
@@ -86,6 +86,7 @@ class Daemon:
             journal, cache, store, limiter=trio.CapacityLimiter(config.transfers), evictor=self.evictor
         )
         self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor)
+        self.drain.on_spilled = self.evictor.evict_if_clean
         self._stop_requested = trio.Event()
         self._stop_timeout: float | None = config.drain_timeout
         self._finished = trio.Event()
@@ -285,6 +286,10 @@ async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
             )
             await recover(journal, cache, store, time.time())
             atimes = cache.scan()
+            for inode_id, text in journal.upload_states():
+                state = UploadState.from_json(text)
+                if state.spilled:
+                    cache.restore_spilled(inode_id, state.size)
             cache.configure_budget(config.cache_size, config.min_free)
             daemon = Daemon(config, store, cache, journal)
             daemon.evictor.start(atimes)

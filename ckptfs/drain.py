@@ -45,6 +45,10 @@ MIN_SCAN_INTERVAL = 0.02
 FLUSH_POLL = 0.05
 FULL_CHECK_INTERVAL = 1.0
 MARKER_PAGE = 100
+# A spill leaves this much of the end of a file being written in the cache (a writer may still seek back
+# a little, e.g. to patch a header), and takes parts of SPILL_PART_SIZE (the store's part size for S3).
+SPILL_LOOKAHEAD = 16 << 20
+SPILL_PART_SIZE = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class DrainStats:
     upload_seconds: float = 0.0
     moves: int = 0
     deletes: int = 0
+    spilled_bytes: int = 0
     errors: int = 0
     last_error: str | None = None
     last_error_at: float | None = None
@@ -108,6 +113,11 @@ class Drain:
         self._flush_waiters: list[set[tuple[str, int]]] = []
         self._token: trio.lowlevel.TrioToken | None = None
         self._permanent_reported: set[str] = set()
+        self._pressure = False
+        self.spill_part_size = int(getattr(store, "part_size", SPILL_PART_SIZE))
+        self.spill_lookahead = SPILL_LOOKAHEAD
+        # Called with an inode id once a spilled file is uploaded: its local copy has holes, evict it.
+        self.on_spilled: Callable[[int], None] = lambda inode_id: None
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -119,6 +129,7 @@ class Drain:
         """The cache is full (evict.py): upload closed files at once, ignoring upload_delay, until it
         is not."""
         self._expedite += 1 if on else -1
+        self._pressure = on
         if on:
             self.notify()
 
@@ -137,7 +148,7 @@ class Drain:
                 scanned_at = trio.current_time()
                 jobs, next_due = self._scan()
                 for job in jobs:
-                    slots = self._upload_slots if job.kind == "upload" else self._other_slots
+                    slots = self._upload_slots if job.kind in ("upload", "spill") else self._other_slots
                     await slots.acquire()
                     if not self._claim(job):
                         slots.release()
@@ -253,11 +264,17 @@ class Drain:
             return False
 
         for inode in self.journal.uploads_due(cut_off, SCAN_LIMIT):
-            if waiting(("upload", inode.id)) or self._marker_blocked(inode):
+            if waiting(("upload", inode.id)) or ("spill", inode.id) in self._running or self._marker_blocked(inode):
                 continue
             if self._target_taken(inode, inode.key):  # type: ignore[arg-type]
                 continue
             jobs.append(Job("upload", inode.id, (inode.key,)))  # type: ignore[arg-type]
+        if self._pressure:
+            for inode_id in self.journal.open_dirty_files():
+                if waiting(("spill", inode_id)) or ("upload", inode_id) in self._running:
+                    continue
+                if self._spillable(inode_id) >= self.spill_part_size:
+                    jobs.append(Job("spill", inode_id, ()))
         for inode in self.journal.misplaced(SCAN_LIMIT):
             if waiting(("move", inode.id)) or self._marker_blocked(inode):
                 continue
@@ -307,6 +324,8 @@ class Drain:
         try:
             if job.kind == "upload":
                 await self._upload(job.ident)
+            elif job.kind == "spill":
+                await self._spill(job.ident)
             elif job.kind == "move":
                 await self._move(job.ident)
             elif job.kind == "meta":
@@ -374,6 +393,14 @@ class Drain:
         if inode.kind == FILE:
             if inode.closed_at is None:
                 return
+            spill = await self._spill_state(inode)
+            if spill is not None:
+                await self._finish_spill(inode, spill)
+                return
+            current = self.journal.get(inode_id)
+            if current is None or current.version != version or current.closed_at is None:
+                return
+            inode = current
             with self.journal.transaction():
                 self.journal.begin_upload(inode_id)
             started = trio.current_time()
@@ -424,6 +451,100 @@ class Drain:
             self._write_ahead(key)
             await self._thread(self.store.put_symlink, key, inode.target, self._meta(inode))
             self._record_upload(inode_id, key, version, None, 0)
+
+    # -- spills: the start of a file still being written leaves the cache (see backends/base.py) ----------
+
+    def _spillable(self, inode_id: int) -> int:
+        """Bytes of a file being written that a spill could take now."""
+        entry = self.cache.files.get(inode_id)
+        if entry is None:
+            return 0
+        return entry.size - self.spill_lookahead - entry.sealed
+
+    async def _spill_state(self, inode: Inode) -> UploadState | None:
+        """The spill this file has in progress, if it is still valid; a stale one (the file was truncated
+        or rewritten since) is thrown away."""
+        if inode.upload_state is None:
+            return None
+        try:
+            state = UploadState.from_json(inode.upload_state)
+        except (ValueError, KeyError, TypeError):
+            return None
+        if not state.spilled:
+            return None
+        entry = self.cache.files.get(inode.id)
+        if entry is not None and entry.freed == state.size:
+            return state
+        log.info("%s was rewritten after part of it was spilled; discarding the spill", inode.path)
+        await self._thread(self.store.spill_abort, state)
+        with self.journal.transaction():
+            self.journal.save_upload_state(inode.id, None)
+        return None
+
+    async def _spill(self, inode_id: int) -> None:
+        """While the cache is full, upload the written start of a file still open for writing, part by
+        part in order, and punch each part out of the cache file once the journal has it."""
+        inode = self.journal.get(inode_id)
+        if inode is None or inode.kind != FILE or inode.path is None:
+            return
+        state = await self._spill_state(inode)
+        if state is None:
+            state = await self._thread(self.store.spill_begin, self.spill_part_size)
+            with self.journal.transaction():
+                self.journal.save_upload_state(inode_id, state.to_json())
+            log.info("cache full: uploading the start of %s while it is still being written", inode.path)
+        part = state.part_size
+        path = self.cache.data_path(inode_id)
+        while self._pressure:
+            entry = self.cache.files.get(inode_id)
+            if entry is None or entry.freed != state.size or self._spillable(inode_id) < part:
+                return
+            # Seal the part first: a write into it from now on fails instead of going unnoticed.
+            entry.sealed = state.size + part
+            state = await self._thread(self.store.spill_part, state, path, part)
+            current = self.journal.get(inode_id)
+            if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
+                return  # removed meanwhile; the store's start-up cleanup takes the staged parts
+            with self.journal.transaction():
+                self.journal.save_upload_state(inode_id, state.to_json())
+            await self._thread(self.cache.punch, inode_id, state.size - part, part)
+            self.stats.spilled_bytes += part
+
+    async def _finish_spill(self, inode: Inode, state: UploadState) -> None:
+        """The spilled file was closed: stage the rest of it, then move the whole to its key."""
+        inode_id, key, version = inode.id, inode.key, inode.version
+        assert key is not None
+        with self.journal.transaction():
+            self.journal.begin_upload(inode_id)
+        started = trio.current_time()
+        path = self.cache.data_path(inode_id)
+        try:
+            entry = self.cache.file(inode_id)
+            entry.sealed = entry.size
+            while state.size < entry.size:
+                length = min(state.part_size, entry.size - state.size)
+                state = await self._thread(self.store.spill_part, state, path, length)
+                with self.journal.transaction():
+                    self.journal.save_upload_state(inode_id, state.to_json())
+            current = self.journal.get(inode_id)
+            if current is None or current.version != version or current.path is None:
+                # Rewritten (O_TRUNC) or removed: _spill_state discards the spill next time.
+                with self.journal.transaction():
+                    self.journal.abort_upload(inode_id)
+                return
+            meta = self._meta(current)
+            self._write_ahead(current.key)  # type: ignore[arg-type]
+            await self._thread(self.store.spill_commit, state, current.key, meta)
+        except BaseException:
+            with self.journal.transaction():
+                self.journal.abort_upload(inode_id)
+            raise
+        self.stats.uploaded_files += 1
+        self.stats.uploaded_bytes += state.size
+        self.stats.upload_seconds += trio.current_time() - started
+        self._record_upload(inode_id, current.key, version, state.checksum, state.size)  # type: ignore[arg-type]
+        log.info("uploaded %s (%d bytes, spilled while it was written)", current.key, state.size)
+        self.on_spilled(inode_id)
 
     async def _resumable_state(self, inode: Inode, key: str) -> UploadState | None:
         """The staged upload an earlier attempt (or daemon) left for this file, if it can continue here.

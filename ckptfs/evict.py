@@ -125,6 +125,12 @@ class Evictor:
             freed += self._evict_one(inode_id)
         return freed
 
+    def evict_if_clean(self, inode_id: int) -> None:
+        """Evict this file now if it is clean and closed (a spilled file once its upload completed:
+        its start is punched out, so only the store's copy is whole)."""
+        if not self.in_use(inode_id):
+            self._evict_one(inode_id)
+
     def _evict_one(self, inode_id: int) -> int:
         entry = self.cache.files.get(inode_id)
         try:

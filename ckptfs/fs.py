@@ -356,8 +356,12 @@ class Filesystem:
                 raise FsError(errno.EISDIR if inode.kind == DIR else errno.EINVAL, "not a regular file")
             await self._make_local(inode, keep_content=changes.size > 0)
             self._begin_change(inode_id)
-            if changes.size > self.cache.file(inode_id).size:
-                await self.wait_for_room(changes.size - self.cache.file(inode_id).size)
+            local = self.cache.file(inode_id)
+            if 0 < changes.size < local.sealed:
+                raise FsError(errno.EIO, "the start of this file was already uploaded to make room in the cache"
+                                         " (a spill): it can be truncated to 0 or beyond that part only")
+            if changes.size > local.size:
+                await self.wait_for_room(changes.size - local.size)
             try:
                 os.truncate(self.cache.data_path(inode_id), changes.size)
             except OSError as exc:
@@ -491,6 +495,9 @@ class Filesystem:
         while inode.state == REMOTE:
             await self._make_local(inode, keep_content=not truncate)
             inode = self._get(inode_id)
+        if writable and not truncate and self.cache.file(inode_id).sealed:
+            raise FsError(errno.EBUSY, "the start of this file was uploaded to make room in the cache while it"
+                                       " was written; it can be rewritten (O_TRUNC) or changed once uploaded")
         try:
             fd = os.open(self.cache.data_path(inode_id), (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -504,13 +511,20 @@ class Filesystem:
         return self._new_handle(inode_id, fd, flags, dirtied)
 
     def read(self, fh: int, offset: int, size: int) -> bytes:
-        return os.pread(self.handles[fh].fd, size, offset)
+        handle = self.handles[fh]
+        if offset < handle.local.freed:
+            raise FsError(errno.EIO, "this part of the file was uploaded and freed from the cache to make room"
+                                     " (a spill); it can be read again once the whole file is uploaded")
+        return os.pread(handle.fd, size, offset)
 
     def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self.handles[fh]
         cache = self.cache
         if cache.used > cache.limit:
             raise RoomNeeded
+        if offset < handle.local.sealed:
+            raise FsError(errno.EIO, "this part of the file was already uploaded to make room in the cache"
+                                     " (a spill) and can no longer change")
         if not handle.dirtied:
             self._first_write(handle)
         try:
@@ -572,6 +586,8 @@ class Filesystem:
         else:
             del self._open_count[inode_id]
             self.evictor.touch(inode_id)
+            if handle.local.freed:
+                self.evictor.evict_if_clean(inode_id)  # a spilled file whose upload finished while open
             self._maybe_purge(inode_id)
 
     async def fsync(self, fh: int, datasync: bool) -> None:

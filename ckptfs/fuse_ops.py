@@ -194,6 +194,8 @@ class FuseOperations(pyfuse3.Operations):
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         try:
             return self.fs.read(fh, off, size)
+        except FsError as exc:
+            raise _fuse_error(exc) from None
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
 

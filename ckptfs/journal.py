@@ -568,6 +568,13 @@ class Journal:
             "SELECT id FROM inodes WHERE state = 'clean' AND kind = 'file' AND path IS NOT NULL"
         )]
 
+    def open_dirty_files(self) -> list[int]:
+        """Ids of linked files being written right now (what a spill may take from)."""
+        return [row[0] for row in self.db.execute(
+            "SELECT id FROM inodes WHERE state = 'dirty' AND kind = 'file' AND closed_at IS NULL"
+            " AND path IS NOT NULL"
+        )]
+
     def clean_bytes(self) -> int:
         row = self.db.execute(
             "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE state = 'clean' AND kind = 'file' AND path IS NOT NULL"

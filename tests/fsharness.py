@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from ckptfs.backends.base import ObjectInfo, ObjectMeta, StagedUpload
+from ckptfs.backends.base import ObjectInfo, ObjectMeta, StagedUpload, UploadState
 from ckptfs.backends.local import LocalStore
 from ckptfs.cache import CacheDir
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
@@ -115,6 +115,23 @@ class RecordingStore:
     def abort_stale_uploads(self, keep: Any = ()) -> int:
         return self.inner.abort_stale_uploads(keep)
 
+    def spill_begin(self, part_size: int) -> UploadState:
+        self._maybe_fail()
+        return self.inner.spill_begin(part_size)
+
+    def spill_part(self, state: UploadState, src_path: str, length: int) -> UploadState:
+        self._maybe_fail()
+        return self.inner.spill_part(state, src_path, length)
+
+    def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
+        self._maybe_fail()
+        self.inner.spill_commit(state, key, meta)
+        with self._lock:
+            self.calls.append(("spill_commit", key))
+
+    def spill_abort(self, state: UploadState) -> None:
+        self.inner.spill_abort(state)
+
 
 @dataclass
 class Stack:
@@ -181,6 +198,7 @@ def make_stack(
     fetcher = Fetcher(journal, cache, store, limiter=trio.CapacityLimiter(2), evictor=evictor)  # type: ignore[arg-type]
     fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor)
     in_use.append(fs)
+    drain.on_spilled = evictor.evict_if_clean
     if cache_size is not None:
         cache.configure_budget(cache_size, 0)
     return Stack(root, cache, journal, store, drain, fetcher, fs)

@@ -167,3 +167,91 @@ async def test_fetch_larger_than_the_budget_is_a_clear_error(tmp_path: Path, nur
         await stack.fs.open(ino, os.O_RDONLY)
     assert exc_info.value.errno == errno.EFBIG
     check_consistency(stack)
+
+
+def small_spills(stack: Stack) -> None:
+    stack.drain.spill_part_size = 64 * KIB
+    stack.drain.spill_lookahead = 64 * KIB
+
+
+async def test_a_file_larger_than_the_cache_is_spilled_while_it_is_written(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    stack = make_stack(tmp_path, cache_size=1000 * KIB, upload_delay=3600)
+    small_spills(stack)
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fs.evictor.run)
+    fh, attr = stack.fs.create(ROOT_ID, b"big.pt", 0o644, os.O_WRONLY, UID, GID)
+    expected = bytearray()
+    peak = 0
+    with trio.fail_after(30):
+        for i in range(64):  # 4 MiB through a 1000 KiB cache
+            chunk = bytes([i]) * (64 * KIB)
+            await write_waiting(stack, fh, len(expected), chunk)
+            expected += chunk
+            peak = max(peak, stack.cache.used)
+        # Data already spilled can no longer be rewritten or read.
+        with pytest.raises(FsError) as exc_info:
+            await write_waiting(stack, fh, 0, b"late")
+        assert exc_info.value.errno == errno.EIO
+        stack.fs.release(fh)
+        await stack.flush()
+    assert peak <= 1000 * KIB + 64 * KIB
+    assert stack.drain.stats.spilled_bytes > 0
+    assert stack.store_files() == {"big.pt": bytes(expected)}
+    # Its local copy had holes: it was evicted, and reads come back whole from the store.
+    assert stack.journal.get(attr.ino).state == REMOTE  # type: ignore[union-attr]
+    stack.cache.configure_budget(8 << 20, 0)
+    assert await read_all(stack, attr.ino) == bytes(expected)
+    assert not list((tmp_path / "store").glob(".ckptfs-tmp.*"))
+    check_consistency(stack)
+
+
+async def test_two_writers_that_together_exceed_the_cache_both_finish(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    stack = make_stack(tmp_path, cache_size=1000 * KIB, upload_delay=3600)
+    small_spills(stack)
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fs.evictor.run)
+
+    async def writer(name: bytes, fill: int) -> None:
+        fh, _ = stack.fs.create(ROOT_ID, name, 0o644, os.O_WRONLY, UID, GID)
+        for offset in range(0, 1536 * KIB, 32 * KIB):
+            await write_waiting(stack, fh, offset, bytes([fill]) * (32 * KIB))
+            await trio.sleep(0)
+        stack.fs.release(fh)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as writers:
+            writers.start_soon(writer, b"rank0", 0)
+            writers.start_soon(writer, b"rank1", 1)
+        await stack.flush()
+    assert stack.store_files() == {"rank0": b"\0" * (1536 * KIB), "rank1": b"\1" * (1536 * KIB)}
+    check_consistency(stack)
+
+
+async def test_truncating_a_spilled_file_to_zero_starts_it_afresh(tmp_path: Path, nursery: trio.Nursery) -> None:
+    stack = make_stack(tmp_path, cache_size=1000 * KIB, upload_delay=3600)
+    small_spills(stack)
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fs.evictor.run)
+    fh, attr = stack.fs.create(ROOT_ID, b"f", 0o644, os.O_RDWR, UID, GID)
+    with trio.fail_after(30):
+        for offset in range(0, 2048 * KIB, 64 * KIB):
+            await write_waiting(stack, fh, offset, b"a" * (64 * KIB))
+        assert stack.cache.files[attr.ino].freed > 0
+        with pytest.raises(FsError) as exc_info:
+            stack.fs.read(fh, 0, 10)
+        assert exc_info.value.errno == errno.EIO
+        with pytest.raises(FsError) as exc_info:
+            await stack.fs.setattr(attr.ino, SetAttrs(size=10), fh)
+        assert exc_info.value.errno == errno.EIO
+        await stack.fs.setattr(attr.ino, SetAttrs(size=0), fh)
+        await write_waiting(stack, fh, 0, b"fresh")
+        assert stack.fs.read(fh, 0, 10) == b"fresh"
+        stack.fs.release(fh)
+        await stack.flush()
+    assert stack.store_files() == {"f": b"fresh"}
+    assert not list((tmp_path / "store").glob(".ckptfs-tmp.*"))
+    check_consistency(stack)

@@ -17,6 +17,11 @@ live server-side (a multipart upload) reports its progress through `stage_upload
 the file is unchanged, else it throws the old upload away and starts afresh. At start-up,
 `abort_stale_uploads(keep=...)` spares the upload ids the caller means to resume.
 
+Spills (optional; file:// and S3 implement them): a file still being written whose start must leave the
+cache is uploaded in parts, in order, into a hidden staging area (`spill_begin`, `spill_part`), and once
+complete it is moved to its key atomically (`spill_commit`), whatever the key is by then. The state is an
+UploadState with `spilled` set, `size` the bytes staged so far and `checksum` the running CRC32 of them.
+
 Basenames starting with TEMP_PREFIX are reserved for the stores' own bookkeeping (temp files, upload
 markers): `list` never returns them and a key containing such a component must not be written.
 """
@@ -24,6 +29,7 @@ markers): `list` never returns them and a key containing such a component must n
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -93,6 +99,7 @@ class UploadState:
     mode: int
     part_size: int
     parts: tuple[UploadPart, ...] = field(default=())
+    spilled: bool = False  # a spill (see the module docstring), not a staged upload of a closed file
 
     def to_json(self) -> str:
         data = {k: v for k, v in self.__dict__.items() if k != "parts"}
@@ -172,8 +179,48 @@ class ObjectStore(Protocol):
         any upload of this daemon begins. Never touches other owners' uploads."""
         ...
 
+    def spill_begin(self, part_size: int) -> UploadState:
+        """Open a hidden staging area for a file still being written (see the module docstring)."""
+        ...
+
+    def spill_part(self, state: UploadState, src_path: str, length: int) -> UploadState:
+        """Stage the next `length` bytes of src_path (from offset state.size); return the new state."""
+        ...
+
+    def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
+        """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum."""
+        ...
+
+    def spill_abort(self, state: UploadState) -> None: ...
+
 
 T = TypeVar("T")
+
+
+def crc_of(checksum: str) -> int:
+    """The CRC32 in a 'crc32:<hex>' checksum ('' for nothing yet: 0)."""
+    return int(checksum.split(":", 1)[1], 16) if checksum else 0
+
+
+def crc_text(crc: int) -> str:
+    return f"crc32:{crc:08x}"
+
+
+def read_range(path: str, offset: int, length: int) -> bytes:
+    """Exactly `length` bytes of `path` from `offset` (a spill reads what was written, never past it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        done = 0
+        while done < length:
+            chunk = os.pread(fd, length - done, offset + done)
+            if not chunk:
+                raise TransientBackendError(f"{path} is shorter than expected")
+            chunks.append(chunk)
+            done += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def backoff_delays(base: float = 0.2, cap: float = 30.0) -> Iterator[float]:

@@ -14,6 +14,7 @@ import stat
 import time
 import zlib
 from collections.abc import Collection, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from ckptfs.backends.base import (
@@ -26,6 +27,9 @@ from ckptfs.backends.base import (
     ProgressCallback,
     StagedUpload,
     UploadState,
+    crc_of,
+    crc_text,
+    read_range,
 )
 from ckptfs.errors import CkptfsError, NotFoundBackendError, PermanentBackendError, TransientBackendError
 
@@ -84,12 +88,12 @@ class LocalStore:
         return os.path.join(directory, f"{TEMP_PREFIX}{self.owner}.{secrets.token_hex(4)}.{base[:100]}")
 
     def abort_stale_uploads(self, keep: Collection[str] = ()) -> int:
-        # Nothing is resumable here (a temp file is rewritten whole), so `keep` spares nothing.
+        # Staged uploads are rewritten whole, so `keep` spares only spills (named by their upload id).
         mine = f"{TEMP_PREFIX}{self.owner}."
         removed = 0
         for directory, _dirs, files in os.walk(self.root):
             for name in files:
-                if name.startswith(mine):
+                if name.startswith(mine) and name not in keep:
                     try:
                         os.unlink(os.path.join(directory, name))
                         removed += 1
@@ -133,6 +137,56 @@ class LocalStore:
     def abort_upload(self, staged: StagedUpload) -> None:
         try:
             os.unlink(staged.handle)
+        except FileNotFoundError:
+            pass
+
+    # -- spills: a hidden file in the store's root, appended to part by part, renamed into place -------
+
+    def spill_begin(self, part_size: int) -> UploadState:
+        name = f"{TEMP_PREFIX}{self.owner}.{secrets.token_hex(6)}.spill"
+        try:
+            os.close(os.open(self.root / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        except OSError as exc:
+            raise _translate(exc, name) from exc
+        return UploadState(key=name, upload_id=name, marker="", size=0, checksum="", mtime_ns=0, mode=0,
+                           part_size=part_size, spilled=True)
+
+    def spill_part(self, state: UploadState, src_path: str, length: int) -> UploadState:
+        data = read_range(src_path, state.size, length)
+        try:
+            fd = os.open(self.root / state.upload_id, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _translate(exc, state.key) from exc
+        try:
+            view = memoryview(data)
+            written = 0
+            while written < length:
+                written += os.pwrite(fd, view[written:], state.size + written)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return replace(state, size=state.size + length, checksum=crc_text(zlib.crc32(data, crc_of(state.checksum))))
+
+    def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
+        staged = str(self.root / state.upload_id)
+        final = self._path(key)
+        try:
+            if os.stat(staged).st_size != state.size:
+                raise TransientBackendError(f"{key}: the spilled parts are incomplete")
+            os.chmod(staged, meta.mode & 0o7777)
+            os.utime(staged, ns=(meta.mtime_ns, meta.mtime_ns))
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.replace(staged, final)
+            _fsync_dir(os.path.dirname(final))
+        except FileNotFoundError:
+            if not (os.path.exists(final) and os.stat(final).st_size == state.size):  # a retried commit
+                raise NotFoundBackendError(f"{key}: the spilled parts are gone") from None
+        except OSError as exc:
+            raise _translate(exc, key) from exc
+
+    def spill_abort(self, state: UploadState) -> None:
+        try:
+            os.unlink(self.root / state.upload_id)
         except FileNotFoundError:
             pass
 

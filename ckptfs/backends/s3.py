@@ -42,6 +42,7 @@ more times here; the drain retries forever on top.
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import hashlib
 import json
@@ -74,6 +75,8 @@ from ckptfs.backends.base import (
     StagedUpload,
     UploadPart,
     UploadState,
+    crc_of,
+    read_range,
     retry_transient,
 )
 from ckptfs.errors import (
@@ -724,6 +727,60 @@ class S3Store:
             # A retried complete whose first try succeeded finds no upload: check what is at the key.
             if not (_is_code(exc, "NoSuchUpload") and self._holds(state)):
                 raise
+        self._delete_marker(state.marker)
+
+    # -- spills: a multipart upload to a hidden key, copied to the final key once complete ------------------
+
+    def spill_begin(self, part_size: int) -> UploadState:
+        temp = f"{TEMP_PREFIX}spill.{self.owner}.{secrets.token_hex(8)}"
+        upload_id, marker = self._begin_multipart(temp, {}, checksum_algorithm="CRC32")
+        return UploadState(key=temp, upload_id=upload_id, marker=marker, size=0, checksum="", mtime_ns=0, mode=0,
+                           part_size=max(part_size, MIN_PART_SIZE), spilled=True)
+
+    def spill_part(self, state: UploadState, src_path: str, length: int) -> UploadState:
+        number = len(state.parts) + 1
+        if number > MAX_PARTS:
+            raise PermanentBackendError(f"a spilled file needs more than {MAX_PARTS} parts; raise part_size")
+        data = read_range(src_path, state.size, length)
+        crc = zlib.crc32(data)
+        crc64 = _crc_b64(crc)
+        response = self._retrying(
+            f"upload spilled part {number}", "upload_part", Key=self._full(state.key), UploadId=state.upload_id,
+            PartNumber=number, Body=data, ContentLength=length, ChecksumCRC32=crc64,
+        )
+        whole = crc32_combine(crc_of(state.checksum), crc, length) if state.size else crc
+        return replace(state, size=state.size + length, checksum=_checksum_text(whole),
+                       parts=(*state.parts, UploadPart(number, response["ETag"], crc64)))
+
+    def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
+        self._check_key(key)
+        parts = [{"PartNumber": p.number, "ETag": p.etag, "ChecksumCRC32": p.checksum} for p in state.parts]
+        try:
+            self._call(f"complete spilled upload of {key}", "complete_multipart_upload", Key=self._full(state.key),
+                       UploadId=state.upload_id, MultipartUpload={"Parts": parts})
+        except BackendError as exc:
+            if not _is_code(exc, "NoSuchUpload"):
+                raise
+            # A retried commit: the first one completed (and maybe copied) already.
+        source = self._head_raw(state.key)
+        if source is None:
+            final = self.head(key)
+            if final is not None and final.size == state.size and final.checksum == state.checksum:
+                self._delete_marker(state.marker)
+                return
+            raise NotFoundBackendError(f"{key}: the spilled upload is gone")
+        if int(source.get("ContentLength", -1)) != state.size:
+            raise PermanentBackendError(f"{key}: the spilled upload has {source.get('ContentLength')} bytes,"
+                                        f" not {state.size}")
+        metadata = _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: state.checksum})
+        self._copy(state.key, key, source, metadata=metadata)
+        self._retrying("delete spilled upload", "delete_object", Key=self._full(state.key))
+        self._delete_marker(state.marker)
+
+    def spill_abort(self, state: UploadState) -> None:
+        self._abort_multipart(state.key, state.upload_id)
+        with contextlib.suppress(BackendError):
+            self._retrying("delete spilled upload", "delete_object", Key=self._full(state.key))
         self._delete_marker(state.marker)
 
     def _holds(self, state: UploadState) -> bool:
