@@ -1,0 +1,128 @@
+"""The bounded cache through real mounts: eviction and read-back on file://, and a torch.save eight times
+larger than the cache into a throttled S3 bucket (SeaweedFS behind the fault proxy)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import Mount
+from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
+from faultproxy import FaultProxy, Rule
+
+MiB = 1 << 20
+PREFIX = "run-1/"
+
+
+class CachePeak:
+    """Samples the bytes the cache's data files occupy on disk (holes excluded), in a thread."""
+
+    def __init__(self, cache: Path) -> None:
+        self.data = cache / "data"
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            total = 0
+            for entry in os.scandir(self.data):
+                try:
+                    total += entry.stat().st_blocks * 512
+                except FileNotFoundError:
+                    pass
+            self.peak = max(self.peak, total)
+
+    def __enter__(self) -> CachePeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_checkpoints_beyond_the_cache_are_evicted_and_read_back(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    mount: Mount = mount_factory(extra_args=("--cache-size", "64M", "--min-free", "0"))
+    expected = {}
+    with CachePeak(mount.cache) as sampler:
+        for step in range(6):
+            data = os.urandom(MiB) * 20
+            (mount.mnt / f"step-{step}.bin").write_bytes(data)
+            expected[f"step-{step}.bin"] = hashlib.sha256(data).hexdigest()
+        mount.flush()
+    assert sampler.peak <= 64 * MiB + 2 * MiB, sampler.peak
+    status = mount.status()
+    assert status["cache"]["budget_bytes"] == 64 * MiB
+    assert status["cache"]["evicted_files"] >= 3
+    assert {k: hashlib.sha256(v).hexdigest() for k, v in mount.store_files().items()} == expected
+    assert os.getxattr(mount.mnt / "step-0.bin", "user.ckptfs.state") == b"remote"
+    # df on the mount shows the budget.
+    st = os.statvfs(mount.mnt)
+    assert st.f_blocks * st.f_frsize == 64 * MiB
+    # Every checkpoint reads back whole, fetched again as the cache makes room for it.
+    for name, digest in expected.items():
+        assert hashlib.sha256((mount.mnt / name).read_bytes()).hexdigest() == digest
+    tensors = {"w": torch.arange(4 * MiB, dtype=torch.float32)}  # 16 MiB
+    torch.save(tensors, mount.mnt / "model.pt")
+    mount.flush()
+    for step in range(6):  # push model.pt out of the cache
+        (mount.mnt / f"step-{step}.bin").read_bytes()
+    assert os.getxattr(mount.mnt / "model.pt", "user.ckptfs.state") == b"remote"
+    loaded = torch.load(mount.mnt / "model.pt", mmap=True)
+    assert torch.equal(loaded["w"], tensors["w"])
+
+
+@pytest.fixture
+def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:  # noqa: F811
+    with s3_bucket(seaweedfs_s3) as name:
+        yield name
+
+
+@pytest.fixture
+def proxy(seaweedfs_s3: S3Server) -> Iterator[FaultProxy]:  # noqa: F811
+    with FaultProxy(seaweedfs_s3.endpoint, seed=int.from_bytes(os.urandom(4), "big")) as fp:
+        yield fp
+
+
+def _object_digest(server: S3Server, bucket: str, key: str) -> str:
+    body = server.client().get_object(Bucket=bucket, Key=PREFIX + key)["Body"]
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: body.read(8 * MiB), b""):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def test_torch_save_of_2gib_through_a_256mib_cache_into_a_throttled_bucket(
+    mount_factory: Any, proxy: FaultProxy, bucket: str, seaweedfs_s3: S3Server  # noqa: F811
+) -> None:
+    mount: Mount = mount_factory(
+        source=f"s3://{bucket}/{PREFIX}",
+        extra_args=("--endpoint-url", proxy.endpoint, "--cache-size", "256M", "--min-free", "0", "--part-size", "16M"),
+    )
+    mount.allowed_log_words.append("retrying in")
+    state = {f"layer{i}.weight": torch.full((64 * MiB,), float(i), dtype=torch.float32) for i in range(8)}  # 2 GiB
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    expected = hashlib.sha256(buffer.getbuffer()).hexdigest()
+    del buffer
+    # SlowDown on a third of the requests, all the way through.
+    proxy.set_rules(Rule("slowdown", fraction=0.3))
+    with CachePeak(mount.cache) as sampler:
+        torch.save(state, mount.mnt / "step_1000.pt")
+        mount.flush(timeout=600)
+    proxy.heal()
+    assert sampler.peak <= 256 * MiB + 8 * MiB, sampler.peak
+    status = mount.status()
+    assert status["cache"]["waits"] >= 1 and status["cache"]["enospc"] == 0
+    assert _object_digest(seaweedfs_s3, bucket, "step_1000.pt") == expected
+    listing = seaweedfs_s3.client().list_objects_v2(Bucket=bucket, Prefix=PREFIX).get("Contents", [])
+    assert [o["Key"] for o in listing if ".ckptfs-tmp." not in o["Key"]] == [PREFIX + "step_1000.pt"]
+    assert not seaweedfs_s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
