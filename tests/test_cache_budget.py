@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.lowlevel
 from fsharness import GID, UID, Stack, check_consistency, make_stack
 
 from ckptfs.errors import FsError, PermanentBackendError
@@ -219,7 +220,7 @@ async def test_two_writers_that_together_exceed_the_cache_both_finish(
         fh, _ = stack.fs.create(ROOT_ID, name, 0o644, os.O_WRONLY, UID, GID)
         for offset in range(0, 1536 * KIB, 32 * KIB):
             await write_waiting(stack, fh, offset, bytes([fill]) * (32 * KIB))
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
         stack.fs.release(fh)
 
     with trio.fail_after(30):
