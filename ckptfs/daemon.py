@@ -233,6 +233,7 @@ class Daemon:
                 "seconds": round(stats.upload_seconds, 3),
                 "moves": stats.moves,
                 "deletes": stats.deletes,
+                "spilled_bytes": stats.spilled_bytes,
             },
             "errors": stats.errors,
             "last_error": stats.last_error,

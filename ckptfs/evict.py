@@ -176,8 +176,10 @@ class Evictor:
             )
         try:
             with trio.move_on_after(self.dirty_wait):
+                # The evictor task re-checks every WAIT_POLL while someone waits, and wakes us after each
+                # round: kicking it once is enough (kicking it every round would spin both).
+                self.kick()
                 while not self._fits(needed):
-                    self.kick()
                     await self._room.wait()
                 return
             self.stats.enospc += 1

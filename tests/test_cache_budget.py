@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,19 @@ async def test_truncating_a_spilled_file_to_zero_starts_it_afresh(tmp_path: Path
     assert stack.store_files() == {"f": b"fresh"}
     assert not list((tmp_path / "store").glob(".ckptfs-tmp.*"))
     check_consistency(stack)
+
+
+async def test_a_waiting_writer_does_not_spin(tmp_path: Path, nursery: trio.Nursery) -> None:
+    # Regression: the waiter kicked the evictor on every wake-up and the evictor woke it at once, so a
+    # write waiting for room spun a CPU (the drain's store calls then starved).
+    stack = make_stack(tmp_path, cache_size=1000 * KIB, dirty_wait=1.0)
+    stack.store.failures = [PermanentBackendError("AccessDenied")] * 1000
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fs.evictor.run)
+    stack.write_file("first", b"1" * (1001 * KIB))
+    fh, _ = stack.fs.create(ROOT_ID, b"second", 0o644, os.O_WRONLY, UID, GID)
+    cpu = time.process_time()
+    with pytest.raises(FsError):
+        await write_waiting(stack, fh, 0, b"2" * (64 * KIB))
+    assert time.process_time() - cpu < 0.5
+    stack.fs.release(fh)
