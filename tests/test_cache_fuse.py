@@ -4,8 +4,9 @@ larger than the cache into a throttled S3 bucket (SeaweedFS behind the fault pro
 from __future__ import annotations
 
 import hashlib
-import io
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,6 +101,22 @@ def _object_digest(server: S3Server, bucket: str, key: str) -> str:
     return digest.hexdigest()
 
 
+# Saves through the mount, then the same to a local file of the same name (torch.save records the file's
+# name in the archive) and prints the latter's SHA-256.
+SAVER = """
+import hashlib, os, sys, torch
+state = {f"layer{i}.weight": torch.full((64 << 20,), float(i), dtype=torch.float32) for i in range(8)}  # 2 GiB
+torch.save(state, sys.argv[1])
+torch.save(state, sys.argv[2])
+digest = hashlib.sha256()
+with open(sys.argv[2], "rb") as f:
+    for chunk in iter(lambda: f.read(8 << 20), b""):
+        digest.update(chunk)
+os.unlink(sys.argv[2])
+print(digest.hexdigest())
+"""
+
+
 def test_torch_save_of_2gib_through_a_256mib_cache_into_a_throttled_bucket(
     mount_factory: Any, proxy: FaultProxy, bucket: str, seaweedfs_s3: S3Server  # noqa: F811
 ) -> None:
@@ -108,15 +125,18 @@ def test_torch_save_of_2gib_through_a_256mib_cache_into_a_throttled_bucket(
         extra_args=("--endpoint-url", proxy.endpoint, "--cache-size", "256M", "--min-free", "0", "--part-size", "16M"),
     )
     mount.allowed_log_words.append("retrying in")
-    state = {f"layer{i}.weight": torch.full((64 * MiB,), float(i), dtype=torch.float32) for i in range(8)}  # 2 GiB
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    expected = hashlib.sha256(buffer.getbuffer()).hexdigest()
-    del buffer
     # SlowDown on a third of the requests, all the way through.
     proxy.set_rules(Rule("slowdown", fraction=0.3))
+    # The saver runs in a process of its own, as a trainer would: this one serves the proxy, and torch.save
+    # holds the GIL through writes that wait for the drain, which would starve the proxy's threads.
     with CachePeak(mount.cache) as sampler:
-        torch.save(state, mount.mnt / "step_1000.pt")
+        (mount.root / "local").mkdir()
+        saved = subprocess.run(
+            [sys.executable, "-c", SAVER, str(mount.mnt / "step_1000.pt"), str(mount.root / "local" / "step_1000.pt")],
+            capture_output=True, text=True, timeout=900,
+        )
+        assert saved.returncode == 0, saved.stderr
+        expected = saved.stdout.strip()
         mount.flush(timeout=600)
     proxy.heal()
     assert sampler.peak <= 256 * MiB + 8 * MiB, sampler.peak
@@ -125,4 +145,6 @@ def test_torch_save_of_2gib_through_a_256mib_cache_into_a_throttled_bucket(
     assert _object_digest(seaweedfs_s3, bucket, "step_1000.pt") == expected
     listing = seaweedfs_s3.client().list_objects_v2(Bucket=bucket, Prefix=PREFIX).get("Contents", [])
     assert [o["Key"] for o in listing if ".ckptfs-tmp." not in o["Key"]] == [PREFIX + "step_1000.pt"]
+    assert not [o["Key"] for o in listing if ".ckptfs-tmp.spill" in o["Key"]], "staging object left behind"
+    assert status["uploaded"]["spilled_bytes"] >= 1 << 30
     assert not seaweedfs_s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
