@@ -6,8 +6,9 @@ Layout (all 0700 / 0600):
     CACHE_DIR/data/<id>    the content of file inode <id>, byte for byte; its size and mtime are the file's
     CACHE_DIR/tmp/         partial downloads, renamed into data/ once complete
 
-Space accounting: `used` is the sum of the apparent sizes of the data files (minus ranges already freed by
-a spill, see drain.py) plus reservations of downloads in progress; `limit` is the budget: `cache_size`,
+Space accounting (trio thread only: the write path updates it without a lock): `used` is the sum of
+the apparent sizes of the data files (minus ranges already freed by a spill, see drain.py) plus
+reservations of downloads in progress; `limit` is the budget: `cache_size`,
 lowered when the cache filesystem would otherwise keep less than `min_free` free. Both are plain
 attributes read on every FUSE write, so the write path pays two attribute loads and a compare. The
 evictor (evict.py) keeps `used` under `limit` and makes writers wait when it cannot.
@@ -207,8 +208,9 @@ class CacheDir:
             self.used += entry.freed - size
             entry.freed = size
 
-    def punch(self, inode_id: int, offset: int, length: int) -> None:
-        """Free `length` bytes at `offset` of a data file (uploaded by a spill), keeping its size."""
+    def punch_hole(self, inode_id: int, offset: int, length: int) -> None:
+        """Free `length` bytes at `offset` of a data file, keeping its size (a syscall: may run in a worker
+        thread; the accounting is `punched`, called from the trio thread)."""
         fd = os.open(self.data_path(inode_id), os.O_WRONLY | os.O_CLOEXEC)
         try:
             if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
@@ -216,10 +218,13 @@ class CacheDir:
                 raise OSError(err, os.strerror(err))
         finally:
             os.close(fd)
+
+    def punched(self, inode_id: int, offset: int, length: int) -> None:
+        """Account a hole punched by punch_hole: the start of the file up to offset + length is gone."""
         entry = self.files.get(inode_id)
-        if entry is not None:
-            entry.freed = max(entry.freed, offset + length)
-            self.used -= length
+        if entry is not None and entry.freed < offset + length:
+            self.used -= offset + length - entry.freed
+            entry.freed = offset + length
 
     def restore_spilled(self, inode_id: int, length: int) -> None:
         """At start-up: the first `length` bytes of this data file were spilled before the restart."""

@@ -126,12 +126,13 @@ class Drain:
         self._new_work.set()
 
     def set_pressure(self, on: bool) -> None:
-        """The cache is full (evict.py): upload closed files at once, ignoring upload_delay, until it
-        is not."""
-        self._expedite += 1 if on else -1
-        self._pressure = on
+        """The cache is full (evict.py calls this every round while it is): upload closed files at once,
+        ignoring upload_delay, and spill files being written, until it is not."""
+        if on != self._pressure:
+            self._expedite += 1 if on else -1
+            self._pressure = on
         if on:
-            self.notify()
+            self.notify()  # each round of the evictor: a file may have grown enough to spill since
 
     def is_commit_marker(self, name: str | None) -> bool:
         return name is not None and self._marker_pattern is not None and self._marker_pattern.match(name) is not None
@@ -498,6 +499,8 @@ class Drain:
         while self._pressure:
             entry = self.cache.files.get(inode_id)
             if entry is None or entry.freed != state.size or self._spillable(inode_id) < part:
+                log.debug("spill of inode %d pauses: freed %s, staged %d, spillable %d", inode_id,
+                          entry and entry.freed, state.size, self._spillable(inode_id))
                 return
             # Seal the part first: a write into it from now on fails instead of going unnoticed.
             entry.sealed = state.size + part
@@ -507,7 +510,9 @@ class Drain:
                 return  # removed meanwhile; the store's start-up cleanup takes the staged parts
             with self.journal.transaction():
                 self.journal.save_upload_state(inode_id, state.to_json())
-            await self._thread(self.cache.punch, inode_id, state.size - part, part)
+            await self._thread(self.cache.punch_hole, inode_id, state.size - part, part)
+            if self.cache.files.get(inode_id) is entry:
+                self.cache.punched(inode_id, state.size - part, part)
             self.stats.spilled_bytes += part
 
     async def _finish_spill(self, inode: Inode, state: UploadState) -> None:

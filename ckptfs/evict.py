@@ -149,7 +149,8 @@ class Evictor:
         return charge
 
     def _set_pressure(self, on: bool) -> None:
-        if on != self._pressure:
+        # Repeated while on: the drain looks for more to spill each time.
+        if on or on != self._pressure:
             self._pressure = on
             self.on_pressure(on)
 
