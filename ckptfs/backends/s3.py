@@ -51,6 +51,7 @@ import os
 import secrets
 import stat
 import threading
+import time
 import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
@@ -108,6 +109,9 @@ SYMLINK_BODY = b"ckptfs symlink; its target is in the metadata x-amz-meta-ckptfs
 SYMLINK_ETAG = f'"{hashlib.md5(SYMLINK_BODY).hexdigest()}"'
 MAX_SYMLINK_TARGET = 1536  # encoded bytes; AWS allows 2 KiB of user metadata in all
 MARKER_DIR = f"{TEMP_PREFIX}uploads/"
+# Seconds of clock difference between us and the server tolerated when telling a lost create's upload
+# (started after our request) from older ones.
+LOST_CREATE_SKEW = 60.0
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
 
@@ -654,9 +658,17 @@ class S3Store:
         marker = f"{self.owner}/{secrets.token_hex(8)}"
         self._put_marker(marker, key, None)
         extra = {"ChecksumAlgorithm": checksum_algorithm} if checksum_algorithm else {}
+        tries = 0
+
+        def create() -> Any:
+            nonlocal tries
+            tries += 1
+            return self._call(f"start upload of {key}", "create_multipart_upload", Key=self._full(key),
+                              Metadata=metadata, **extra)
+
+        started = time.time()
         try:
-            response = self._retrying(f"start upload of {key}", "create_multipart_upload", Key=self._full(key),
-                                      Metadata=metadata, **extra)
+            response = retry_transient(create, attempts=self.attempts)
         except BaseException:
             self._delete_marker(marker)
             raise
@@ -666,7 +678,30 @@ class S3Store:
         except BaseException:
             self._abort_quietly_raw(key, upload_id, marker)
             raise
+        if tries > 1 or response.get("ResponseMetadata", {}).get("RetryAttempts", 0):
+            # A retried create may have created an upload whose answer was lost: nothing records it, so
+            # find it now (ours are the unclaimed ones for this key that started since) and abort it.
+            self._abort_lost_creates(key, upload_id, started)
         return upload_id, marker
+
+    def _abort_lost_creates(self, key: str, ours: str, since: float) -> None:
+        full = self._full(key)
+        claimed: set[str] | None = None
+        with _mapped(f"list uploads of {key}"):
+            paginator = self._client.get_paginator("list_multipart_uploads")
+            uploads = [u for page in paginator.paginate(Bucket=self.bucket, Prefix=full)
+                       for u in page.get("Uploads", []) if u["Key"] == full and u["UploadId"] != ours]
+        for upload in uploads:
+            initiated = upload.get("Initiated")
+            # Server clocks differ from ours: a minute of slack still spares every older upload.
+            if isinstance(initiated, datetime) and initiated.timestamp() < since - LOST_CREATE_SKEW:
+                continue
+            if claimed is None:
+                claimed = self._claimed_upload_ids()
+            if upload["UploadId"] in claimed:
+                continue
+            log.info("aborting an upload of %s whose creation answer was lost", key)
+            self._abort_multipart(key, upload["UploadId"])
 
     def _marker_key(self, marker: str) -> str:
         return f"{self.prefix}{MARKER_DIR}{marker}"
