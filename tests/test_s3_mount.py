@@ -130,3 +130,28 @@ def test_mount_time_store_errors_are_one_clear_line(seaweedfs_s3: S3Server, tmp_
         for word in words:
             assert word in lines[0], lines[0]
     assert not os.path.ismount(tmp_path / "mnt")
+
+
+def _vm_hwm(pid: int) -> int:
+    """Peak resident set size of a process, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_draining_a_4gib_file_keeps_the_daemon_small(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:  # noqa: F811
+    """Memory is bounded by parts in flight x part size (4 x 16 MiB here), not by the file: the daemon's
+    peak RSS while it drains a 4 GiB file stays far below the file's size."""
+    m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--part-size", "16M", "--transfers", "1")
+    with open(m.mnt / "big.bin", "wb") as f:  # sparse in the cache: quick to write, 4 GiB to upload
+        f.truncate(4 << 30)
+        f.seek((4 << 30) - 5)
+        f.write(b"tail!")
+    m.flush(timeout=600)
+    assert m.proc is not None
+    peak = _vm_hwm(m.proc.pid)
+    print(f"daemon peak RSS while draining 4 GiB: {peak / MiB:.0f} MiB")
+    assert peak < 512 * MiB, f"daemon peak RSS {peak / MiB:.0f} MiB"
+    head = seaweedfs_s3.client().head_object(Bucket=bucket, Key="run-1/big.bin")
+    assert head["ContentLength"] == 4 << 30
