@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--cache-size")
     mount.add_argument("--min-free")
     mount.add_argument("--dirty-wait", type=float)
+    mount.add_argument("--refresh-interval", type=float)
     mount.add_argument("--upload-delay", type=float)
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
@@ -60,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("mountpoint", type=Path)
     status.add_argument("--json", action="store_true")
 
+    refresh = sub.add_parser("refresh", help="show objects other nodes wrote (or deleted) now")
+    refresh.add_argument("mountpoint", type=Path)
+
     flush = sub.add_parser("flush", help="wait until everything (or PATHs) is durable in the store")
     flush.add_argument("mountpoint", type=Path)
     flush.add_argument("paths", nargs="*", type=Path)
@@ -75,6 +79,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "cache_size": args.cache_size,
         "min_free": args.min_free,
         "dirty_wait": args.dirty_wait,
+        "refresh_interval": args.refresh_interval,
         "upload_delay": args.upload_delay,
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
@@ -231,7 +236,16 @@ def cmd_flush(args: argparse.Namespace) -> int:
     return EXIT_NOT_DURABLE
 
 
-COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "flush": cmd_flush}
+def cmd_refresh(args: argparse.Namespace) -> int:
+    reply = ctl.call(ctl.canonical_mountpoint(args.mountpoint), {"op": "refresh"}, timeout=300)
+    if not reply.get("ok"):
+        raise CkptfsError(reply.get("error") or "refresh failed")
+    return 0
+
+
+COMMANDS = {
+    "mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

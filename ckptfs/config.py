@@ -47,6 +47,9 @@ class Config:
     min_free: str = "5%"
     """Free space the cache always leaves on its filesystem (bytes or a percentage of it)."""
 
+    refresh_interval: float = 30.0
+    """Seconds after which a directory's listing of the store is read again (objects other nodes wrote)."""
+
     dirty_wait: float = 600.0
     """Seconds a write waits for room when dirty data fills the cache, before it fails with ENOSPC."""
 
@@ -121,7 +124,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 def _coerce(name: str, value: Any) -> Any:
     if name in ("mountpoint", "cache_dir") and value is not None:
         return Path(value)
-    if name in ("upload_delay", "drain_timeout", "dirty_wait"):
+    if name in ("upload_delay", "drain_timeout", "dirty_wait", "refresh_interval"):
         try:
             value = float(value)
         except (TypeError, ValueError):

@@ -37,8 +37,8 @@ from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations
-from ckptfs.journal import Journal, JournalError
-from ckptfs.recovery import recover
+from ckptfs.journal import ROOT_ID, Journal, JournalError
+from ckptfs.recovery import DirLister, recover
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,9 @@ class Daemon:
         self.fetcher = Fetcher(
             journal, cache, store, limiter=trio.CapacityLimiter(config.transfers), evictor=self.evictor
         )
-        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor)
+        self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval)
+        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor, self.lister)
+        self.lister.vanished = self.fs.vanished
         self.drain.on_spilled = self.evictor.evict_if_clean
         self._stop_requested = trio.Event()
         self._stop_timeout: float | None = config.drain_timeout
@@ -185,6 +187,10 @@ class Daemon:
             paths = [p.strip("/") for p in request.get("paths") or []] or None
             result = await self.drain.flush(paths, _deadline(request.get("timeout")))
             return {"ok": result.ok, "remaining": result.remaining[:100], "remaining_count": len(result.remaining)}
+        if op == "refresh":
+            self.lister.invalidate_all()
+            await self.lister.ensure(ROOT_ID)
+            return {"ok": True}
         if op == "umount":
             self.request_stop(request.get("timeout"))
             await self._finished.wait()

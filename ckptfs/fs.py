@@ -21,7 +21,7 @@ import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import trio
 
@@ -107,6 +107,22 @@ class SetAttrs:
 FetchFn = Callable[[Inode], Awaitable[None]]
 
 
+class Lister(Protocol):
+    """Reads the store's namespace into the journal, a directory at a time (recovery.DirLister)."""
+
+    async def ensure(self, inode_id: int) -> None: ...
+
+    def mark_listed(self, inode_id: int) -> None: ...
+
+
+class _NothingToList:
+    async def ensure(self, inode_id: int) -> None:
+        return None
+
+    def mark_listed(self, inode_id: int) -> None:
+        return None
+
+
 def _decode_name(raw: bytes) -> str:
     if len(raw) > NAME_MAX:
         raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
@@ -128,12 +144,14 @@ class Filesystem:
         fetch: FetchFn,
         notify_drain: Callable[[], None] = lambda: None,
         evictor: Evictor | None = None,
+        lister: Lister | None = None,
     ) -> None:
         self.journal = journal
         self.cache = cache
         self._fetch = fetch
         self._notify_drain = notify_drain
         self.evictor = evictor if evictor is not None else Evictor(journal, cache, in_use=self.in_use)
+        self.lister: Lister = lister if lister is not None else _NothingToList()
         self.handles: dict[int, OpenFile] = {}
         self._next_fh = 1
         self._open_count: dict[int, int] = {}
@@ -217,6 +235,17 @@ class Filesystem:
         self._remember(inode.id)
         return self.attr(inode)
 
+    async def ensure_listed(self, inode_id: int) -> None:
+        """Before a lookup in or a readdir of a directory: the store's entries of it are in the journal."""
+        await self.lister.ensure(inode_id)
+
+    def vanished(self, inode: Inode) -> None:
+        """Someone deleted this entry's object from the shared store: it goes here too (open handles and
+        the kernel's references keep the inode until they are let go, as after an unlink)."""
+        with self.journal.transaction():
+            self.journal.detach(inode._replace(remote_key=None))
+        self._maybe_purge(inode.id)
+
     def getattr(self, inode_id: int) -> Attr:
         return self.attr(self._get(inode_id))
 
@@ -242,6 +271,7 @@ class Filesystem:
             inode = self.journal.create_inode(
                 parent, name, DIR, stat.S_IFDIR | (mode & 0o7777), uid, gid, closed_at=time.time()
             )
+        self.lister.mark_listed(inode.id)
         self._remember(inode.id)
         self._notify_drain()
         return self.attr(inode)

@@ -77,6 +77,7 @@ class FuseOperations(pyfuse3.Operations):
 
     async def lookup(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> EntryAttributes:
         try:
+            await self.fs.ensure_listed(parent_inode)
             return _entry(self.fs.lookup(parent_inode, name))
         except FsError as exc:
             raise _fuse_error(exc) from None
@@ -231,6 +232,7 @@ class FuseOperations(pyfuse3.Operations):
 
     async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
         try:
+            await self.fs.ensure_listed(inode)
             return self.fs.opendir(inode)
         except FsError as exc:
             raise _fuse_error(exc) from None

@@ -254,6 +254,16 @@ class Journal:
             (parent, after_id, limit),
         )
 
+    def all_children(self, parent: int) -> list[Inode]:
+        return self._all(f"SELECT {_COLUMNS} FROM inodes WHERE parent = ?", (parent,))
+
+    def descendants(self, path: str) -> list[Inode]:
+        """Every linked inode below the directory `path`."""
+        prefix = path + "/"
+        return self._all(
+            f"SELECT {_COLUMNS} FROM inodes WHERE substr(path, 1, ?) = ?", (len(prefix), prefix)
+        )
+
     def has_children(self, parent: int) -> bool:
         return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
 
@@ -456,6 +466,17 @@ class Journal:
     def pending_deletes(self, limit: int = -1) -> list[PendingDelete]:
         rows = self.db.execute("SELECT id, key, created_at FROM pending_deletes ORDER BY id LIMIT ?", (limit,))
         return [PendingDelete(*row) for row in rows]
+
+    def pending_delete_keys_under(self, prefix: str) -> set[str]:
+        """Keys below the directory key `prefix` ('' for all) that wait to be deleted from the store."""
+        rows = self.db.execute(
+            "SELECT key FROM pending_deletes WHERE substr(key, 1, ?) = ?", (len(prefix), prefix)
+        )
+        return {row[0] for row in rows}
+
+    def adopt_marker(self, inode_id: int, key: str) -> None:
+        """A directory imported without a marker has one in the store after all (seen when listing it)."""
+        self.db.execute("UPDATE inodes SET remote_key = ? WHERE id = ? AND remote_key IS NULL", (key, inode_id))
 
     def delete_done(self, delete_id: int) -> None:
         self.db.execute("DELETE FROM pending_deletes WHERE id = ?", (delete_id,))

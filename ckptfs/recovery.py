@@ -1,9 +1,12 @@
-"""Start-up reconciliation of journal, cache directory and store, before the mount goes live.
+"""Reconciliation of the journal with the cache directory and the store.
 
-After a clean stop this finds nothing to do but import what other nodes wrote. After a crash or kill -9 it
-makes the journal consistent with the cache files (sizes of files that were open, uploads that were in
-flight, inodes that were unlinked but open) so that every pending upload resumes. Runs synchronously in
-the trio thread before anything else uses the journal; the store listing runs in a worker thread.
+At start-up, before the mount goes live (`recover`): after a clean stop there is nothing to do; after a
+crash or kill -9 it makes the journal consistent with the cache files (sizes of files that were open,
+uploads that were in flight, inodes that were unlinked but open) so that every pending upload resumes, and
+removes what interrupted uploads left in the store. While mounted (`DirLister`): the store's namespace is
+read lazily, one directory at a time, when the mount first looks into it and again after refresh_interval,
+importing what other nodes wrote and dropping what they deleted. Journal work runs in the trio thread;
+store calls in worker threads.
 """
 
 from __future__ import annotations
@@ -11,14 +14,16 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
 
-from ckptfs.backends.base import DIR as STORE_DIR
 from ckptfs.backends.base import SYMLINK as STORE_SYMLINK
-from ckptfs.backends.base import ObjectInfo, ObjectStore, UploadState
+from ckptfs.backends.base import DirListing, ObjectInfo, ObjectStore, UploadState
 from ckptfs.cache import CacheDir
+from ckptfs.errors import BackendError
 from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, UPLOADING, Inode, Journal
 
 log = logging.getLogger(__name__)
@@ -32,8 +37,6 @@ class RecoveryReport:
     purged_unlinked: int = 0
     orphan_cache_files: int = 0
     aborted_uploads: int = 0
-    imported: int = 0
-    skipped_keys: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
 
 
@@ -107,64 +110,172 @@ def _valid_path(key: str) -> str | None:
     return path
 
 
-def import_listing(
-    journal: Journal, cache: CacheDir, listing: list[ObjectInfo], report: RecoveryReport, *, now: float,
-    exact_mtimes: bool = True,
-) -> None:
-    """Bring the journal's view of the store up to date with a full listing of it. Imported entries belong
-    to the daemon's user (object stores keep no owner)."""
-    uid, gid = os.getuid(), os.getgid()
-    owned = {i.remote_key for i in journal.all_inodes() if i.remote_key is not None}
-    deleting = {d.key for d in journal.pending_deletes()}
-    present: dict[str, ObjectInfo] = {}
-    with journal.transaction():
-        for info in sorted(listing, key=lambda i: i.key):
-            path = _valid_path(info.key)
-            if path is None:
-                log.warning("skipping store key %r: it cannot be a path inside the mount", info.key)
-                report.skipped_keys.append(info.key)
-                continue
-            present[info.key] = info
-            if info.key in deleting:
-                continue
-            existing = journal.by_path(path)
-            if existing is not None:
-                if info.key in owned:
-                    _refresh_clean(journal, cache, existing, info, exact_mtimes=exact_mtimes)
-                continue
-            if info.key in owned:
-                continue  # an old copy of a renamed file; the drain moves it
-            parent = _ensure_parents(journal, path, uid=uid, gid=gid, now=now)
-            if parent is None:
-                report.skipped_keys.append(info.key)
-                continue
-            name = path.rsplit("/", 1)[-1]
-            kind = {STORE_DIR: DIR, STORE_SYMLINK: SYMLINK}.get(info.kind, FILE)
-            type_bits = {DIR: stat.S_IFDIR, SYMLINK: stat.S_IFLNK, FILE: stat.S_IFREG}[kind]
-            journal.import_remote(
-                parent, name, kind, size=info.size, mtime_ns=info.mtime_ns, mode=type_bits | (info.mode & 0o7777),
-                key=info.key, target=info.target, checksum=info.checksum, uid=uid, gid=gid, now=now,
+class DirLister:
+    """Lazy listing: the store is read one directory at a time, the first time the mount looks into it
+    and again once its listing is older than `refresh_interval` (or after invalidate_all(): `ckptfs
+    refresh`). Concurrent requests for one directory share one listing. Listings run in worker threads;
+    their results are applied in the trio thread by apply_dir_listing()."""
+
+    def __init__(
+        self, journal: Journal, cache: CacheDir, store: ObjectStore, *, refresh_interval: float = 30.0,
+        vanished: Callable[[Inode], None] | None = None,
+    ) -> None:
+        self.journal = journal
+        self.cache = cache
+        self.store = store
+        self.refresh_interval = refresh_interval
+        self.vanished = vanished if vanished is not None else _drop_entry(journal, cache)
+        self._listed: dict[int, float] = {}  # dir inode id -> trio time of its last listing
+        self._in_flight: dict[int, trio.Event] = {}
+        self._warned: set[str] = set()
+        self.listings = 0
+
+    def mark_listed(self, inode_id: int) -> None:
+        """A directory created here: the store has nothing below it yet."""
+        self._listed[inode_id] = trio.current_time()
+
+    def invalidate_all(self) -> None:
+        self._listed.clear()
+
+    async def ensure(self, inode_id: int) -> None:
+        listed = self._listed.get(inode_id)
+        if listed is not None and trio.current_time() - listed < self.refresh_interval:
+            return
+        event = self._in_flight.get(inode_id)
+        if event is not None:
+            await event.wait()
+            return
+        inode = self.journal.get(inode_id)
+        if inode is None or inode.kind != DIR or inode.path is None:
+            return
+        event = self._in_flight[inode_id] = trio.Event()
+        try:
+            started = trio.current_time()
+            prefix = inode.key or ""
+            try:
+                listing = await trio.to_thread.run_sync(self.store.list_dir, prefix)
+            except BackendError as exc:
+                # Serve what the journal knows; the next access tries again.
+                if prefix not in self._warned:
+                    self._warned.add(prefix)
+                    log.warning("cannot list %s/%s: %s; showing what this node knows", self.store.url, prefix, exc)
+                return
+            self.listings += 1
+            current = self.journal.get(inode_id)
+            if current is None or current.path is None or current.key != inode.key:
+                return  # moved or removed while listed: list it again at its new place on next access
+            apply_dir_listing(
+                self.journal, current, listing, now=time.time(), exact_mtimes=self.store.listing_has_metadata,
+                vanished=self.vanished, warned=self._warned, cache=self.cache,
             )
-            report.imported += 1
-        # Someone deleted these from the shared store (another node, an operator): the namespace is
-        # shared, so the delete wins over our clean copies, as it would on any other node. Deepest first,
-        # so that a directory emptied this way goes too; one that still holds local work keeps its place
-        # and gets its marker back.
-        vanished = [
-            i for i in journal.all_inodes()
-            if i.remote_key and i.remote_key not in present and i.state in (CLEAN, REMOTE)
-        ]
-        for inode in sorted(vanished, key=lambda i: (i.path or "").count("/"), reverse=True):
-            if inode.kind == DIR and journal.has_children(inode.id):
-                journal.forget_remote_copy(inode.id, now=now)
-                continue
-            log.warning("%s was deleted from the store by someone else; removing it here too", inode.path)
+            self._listed[inode_id] = started
+        finally:
+            del self._in_flight[inode_id]
+            event.set()
+
+
+def _drop_entry(journal: Journal, cache: CacheDir) -> Callable[[Inode], None]:
+    def drop(inode: Inode) -> None:
+        with journal.transaction():
             journal.detach(inode._replace(remote_key=None))
             journal.purge(inode.id)
-            if inode.kind == FILE:
-                cache.remove_data(inode.id)
-    if report.imported:
-        log.info("imported %d entries from %s", report.imported, "the store")
+        if inode.kind == FILE:
+            cache.remove_data(inode.id)
+
+    return drop
+
+
+def apply_dir_listing(
+    journal: Journal, directory: Inode, listing: DirListing, *, now: float, exact_mtimes: bool,
+    vanished: Callable[[Inode], None], warned: set[str], cache: CacheDir,
+) -> int:
+    """Bring one directory of the journal up to date with the store's listing of it; return how many
+    entries were imported. New objects appear (state 'remote'; subdirectories without a marker too),
+    objects another node replaced are served anew, and entries whose objects someone deleted go (the
+    namespace is shared: the delete wins), unless they hold local work. Imported entries belong to the
+    daemon's user (object stores keep no owner)."""
+    uid, gid = os.getuid(), os.getgid()
+    children = {c.name: c for c in journal.all_children(directory.id)}
+    deleting = journal.pending_delete_keys_under(directory.key or "")
+    present: set[str] = set()
+    imported = 0
+    with journal.transaction():
+        if listing.marker and directory.remote_key is None and directory.state == CLEAN and directory.id != ROOT_ID:
+            journal.adopt_marker(directory.id, directory.key)  # type: ignore[arg-type]
+        for info in listing.entries:
+            name = _listed_name(info.key, directory, warned)
+            if name is None:
+                continue
+            present.add(name)
+            existing = children.get(name)
+            if existing is not None:
+                if existing.remote_key == info.key:
+                    _refresh_clean(journal, cache, existing, info, exact_mtimes=exact_mtimes)
+                continue
+            if info.key in deleting or journal.key_owner(info.key) is not None:
+                continue  # we removed it (delete pending), or an old copy of a renamed file (a move pending)
+            kind = SYMLINK if info.kind == STORE_SYMLINK else FILE
+            type_bits = stat.S_IFLNK if kind == SYMLINK else stat.S_IFREG
+            journal.import_remote(
+                directory, name, kind, size=info.size, mtime_ns=info.mtime_ns, mode=type_bits | (info.mode & 0o7777),
+                key=info.key, target=info.target, checksum=info.checksum, uid=uid, gid=gid, now=now,
+            )
+            imported += 1
+        for name in listing.subdirs:
+            key = f"{directory.key or ''}{name}/"
+            if _listed_name(key, directory, warned) is None:
+                continue
+            present.add(name)
+            existing = children.get(name)
+            if existing is not None:
+                if existing.kind != DIR and key not in warned:
+                    warned.add(key)
+                    log.warning("skipping store directory %r: %s is a file here", key, existing.path)
+                continue
+            if key in deleting or journal.key_owner(key) is not None:
+                continue
+            journal.import_remote(
+                directory, name, DIR, size=0, mtime_ns=directory.mtime_ns, mode=stat.S_IFDIR | 0o755, key=None,
+                uid=uid, gid=gid, now=now,
+            )
+            imported += 1
+    for name, child in children.items():
+        if name not in present and child.state in (CLEAN, REMOTE) and _came_from_store(child):
+            _vanish(journal, child, vanished, now)
+    return imported
+
+
+def _came_from_store(inode: Inode) -> bool:
+    """The store had this entry under its current name (uploaded or imported): if a listing no longer
+    shows it, someone removed it there. (A directory imported without a marker has no remote_key.)"""
+    if inode.kind == DIR and inode.remote_key is None:
+        return inode.uploaded_version > 0
+    return inode.remote_key is not None and inode.remote_key == inode.key
+
+
+def _vanish(journal: Journal, inode: Inode, vanished: Callable[[Inode], None], now: float) -> None:
+    if inode.kind == DIR:
+        # Its contents went with it, except what holds local work here: that stays, under its marker.
+        for child in sorted(journal.descendants(inode.path or ""), key=lambda i: -(i.path or "").count("/")):
+            if child.state in (CLEAN, REMOTE) and (child.kind != DIR or not journal.has_children(child.id)):
+                vanished(child)
+        if journal.has_children(inode.id):
+            with journal.transaction():
+                journal.forget_remote_copy(inode.id, now=now)
+            return
+    log.info("%s was deleted from the store by someone else; removing it here too", inode.path)
+    vanished(inode)
+
+
+def _listed_name(key: str, directory: Inode, warned: set[str]) -> str | None:
+    """The entry name of a listed key, or None (with one warning per key) if it cannot be a path."""
+    path = _valid_path(key)
+    if path is None or len(path.encode()) > MAX_PATH_BYTES:
+        if key not in warned:
+            warned.add(key)
+            log.warning("skipping store key %r: it cannot be a path inside the mount", key)
+        return None
+    return path.rsplit("/", 1)[-1]
 
 
 def _refresh_clean(
@@ -183,25 +294,6 @@ def _refresh_clean(
     cache.remove_data(inode.id)
 
 
-def _ensure_parents(journal: Journal, path: str, *, uid: int, gid: int, now: float) -> Inode | None:
-    parent = journal.get(ROOT_ID)
-    assert parent is not None
-    parts = path.split("/")[:-1]
-    for part in parts:
-        child = journal.lookup(parent.id, part)
-        if child is None:
-            # A directory implied by a deeper key, with no marker object of its own.
-            child = journal.import_remote(
-                parent, part, DIR, size=0, mtime_ns=parent.mtime_ns, mode=stat.S_IFDIR | 0o755, key=None,
-                uid=uid, gid=gid, now=now,
-            )
-        elif child.kind != DIR:
-            log.warning("skipping %s: %s is a file here", path, child.path)
-            return None
-        parent = child
-    return parent
-
-
 async def recover(journal: Journal, cache: CacheDir, store: ObjectStore, now: float) -> RecoveryReport:
     report = repair_journal(journal, cache, now)
     # Staged uploads the journal knows about resume; every other leftover of ours goes.
@@ -214,6 +306,5 @@ async def recover(journal: Journal, cache: CacheDir, store: ObjectStore, now: fl
     report.aborted_uploads = await trio.to_thread.run_sync(store.abort_stale_uploads, keep)
     if report.aborted_uploads:
         log.info("removed %d leftovers of uploads interrupted by the last stop", report.aborted_uploads)
-    listing = await trio.to_thread.run_sync(lambda: list(store.list()))
-    import_listing(journal, cache, listing, report, now=now, exact_mtimes=store.listing_has_metadata)
+    # The store's namespace is read lazily, a directory at a time, as the mount looks into it (DirLister).
     return report

@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from ckptfs.backends.base import ObjectInfo, ObjectMeta, StagedUpload, UploadState
+from ckptfs.backends.base import DirListing, ObjectInfo, ObjectMeta, StagedUpload, UploadState
 from ckptfs.backends.local import LocalStore
 from ckptfs.cache import CacheDir
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
@@ -21,6 +21,7 @@ from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, Journal
+from ckptfs.recovery import DirLister
 
 UID = os.getuid()
 GID = os.getgid()
@@ -112,6 +113,9 @@ class RecordingStore:
     def head(self, key: str) -> ObjectInfo | None:
         return self.inner.head(key)
 
+    def list_dir(self, prefix: str = "") -> DirListing:
+        return self.inner.list_dir(prefix)
+
     def abort_stale_uploads(self, keep: Any = ()) -> int:
         return self.inner.abort_stale_uploads(keep)
 
@@ -131,6 +135,14 @@ class RecordingStore:
 
     def spill_abort(self, state: UploadState) -> None:
         self.inner.spill_abort(state)
+
+
+async def list_tree(fs: Filesystem, inode_id: int = ROOT_ID) -> None:
+    """What a `find` of the mount does to the lazy listing: list every directory, depth first."""
+    await fs.ensure_listed(inode_id)
+    for child in fs.journal.all_children(inode_id):
+        if child.kind == DIR:
+            await list_tree(fs, child.id)
 
 
 @dataclass
@@ -196,7 +208,9 @@ def make_stack(
         journal, cache, in_use=lambda i: in_use[0].in_use(i), dirty_wait=dirty_wait, on_pressure=drain.set_pressure
     )
     fetcher = Fetcher(journal, cache, store, limiter=trio.CapacityLimiter(2), evictor=evictor)  # type: ignore[arg-type]
-    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor)
+    lister = DirLister(journal, cache, store, refresh_interval=0.0)  # type: ignore[arg-type]
+    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor, lister)
+    lister.vanished = fs.vanished
     in_use.append(fs)
     drain.on_spilled = evictor.evict_if_clean
     if cache_size is not None:

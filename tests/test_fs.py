@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from fsharness import GID, UID, Stack, check_consistency, make_stack
+from fsharness import GID, UID, Stack, check_consistency, list_tree, make_stack
 
 from ckptfs.errors import FsError, PermanentBackendError, TransientBackendError
 from ckptfs.fs import RENAME_EXCHANGE, RENAME_NOREPLACE, SetAttrs
@@ -267,8 +267,10 @@ async def test_fresh_cache_imports_store_and_fetches_on_open(tmp_path: Path, nur
     (store_dir / "run" / "step_1" / "model.pt").write_bytes(b"weights" * 1000)
     (store_dir / "empty-dir").mkdir()
     stack = make_stack(tmp_path)
-    report = await recover(stack.journal, stack.cache, stack.store, 0.0)  # type: ignore[arg-type]
-    assert report.imported == 4  # run, run/step_1, model.pt, empty-dir
+    await recover(stack.journal, stack.cache, stack.store, 0.0)  # type: ignore[arg-type]
+    assert stack.journal.by_path("run") is None  # nothing is listed before the mount looks
+    await list_tree(stack.fs)
+    assert {i.path for i in stack.journal.all_inodes()} == {"", "run", "run/step_1", "run/step_1/model.pt", "empty-dir"}
     inode = stack.journal.by_path("run/step_1/model.pt")
     assert inode is not None and inode.state == REMOTE and inode.size == 7000
     assert (inode.uid, inode.gid) == (os.getuid(), os.getgid())
@@ -425,8 +427,7 @@ async def test_file_deleted_from_store_by_another_node_goes_here_too(stack: Stac
     stack.write_file("mine-dirty.pt", b"y")
     await stack.flush()
     (stack.store.inner.root / "shared.pt").unlink()
-    report = await recover(stack.journal, stack.cache, stack.store, 0.0)  # type: ignore[arg-type]
-    assert report.imported == 0
+    await list_tree(stack.fs)
     assert stack.journal.by_path("shared.pt") is None
     assert stack.journal.by_path("mine-dirty.pt") is not None
 
@@ -486,7 +487,7 @@ async def test_new_file_under_a_remote_only_files_old_name_waits_for_its_move(
     (tmp_path / "store").mkdir()
     (tmp_path / "store" / "x").write_bytes(b"REMOTE")
     stack = make_stack(tmp_path)
-    await recover(stack.journal, stack.cache, stack.store, 0.0)  # type: ignore[arg-type]
+    await list_tree(stack.fs)
     await nursery.start(stack.drain.run)
     stack.fs.rename(ROOT_ID, b"x", ROOT_ID, b"y", 0)
     stack.write_file("x", b"NEW")
@@ -530,6 +531,46 @@ async def test_tree_deleted_by_another_node_goes_here_too(stack: Stack) -> None:
     stack.write_file("old_step/model.pt", b"m")
     await stack.flush()
     shutil.rmtree(stack.store.inner.root / "old_step")
-    await recover(stack.journal, stack.cache, stack.store, 0.0)  # type: ignore[arg-type]
+    await list_tree(stack.fs)
     assert stack.journal.by_path("old_step") is None
     assert stack.journal.by_path("old_step/model.pt") is None
+
+
+async def test_the_store_is_listed_one_directory_at_a_time(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    for step in range(3):
+        (store_dir / f"step_{step}").mkdir(parents=True)
+        for shard in range(50):
+            (store_dir / f"step_{step}" / f"shard_{shard}.pt").write_bytes(b"s")
+    stack = make_stack(tmp_path)
+    await stack.fs.ensure_listed(ROOT_ID)
+    assert stack.fs.lister.listings == 1  # type: ignore[attr-defined]
+    assert {i.path for i in stack.journal.all_inodes()} == {"", "step_0", "step_1", "step_2"}
+    step_1 = stack.journal.by_path("step_1")
+    assert step_1 is not None
+    stack.fs.lookup(ROOT_ID, b"step_1")
+    await stack.fs.ensure_listed(step_1.id)
+    assert stack.fs.lister.listings == 2  # type: ignore[attr-defined]
+    assert len(stack.journal.all_children(step_1.id)) == 50
+    assert stack.journal.by_path("step_0/shard_0.pt") is None  # not looked into: not listed
+    check_consistency(stack)
+
+
+async def test_store_keys_that_cannot_be_paths_warn_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from ckptfs.backends.base import DirListing, ObjectInfo
+    from ckptfs.recovery import apply_dir_listing
+
+    stack = make_stack(tmp_path)
+    root = stack.journal.get(ROOT_ID)
+    assert root is not None
+    listing = DirListing(
+        [ObjectInfo("ok.pt", "file", 1, 0, 0o644), ObjectInfo("x" * 300, "file", 1, 0, 0o644)], ["..", "fine"],
+        marker=True,
+    )
+    warned: set[str] = set()
+    for _ in range(2):
+        apply_dir_listing(stack.journal, root, listing, now=0.0, exact_mtimes=True, vanished=stack.fs.vanished,
+                          warned=warned, cache=stack.cache)
+    assert {i.path for i in stack.journal.all_inodes()} == {"", "ok.pt", "fine"}
+    skipped = [r for r in caplog.records if "cannot be a path" in r.getMessage()]
+    assert len(skipped) == 2, [r.getMessage() for r in skipped]

@@ -64,6 +64,15 @@ class ObjectInfo:
     etag: str | None = None  # changes whenever the object is replaced (object stores); None for file://
 
 
+@dataclass(frozen=True)
+class DirListing:
+    """One level of the store below a directory prefix."""
+
+    entries: list[ObjectInfo]  # files and symlinks directly below (keys include the prefix)
+    subdirs: list[str]  # names of directories directly below (with or without a marker object)
+    marker: bool  # the directory itself has a marker object (always true for file:// directories)
+
+
 @dataclass
 class StagedUpload:
     """An upload whose bytes are in the store but not yet visible at `key`."""
@@ -172,6 +181,11 @@ class ObjectStore(Protocol):
         ...
 
     def head(self, key: str) -> ObjectInfo | None: ...
+
+    def list_dir(self, prefix: str = "") -> DirListing:
+        """The files, symlinks and subdirectory names directly below the directory `prefix` ('' for the
+        root, else ending in '/'), listing metadata as list() does. Missing prefix: an empty listing."""
+        ...
 
     def abort_stale_uploads(self, keep: Collection[str] = ()) -> int:
         """Remove what interrupted uploads of `owner` left behind, except the staged uploads whose

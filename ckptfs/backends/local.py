@@ -22,6 +22,7 @@ from ckptfs.backends.base import (
     FILE,
     SYMLINK,
     TEMP_PREFIX,
+    DirListing,
     ObjectInfo,
     ObjectMeta,
     ProgressCallback,
@@ -295,6 +296,25 @@ class LocalStore:
         except OSError as exc:
             raise _translate(exc, key) from exc
         return self._info(key.rstrip("/"), path, st)
+
+    def list_dir(self, prefix: str = "") -> DirListing:
+        directory = self._path(prefix) if prefix else str(self.root)
+        try:
+            scanned = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return DirListing([], [], marker=False)
+        except OSError as exc:
+            raise _translate(exc, prefix) from exc
+        entries, subdirs = [], []
+        for entry in scanned:
+            if entry.name.startswith(TEMP_PREFIX):
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                subdirs.append(entry.name)
+            elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                entries.append(self._info(prefix + entry.name, entry.path, st))
+        return DirListing(entries, subdirs, marker=True)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Walk below prefix. Temp files of unfinished uploads are skipped (and removed once stale)."""

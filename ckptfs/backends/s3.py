@@ -70,6 +70,7 @@ from ckptfs.backends.base import (
     FILE,
     SYMLINK,
     TEMP_PREFIX,
+    DirListing,
     ObjectInfo,
     ObjectMeta,
     ProgressCallback,
@@ -998,17 +999,47 @@ class S3Store:
             key = obj["Key"][skip:]
             if not key or key == prefix or any(part.startswith(TEMP_PREFIX) for part in key.split("/")):
                 continue
-            size = int(obj.get("Size", 0))
-            etag = obj.get("ETag") or ""
-            mtime = _ns(obj.get("LastModified"))
-            if key.endswith("/"):
-                yield ObjectInfo(key, DIR, 0, mtime, DEFAULT_DIR_MODE, etag=etag or None)
-            elif size == len(SYMLINK_BODY) and (etag == SYMLINK_ETAG or not _is_plain_md5(etag)):
-                info = self.head(key)  # a symlink (or a file of just that size): the target is in its metadata
-                if info is not None:
-                    yield info
-            else:
-                yield ObjectInfo(key, FILE, size, mtime, DEFAULT_FILE_MODE, etag=etag or None)
+            info = self._listed_info(key, obj)
+            if info is not None:
+                yield info
+
+    def _listed_info(self, key: str, obj: dict[str, Any]) -> ObjectInfo | None:
+        size = int(obj.get("Size", 0))
+        etag = obj.get("ETag") or ""
+        mtime = _ns(obj.get("LastModified"))
+        if key.endswith("/"):
+            return ObjectInfo(key, DIR, 0, mtime, DEFAULT_DIR_MODE, etag=etag or None)
+        if size == len(SYMLINK_BODY) and (etag == SYMLINK_ETAG or not _is_plain_md5(etag)):
+            return self.head(key)  # a symlink (or a file of just that size): the target is in its metadata
+        return ObjectInfo(key, FILE, size, mtime, DEFAULT_FILE_MODE, etag=etag or None)
+
+    def list_dir(self, prefix: str = "") -> DirListing:
+        full = self.prefix + prefix
+        skip = len(self.prefix)
+        entries: list[ObjectInfo] = []
+        subdirs: list[str] = []
+        marker = False
+        token: str | None = None
+        while True:
+            page_args: dict[str, Any] = {"Prefix": full, "Delimiter": "/"}
+            if token:
+                page_args["ContinuationToken"] = token
+            page = self._retrying(f"list {self.url}/{prefix}", "list_objects_v2", **page_args)
+            for obj in page.get("Contents", []):
+                key = obj["Key"][skip:]
+                if key == prefix:
+                    marker = True
+                elif not key.rsplit("/", 1)[-1].startswith(TEMP_PREFIX):
+                    info = self._listed_info(key, obj)
+                    if info is not None and info.kind != DIR:
+                        entries.append(info)
+            for common in page.get("CommonPrefixes", []):
+                name = common["Prefix"][len(full):].rstrip("/")
+                if name and not name.startswith(TEMP_PREFIX):
+                    subdirs.append(name)
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return DirListing(entries, subdirs, marker)
 
     # -- other writes -----------------------------------------------------------------------------------------
 
