@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Restore benchmark: a fresh node reads a checkpoint back from an S3 bucket through ckptfs, against a tuned
+parallel boto3 download of the same object from the same server (DESIGN.md section 7, issue 4).
+
+SeaweedFS S3 on 127.0.0.1 (started here). Setup: one --size object of random blocks, and a directory of
+--files small objects. Each run, interleaved:
+
+  ckptfs     a fresh mount (empty cache dir) of the bucket; time until the checkpoint has been read whole
+             through the mount (open fetches it with parallel ranged GETs, then 1 MiB reads), and the time
+             of `os.listdir` of the 10,000-file directory (the first listing of it: lazy, one directory).
+  boto3      s3transfer's download_file of the object to local disk (64 MiB parts, 4 and 16 threads), and
+             a paginated list_objects_v2 of the directory.
+
+Medians of --runs; JSON in bench/results/restore_bench.json.
+
+Run from the repo's venv with the test extra installed:  python bench/restore_bench.py [--size 2G]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  # noqa: E402
+from s3_drain_bench import MIB, ckptfs, make_source, parse_size  # noqa: E402
+
+DEFAULT_JSON = REPO / "bench" / "results" / "restore_bench.json"
+BUCKET = "restore-bench"
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass  # not root: the local source file may be cached; the store's side is a server either way
+
+
+def upload(server: S3Server, source: Path, files: int) -> None:
+    client = server.client(max_pool_connections=32)
+    client.create_bucket(Bucket=BUCKET)
+    client.upload_file(str(source), BUCKET, "run/step_1000/model.bin")
+
+    def put(i: int) -> None:
+        client.put_object(Bucket=BUCKET, Key=f"run/many/file_{i:05d}", Body=b"x" * 64)
+
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(put, range(files)))
+
+
+def run_ckptfs(server: S3Server, root: Path, run: int, size: int, files: int) -> dict[str, float]:
+    mnt, cache = root / f"mnt-{run}", root / f"cache-{run}"
+    mnt.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV_UNSET}
+    env.update(CLIENT_ENV, CKPTFS_RUNTIME_DIR=str(root / "run"))
+    ckptfs("mount", f"s3://{BUCKET}/run", str(mnt), "--cache-dir", str(cache), "--endpoint-url", server.endpoint,
+           "--daemon", env=env)
+    try:
+        drop_page_cache()
+        started = time.perf_counter()
+        read = 0
+        with open(mnt / "step_1000" / "model.bin", "rb", buffering=0) as f:
+            while chunk := f.read(MIB):
+                read += len(chunk)
+        restored = time.perf_counter() - started
+        assert read == size, read
+        started = time.perf_counter()
+        names = os.listdir(mnt / "many")
+        listed = time.perf_counter() - started
+        assert len(names) == files, len(names)
+    finally:
+        subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt), "--timeout", "60"], env=env,
+                       capture_output=True, timeout=300, check=False)
+        shutil.rmtree(cache, ignore_errors=True)
+    return {"restore": restored, "list": listed}
+
+
+def run_boto3(server: S3Server, root: Path, threads: int, files: int) -> dict[str, float]:
+    from boto3.s3.transfer import TransferConfig
+
+    client = server.client(max_pool_connections=max(10, threads))
+    config = TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=64 * MIB, max_concurrency=threads)
+    target = root / "download.bin"
+    drop_page_cache()
+    started = time.perf_counter()
+    client.download_file(BUCKET, "run/step_1000/model.bin", str(target), Config=config)
+    restored = time.perf_counter() - started
+    target.unlink()
+    started = time.perf_counter()
+    count = 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="run/many/", Delimiter="/"):
+        count += len(page.get("Contents", []))
+    listed = time.perf_counter() - started
+    assert count == files, count
+    return {"restore": restored, "list": listed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=parse_size, default=2 << 30, help="checkpoint size (2G)")
+    p.add_argument("--files", type=int, default=10_000, help="files in the directory that is listed (10000)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = p.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="ckptfs-restore-bench.", dir=args.dir))
+    server = start_seaweedfs(root / "seaweedfs")
+    os.environ.update(CLIENT_ENV)
+    for name in CLIENT_ENV_UNSET:
+        os.environ.pop(name, None)
+    results: dict[str, list[float]] = {}
+    try:
+        source = root / "checkpoint.bin"
+        make_source(source, args.size)
+        upload(server, source, args.files)
+        source.unlink()
+        for run in range(args.runs):
+            for threads in (4, 16):
+                times = run_boto3(server, root, threads, args.files)
+                for name, seconds in times.items():
+                    results.setdefault(f"boto3 {threads} threads {name}", []).append(seconds)
+                print(f"run {run + 1}/{args.runs} boto3 {threads:>2} threads  restore {times['restore']:6.2f}s"
+                      f"  list {times['list']:5.2f}s", flush=True)
+            times = run_ckptfs(server, root, run, args.size, args.files)
+            for name, seconds in times.items():
+                results.setdefault(f"ckptfs {name}", []).append(seconds)
+            print(f"run {run + 1}/{args.runs} ckptfs           restore {times['restore']:6.2f}s"
+                  f"  list {times['list']:5.2f}s", flush=True)
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+    medians = {name: statistics.median(values) for name, values in results.items()}
+    print(f"\nmedians of {args.runs} interleaved runs: {args.size / MIB:.0f} MiB object, {args.files} files listed")
+    for name, value in medians.items():
+        print(f"  {name:<32} {value:7.2f}s")
+    ratios = {
+        "ckptfs restore / boto3 4 threads": medians["ckptfs restore"] / medians["boto3 4 threads restore"],
+        "ckptfs restore / boto3 16 threads": medians["ckptfs restore"] / medians["boto3 16 threads restore"],
+        "ckptfs list / boto3 list": medians["ckptfs list"] / medians["boto3 4 threads list"],
+    }
+    for name, value in ratios.items():
+        print(f"  {name:<34} {value:5.2f}x")
+    report: dict[str, Any] = {
+        "size_bytes": args.size, "files": args.files, "runs": args.runs,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
+        "seconds": results, "medians": medians, "ratios": ratios,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nresults written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
