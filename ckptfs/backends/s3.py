@@ -682,7 +682,11 @@ class S3Store:
         if tries > 1 or response.get("ResponseMetadata", {}).get("RetryAttempts", 0):
             # A retried create may have created an upload whose answer was lost: nothing records it, so
             # find it now (ours are the unclaimed ones for this key that started since) and abort it.
-            self._abort_lost_creates(key, upload_id, started)
+            # Best effort: failing here must not lose the upload just created, which the caller records.
+            try:
+                retry_transient(lambda: self._abort_lost_creates(key, upload_id, started), attempts=self.attempts)
+            except BackendError as exc:
+                log.info("could not look for an upload of %s lost to a retried create: %s", key, exc)
         return upload_id, marker
 
     def _abort_lost_creates(self, key: str, ours: str, since: float) -> None:
