@@ -54,8 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     umount = sub.add_parser("umount", help="drain, then unmount")
-    umount.add_argument("mountpoint", type=Path)
-    umount.add_argument("--timeout", type=float, help="seconds to wait for the drain (default: no limit)")
+    umount.add_argument("mountpoint", type=Path, nargs="?")
+    umount.add_argument("--timeout", type=float, help="seconds to wait for the drain (default: no limit, or"
+                        " the config file's drain_timeout)")
+    umount.add_argument("--config", type=Path, help="take the mountpoint (and drain_timeout) from this file")
 
     status = sub.add_parser("status", help="files and bytes per state, queue, oldest dirty age, last error")
     status.add_argument("mountpoint", type=Path)
@@ -165,8 +167,15 @@ def _detach(config: Config) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
+    timeout = args.timeout
+    if args.config is not None:
+        config = load_config(args.config, {"mountpoint": args.mountpoint})
+        args.mountpoint = config.mountpoint
+        timeout = config.drain_timeout if timeout is None else timeout
+    if args.mountpoint is None:
+        raise UsageError("umount needs a MOUNTPOINT (or --config FILE naming one)")
     mountpoint = ctl.canonical_mountpoint(args.mountpoint)
-    reply = ctl.call(mountpoint, {"op": "umount", "timeout": args.timeout}, timeout=None)
+    reply = ctl.call(mountpoint, {"op": "umount", "timeout": timeout}, timeout=None)
     # The daemon replies after unmounting; wait for the kernel to show it gone.
     deadline = time.monotonic() + 10
     while os.path.ismount(mountpoint) and time.monotonic() < deadline:

@@ -39,10 +39,15 @@ from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations
 from ckptfs.journal import ROOT_ID, Journal, JournalError
 from ckptfs.recovery import DirLister, recover
+from ckptfs.systemd import Notifier
 
 log = logging.getLogger(__name__)
 
 EXIT_NOT_DRAINED = 3
+# How often systemd hears how things are (STATUS=), and how much more stop time a draining stop asks for
+# each time it made progress (EXTEND_TIMEOUT_USEC=).
+STATUS_INTERVAL = 5.0
+EXTEND_SECONDS = 30
 
 
 def check_mountpoint(mountpoint: Path) -> None:
@@ -95,6 +100,7 @@ class Daemon:
         self._control_stop = trio.Event()
         self._control_done = trio.Event()
         self.result: FlushResult | None = None
+        self.notifier = Notifier()
 
     def _in_use(self, inode_id: int) -> bool:
         return self.fs.in_use(inode_id)
@@ -120,6 +126,9 @@ class Daemon:
                 await trio.to_thread.run_sync(os.stat, self.mountpoint)
                 log.info("mounted %s on %s (cache %s)", self.store.url, self.mountpoint, self.cache.root)
                 ready()
+                self.notifier.notify(ready=1, status=self._status_line())
+                if self.notifier.enabled:
+                    nursery.start_soon(self._report_to_systemd)
                 nursery.start_soon(self._watch_signals, nursery)
                 await self._stop_requested.wait()
                 await self._shutdown()
@@ -153,7 +162,28 @@ class Daemon:
                     nursery.cancel_scope.cancel()
                     return
 
+    def _status_line(self) -> str:
+        summary = self.journal.state_summary()
+        pending_files = sum(summary.get(s, {}).get("files", 0) for s in ("dirty", "uploading"))
+        pending_bytes = sum(summary.get(s, {}).get("bytes", 0) for s in ("dirty", "uploading"))
+        what = "draining before unmount" if self._stop_requested.is_set() else "mounted"
+        return (f"{what}: {pending_files} files ({_human(pending_bytes)}) not yet uploaded,"
+                f" {self.drain.in_flight()} transfers in flight, cache {_human(self.cache.used)} used")
+
+    async def _report_to_systemd(self) -> None:
+        """STATUS= now and then; while a stop drains and makes progress, ask for more stop time."""
+        last_uploaded = self.drain.stats.uploaded_bytes + self.drain.stats.spilled_bytes
+        while True:
+            await trio.sleep(STATUS_INTERVAL)
+            fields: dict[str, str | int] = {"status": self._status_line()}
+            uploaded = self.drain.stats.uploaded_bytes + self.drain.stats.spilled_bytes
+            if self._stop_requested.is_set() and uploaded > last_uploaded:
+                fields["extend_timeout_usec"] = EXTEND_SECONDS * 1_000_000
+            last_uploaded = uploaded
+            self.notifier.notify(**fields)
+
     async def _shutdown(self) -> None:
+        self.notifier.notify(stopping=1, status=self._status_line())
         self.fs.stop_writes()
         self.result = await self.drain.flush(None, _deadline(self._stop_timeout))
         if self.result.ok:
@@ -246,6 +276,14 @@ class Daemon:
             "last_error_at": stats.last_error_at,
             "shutting_down": self._stop_requested.is_set(),
         }
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _deadline(timeout: float | None) -> float:
