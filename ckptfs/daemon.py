@@ -38,6 +38,7 @@ from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations
 from ckptfs.journal import ROOT_ID, Journal, JournalError
+from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_addr
 from ckptfs.recovery import DirLister, recover
 from ckptfs.systemd import Notifier
 
@@ -47,6 +48,7 @@ EXIT_NOT_DRAINED = 3
 # How often systemd hears how things are (STATUS=), and how much more stop time a draining stop asks for
 # each time it made progress (EXTEND_TIMEOUT_USEC=).
 STATUS_INTERVAL = 5.0
+METRICS_INTERVAL = 1.0
 EXTEND_SECONDS = 30
 
 
@@ -73,8 +75,12 @@ def check_mountpoint(mountpoint: Path) -> None:
 
 
 class Daemon:
-    def __init__(self, config: Config, store: ObjectStore, cache: CacheDir, journal: Journal) -> None:
+    def __init__(
+        self, config: Config, store: ObjectStore, cache: CacheDir, journal: Journal,
+        metrics: MetricsServer | None = None,
+    ) -> None:
         self.config = config
+        self.metrics = metrics
         self.store = store
         self.cache = cache
         self.journal = journal
@@ -101,6 +107,7 @@ class Daemon:
         self._control_done = trio.Event()
         self.result: FlushResult | None = None
         self.notifier = Notifier()
+        self.fuse_ops: FuseOperations | None = None
 
     def _in_use(self, inode_id: int) -> bool:
         return self.fs.in_use(inode_id)
@@ -115,7 +122,8 @@ class Daemon:
         options |= {"fsname=" + self.store.url.replace(",", "_"), "subtype=ckptfs"}
         if self.config.allow_other:
             options |= {"allow_other", "default_permissions"}
-        pyfuse3.init(FuseOperations(self.fs), str(self.mountpoint), options)
+        self.fuse_ops = FuseOperations(self.fs)
+        pyfuse3.init(self.fuse_ops, str(self.mountpoint), options)
         unmounted = False
         try:
             async with trio.open_nursery() as nursery:
@@ -129,6 +137,8 @@ class Daemon:
                 self.notifier.notify(ready=1, status=self._status_line())
                 if self.notifier.enabled:
                     nursery.start_soon(self._report_to_systemd)
+                if self.metrics is not None:
+                    nursery.start_soon(self._publish_metrics)
                 nursery.start_soon(self._watch_signals, nursery)
                 await self._stop_requested.wait()
                 await self._shutdown()
@@ -161,6 +171,51 @@ class Daemon:
                     log.warning("second signal: exiting now; pending uploads stay journaled for the next start")
                     nursery.cancel_scope.cancel()
                     return
+
+    async def _publish_metrics(self) -> None:
+        assert self.metrics is not None
+        while True:
+            self.metrics.publish(self.metrics_snapshot())
+            await trio.sleep(METRICS_INTERVAL)
+
+    def metrics_snapshot(self) -> Snapshot:
+        """Every metric's current value (metrics.METRICS names them), read in the trio thread."""
+        summary = self.journal.state_summary()
+        states = ("dirty", "uploading", "clean", "remote")
+        oldest = self.journal.oldest_dirty_closed_at()
+        drain, evict = self.drain.stats, self.evictor.stats
+        out: Snapshot = {
+            "ckptfs_files": [((s,), summary.get(s, {}).get("files", 0)) for s in states],
+            "ckptfs_bytes": [((s,), summary.get(s, {}).get("bytes", 0)) for s in states],
+            "ckptfs_upload_queue": [
+                (("uploads",), len(self.journal.pending_uploads())),
+                (("moves",), len(self.journal.misplaced())),
+                (("deletes",), len(self.journal.pending_deletes())),
+            ],
+            "ckptfs_transfers_in_flight": [((), self.drain.in_flight())],
+            "ckptfs_oldest_dirty_age_seconds": [((), max(0.0, time.time() - oldest) if oldest else 0.0)],
+            "ckptfs_cache_used_bytes": [((), self.cache.used)],
+            "ckptfs_cache_budget_bytes": [((), self.cache.limit if self.cache.limit != math.inf else 0)],
+            "ckptfs_uploaded_files": [((), drain.uploaded_files)],
+            "ckptfs_uploaded_bytes": [((), drain.uploaded_bytes)],
+            "ckptfs_upload_seconds": [((), drain.upload_seconds)],
+            "ckptfs_spilled_bytes": [((), drain.spilled_bytes)],
+            "ckptfs_drain_errors": [((job,), n) for job, n in sorted(drain.errors_by_job.items())],
+            "ckptfs_cache_hits": [((), self.fs.cache_hits)],
+            "ckptfs_cache_misses": [((), self.fs.cache_misses)],
+            "ckptfs_evicted_files": [((), evict.evicted_files)],
+            "ckptfs_evicted_bytes": [((), evict.evicted_bytes)],
+            "ckptfs_backpressure_waits": [((), evict.waits)],
+            "ckptfs_backpressure_wait_seconds": [((), evict.wait_seconds)],
+            "ckptfs_backpressure_enospc": [((), evict.enospc)],
+        }
+        if isinstance(self.store, InstrumentedStore):
+            calls, errors, seconds = self.store.op_stats.rows()
+            out.update(ckptfs_store_requests=calls, ckptfs_store_errors=errors, ckptfs_store_seconds=seconds)
+        if self.fuse_ops is not None:
+            calls, errors, seconds = self.fuse_ops.op_stats.rows()
+            out.update(ckptfs_fuse_requests=calls, ckptfs_fuse_errors=errors, ckptfs_fuse_seconds=seconds)
+        return out
 
     def _status_line(self) -> str:
         summary = self.journal.state_summary()
@@ -302,12 +357,15 @@ def _owner_tag(journal: Journal) -> str:
 
 async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
     """Mount and serve until stopped. Raises CkptfsError for anything the user must fix before mounting."""
-    store = open_store(config.source, endpoint_url=config.endpoint_url, part_size=parse_size(config.part_size))
+    store = InstrumentedStore(
+        open_store(config.source, endpoint_url=config.endpoint_url, part_size=parse_size(config.part_size))
+    )
     check_mountpoint(config.mountpoint)
     await trio.to_thread.run_sync(store.check)
     cache = CacheDir(config.resolved_cache_dir())
     cache.prepare()
     cache.lock()
+    metrics = _start_metrics(config.metrics_addr)
     try:
         try:
             journal = Journal(cache.journal_path)
@@ -336,10 +394,28 @@ async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
                 if state.spilled:
                     cache.restore_spilled(inode_id, state.size)
             cache.configure_budget(config.cache_size, config.min_free)
-            daemon = Daemon(config, store, cache, journal)
+            daemon = Daemon(config, store, cache, journal, metrics)
             daemon.evictor.start(atimes)
             return await daemon.run(ready)
         finally:
             journal.close()
     finally:
+        if metrics is not None:
+            metrics.close()
         cache.unlock()
+
+
+def _start_metrics(addr: str) -> MetricsServer | None:
+    try:
+        where = parse_addr(addr)
+    except ValueError as exc:
+        raise CkptfsError(str(exc)) from None
+    if where is None:
+        return None
+    try:
+        return MetricsServer(*where)
+    except OSError as exc:
+        raise CkptfsError(
+            f"cannot serve metrics on {addr}: {exc.strerror}; is another ckptfs mount using it? Give each"
+            " mount its own --metrics-addr HOST:PORT, or --metrics-addr off"
+        ) from None

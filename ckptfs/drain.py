@@ -23,7 +23,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -67,6 +67,7 @@ class DrainStats:
     deletes: int = 0
     spilled_bytes: int = 0
     errors: int = 0
+    errors_by_job: dict[str, int] = field(default_factory=dict)
     last_error: str | None = None
     last_error_at: float | None = None
 
@@ -364,6 +365,7 @@ class Drain:
             delay = next(delays)
         self._retry_at[job_id] = trio.current_time() + max(delay, 0.05)
         self.stats.errors += 1
+        self.stats.errors_by_job[op] = self.stats.errors_by_job.get(op, 0) + 1
         self.stats.last_error = f"{op}: {exc}"
         self.stats.last_error_at = time.time()
         if logged:

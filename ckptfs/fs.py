@@ -162,6 +162,8 @@ class Filesystem:
         # Inodes written through page-cache-bypassing handles since the kernel's cached pages were dropped.
         self._uncached_writes: set[int] = set()
         self.writes_allowed = True
+        self.cache_hits = 0  # opens served from local data
+        self.cache_misses = 0  # opens that downloaded the file
         self.uid = os.getuid()
         self.gid = os.getgid()
 
@@ -518,6 +520,10 @@ class Filesystem:
         truncate = writable and bool(flags & os.O_TRUNC)
         if writable:
             self._check_writable()
+        if inode.state == REMOTE and not truncate:
+            self.cache_misses += 1
+        else:
+            self.cache_hits += 1
         await self._make_local(inode, keep_content=not truncate)
         # Re-check after the await: the file may have been removed while it was fetched, or (a cache
         # under heavy pressure) evicted again before this open came back to it.

@@ -56,7 +56,8 @@ class Mount:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ckptfs", "mount", self.source, str(self.mnt), "--cache-dir", str(self.cache),
-                 "--upload-delay", str(self.upload_delay), "--log-level", "DEBUG", *self.extra_args],
+                 "--upload-delay", str(self.upload_delay), "--log-level", "DEBUG", *self.metrics_args(),
+                 *self.extra_args],
                 stdout=log, stderr=log, pass_fds=(write_fd,), env=env,
             )
         os.close(write_fd)
@@ -66,6 +67,10 @@ class Mount:
         if message != "ready":
             self.proc.wait(timeout=max(1, deadline - time.monotonic()))
             raise RuntimeError(f"daemon did not start: {message!r}\n{self.log.read_text()}")
+
+    def metrics_args(self) -> tuple[str, ...]:
+        # Many mounts run at once in the tests: none takes the default metrics port unless asked to.
+        return () if "--metrics-addr" in self.extra_args else ("--metrics-addr", "off")
 
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return ckptfs_cli(*args, env=self.env, timeout=timeout)

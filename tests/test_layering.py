@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "drain": {"backends", "cache", "errors", "journal"},
     "recovery": {"backends", "cache", "errors", "journal"},
     "fs": {"cache", "errors", "evict", "journal"},
-    "fuse_ops": {"errors", "fs"},
+    "fuse_ops": {"errors", "fs", "metrics"},
     "ctl": {"errors"},
     "daemon": {"backends", "cache", "config", "ctl", "drain", "errors", "evict", "fetch", "fs", "fuse_ops", "journal",
                "recovery", "systemd", "metrics"},

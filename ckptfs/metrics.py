@@ -1,0 +1,169 @@
+"""Every Prometheus metric of ckptfs, defined in one place (METRICS), and the HTTP endpoint that serves them.
+
+The daemon builds a snapshot of all values in the trio thread about once a second (journal queries must
+not run in the HTTP server's thread) and hands it to `MetricsServer.publish`; a scrape renders the latest
+snapshot. Counters the hot paths keep are plain integers read at snapshot time, so instrumenting costs the
+FUSE write path no lock and no allocation. docs/METRICS.md lists the same set (a test checks they agree).
+
+This module knows nothing of the rest of ckptfs: `InstrumentedStore` wraps any object store by duck typing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: str  # "gauge" or "counter"
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+METRICS: tuple[MetricDef, ...] = (
+    MetricDef("ckptfs_files", "gauge", "Files in the mount by state (dirty, uploading, clean, remote).", ("state",)),
+    MetricDef("ckptfs_bytes", "gauge", "Bytes of the files in the mount by state.", ("state",)),
+    MetricDef("ckptfs_upload_queue", "gauge", "Entries waiting for the drain: uploads, moves, deletes.", ("kind",)),
+    MetricDef("ckptfs_transfers_in_flight", "gauge", "Drain jobs running now."),
+    MetricDef("ckptfs_oldest_dirty_age_seconds", "gauge",
+              "Seconds since the oldest file not yet uploaded was closed (0 if none)."),
+    MetricDef("ckptfs_cache_used_bytes", "gauge", "Bytes the cache's data files hold (apparent size)."),
+    MetricDef("ckptfs_cache_budget_bytes", "gauge", "The cache budget (cache_size, lowered to keep min_free)."),
+    MetricDef("ckptfs_uploaded_files", "counter", "Files committed to the store since start."),
+    MetricDef("ckptfs_uploaded_bytes", "counter", "Bytes committed to the store since start."),
+    MetricDef("ckptfs_upload_seconds", "counter", "Seconds spent uploading files (summed over uploads)."),
+    MetricDef("ckptfs_spilled_bytes", "counter", "Bytes of files still being written uploaded to make room."),
+    MetricDef("ckptfs_drain_errors", "counter",
+              "Drain jobs that failed and will be retried, by job (upload, move, meta, delete, spill).", ("job",)),
+    MetricDef("ckptfs_store_requests", "counter", "Calls to the object store, by operation.", ("op",)),
+    MetricDef("ckptfs_store_errors", "counter", "Failed calls to the object store, by operation.", ("op",)),
+    MetricDef("ckptfs_store_seconds", "counter", "Seconds spent in object store calls, by operation.", ("op",)),
+    MetricDef("ckptfs_cache_hits", "counter", "Opens of files whose data was in the cache."),
+    MetricDef("ckptfs_cache_misses", "counter", "Opens that had to download the file from the store."),
+    MetricDef("ckptfs_evicted_files", "counter", "Clean files evicted from the cache."),
+    MetricDef("ckptfs_evicted_bytes", "counter", "Bytes evicted from the cache."),
+    MetricDef("ckptfs_backpressure_waits", "counter", "Writes and fetches that waited for room in the cache."),
+    MetricDef("ckptfs_backpressure_wait_seconds", "counter", "Seconds writes and fetches waited for room."),
+    MetricDef("ckptfs_backpressure_enospc", "counter", "Waits for room that gave up after dirty_wait (ENOSPC)."),
+    MetricDef("ckptfs_fuse_requests", "counter", "FUSE requests answered, by operation.", ("op",)),
+    MetricDef("ckptfs_fuse_errors", "counter", "FUSE requests answered with an error, by operation.", ("op",)),
+    MetricDef("ckptfs_fuse_seconds", "counter", "Seconds spent answering FUSE requests, by operation.", ("op",)),
+)
+BY_NAME = {m.name: m for m in METRICS}
+
+# name -> [(label values, value)]; built by the daemon (daemon.Daemon.metrics_snapshot).
+Snapshot = dict[str, list[tuple[tuple[str, ...], float]]]
+
+
+class OpStats:
+    """Count, errors and seconds per operation; updated without locks from one thread at a time per key
+    (the FUSE loop or a store worker thread: a lost increment under a race only blurs a counter)."""
+
+    __slots__ = ("calls", "errors", "seconds")
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def record(self, op: str, seconds: float, failed: bool) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.seconds[op] = self.seconds.get(op, 0.0) + seconds
+        if failed:
+            self.errors[op] = self.errors.get(op, 0) + 1
+
+    def rows(self) -> tuple[list[tuple[tuple[str, ...], float]], ...]:
+        ops = sorted(self.calls)
+        return (
+            [((op,), float(self.calls[op])) for op in ops],
+            [((op,), float(self.errors.get(op, 0))) for op in ops],
+            [((op,), self.seconds.get(op, 0.0)) for op in ops],
+        )
+
+
+class InstrumentedStore:
+    """An object store whose every method call is counted and timed (ckptfs_store_*)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.op_stats = OpStats()
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if name.startswith("_") or not callable(value):
+            return value
+        return self._timed(name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("_inner", "op_stats", "_lock"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._inner, name, value)  # e.g. store.owner = ..., set by the daemon
+
+    def _timed(self, op: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            failed = True
+            try:
+                result = method(*args, **kwargs)
+                failed = False
+                return result
+            finally:
+                with self._lock:  # store calls run in many worker threads at once
+                    self.op_stats.record(op, time.perf_counter() - started, failed)
+
+        return call
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self) -> None:
+        self.snapshot: Snapshot = {}
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.snapshot  # replaced whole by publish(): no lock needed
+        for metric in METRICS:
+            family: Metric
+            if metric.kind == "gauge":
+                family = GaugeMetricFamily(metric.name, metric.help, labels=list(metric.labels))
+            else:
+                family = CounterMetricFamily(metric.name, metric.help, labels=list(metric.labels))
+            for labels, value in snapshot.get(metric.name, []):
+                family.add_metric(list(labels), value)
+            yield family
+
+
+def parse_addr(text: str) -> tuple[str, int] | None:
+    """'HOST:PORT' -> (host, port); 'off' -> None. Raises ValueError naming the expected form."""
+    if text.strip().lower() == "off":
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"metrics_addr {text!r} is not HOST:PORT (like 127.0.0.1:9477) or off")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class MetricsServer:
+    def __init__(self, host: str, port: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._collector = _SnapshotCollector()
+        self.registry.register(self._collector)
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._server.server_port
+
+    def publish(self, snapshot: Snapshot) -> None:
+        self._collector.snapshot = snapshot
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,86 @@
+"""The Prometheus endpoint: docs/METRICS.md and ckptfs/metrics.py list the same metrics, and a real mount
+serves them with values that follow what happens in it."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+import urllib.request
+
+from conftest import REPO, Mount
+
+from ckptfs.metrics import METRICS, parse_addr
+
+
+def test_docs_list_exactly_the_defined_metrics() -> None:
+    documented = re.findall(r"^\| `(ckptfs_[a-z_]+)` \| (gauge|counter) \|", (REPO / "docs" / "METRICS.md").read_text(),
+                            re.MULTILINE)
+    assert sorted(documented) == sorted((m.name, m.kind) for m in METRICS)
+
+
+def test_metrics_addr_parsing() -> None:
+    assert parse_addr("127.0.0.1:9477") == ("127.0.0.1", 9477)
+    assert parse_addr("off") is None
+    for bad in ("9477", "host:", "host:port", "h:70000"):
+        try:
+            parse_addr(bad)
+        except ValueError as exc:
+            assert "HOST:PORT" in str(exc)
+        else:
+            raise AssertionError(bad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_a_mount_serves_its_metrics(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    port = _free_port()
+    mount: Mount = mount_factory(extra_args=("--metrics-addr", f"127.0.0.1:{port}"))
+    (mount.mnt / "step_1.pt").write_bytes(b"x" * 100_000)
+    mount.flush()
+    (mount.mnt / "step_1.pt").read_bytes()
+    deadline = time.monotonic() + 10
+    while True:
+        values = _scrape(port)
+        if values.get('ckptfs_files{state="clean"}') == 1 and values.get("ckptfs_cache_hits_total", 0) >= 1:
+            break
+        assert time.monotonic() < deadline, values
+        time.sleep(0.2)
+    names = {key.split("{")[0] for key in values}
+    for metric in METRICS:
+        if not metric.labels:
+            assert (metric.name + ("_total" if metric.kind == "counter" else "")) in names, metric.name
+    assert values["ckptfs_uploaded_files_total"] == 1
+    assert values["ckptfs_uploaded_bytes_total"] == 100_000
+    assert values['ckptfs_fuse_requests_total{op="write"}'] >= 1
+    assert values['ckptfs_fuse_errors_total{op="lookup"}'] >= 1  # the create's lookup of a new name
+    assert values['ckptfs_store_requests_total{op="stage_upload"}'] == 1
+    assert values['ckptfs_bytes{state="clean"}'] == 100_000
+    assert values["ckptfs_oldest_dirty_age_seconds"] == 0
+
+
+def test_a_taken_metrics_port_is_one_clear_error(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        mount: Mount = mount_factory(start=False, extra_args=("--metrics-addr", f"127.0.0.1:{port}"))
+        result = mount.cli("mount", mount.source, str(mount.mnt), "--cache-dir", str(mount.cache), "--metrics-addr",
+                           f"127.0.0.1:{port}")
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("ckptfs:")]
+    assert len(lines) == 1 and "--metrics-addr" in lines[0] and "Traceback" not in result.stderr, result.stderr
