@@ -99,6 +99,8 @@ class Daemon:
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval)
         self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor, self.lister)
         self.lister.vanished = self.fs.vanished
+        self.lister.forget_kernel_data = _forget_kernel_data
+        self.lister.forget_kernel_entry = _forget_kernel_entry
         self.drain.on_spilled = self.evictor.evict_if_clean
         self._stop_requested = trio.Event()
         self._stop_timeout: float | None = config.drain_timeout
@@ -353,6 +355,20 @@ def _owner_tag(journal: Journal) -> str:
         with journal.transaction():
             journal.set_meta("owner", tag)
     return tag
+
+
+def _forget_kernel_data(inode_id: int) -> None:
+    """Another node replaced this file: the kernel must not serve its old pages or size (readable handles
+    keep the page cache across opens)."""
+    try:
+        pyfuse3.invalidate_inode(inode_id)
+    except OSError:
+        pass  # ENOENT: the kernel holds nothing of it
+
+
+def _forget_kernel_entry(parent_id: int, name: str) -> None:
+    """Another node deleted this entry: the kernel must not keep resolving the name for entry_timeout."""
+    pyfuse3.invalidate_entry_async(parent_id, name.encode(), ignore_enoent=True)
 
 
 async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:

@@ -478,6 +478,26 @@ class Journal:
         """A directory imported without a marker has one in the store after all (seen when listing it)."""
         self.db.execute("UPDATE inodes SET remote_key = ? WHERE id = ? AND remote_key IS NULL", (key, inode_id))
 
+    # -- lazy listing: when each directory was last listed from the store (recovery.DirLister) --------------
+
+    def ensure_listed_dirs_table(self) -> None:
+        """An additive table, created if missing, instead of a schema version bump: a v1 journal gains it
+        without a migration, and an older ckptfs that opens the journal again ignores it (it lists the
+        whole store at start anyway). Rows of inodes gone since are dropped here."""
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS listed_dirs (inode_id INTEGER PRIMARY KEY, listed_at REAL NOT NULL)"
+        )
+        self.db.execute("DELETE FROM listed_dirs WHERE inode_id NOT IN (SELECT id FROM inodes WHERE path IS NOT NULL)")
+
+    def listed_dirs(self) -> dict[int, float]:
+        return dict(self.db.execute("SELECT inode_id, listed_at FROM listed_dirs").fetchall())
+
+    def set_listed(self, inode_id: int, listed_at: float) -> None:
+        self.db.execute("INSERT OR REPLACE INTO listed_dirs (inode_id, listed_at) VALUES (?, ?)", (inode_id, listed_at))
+
+    def clear_listed(self) -> None:
+        self.db.execute("DELETE FROM listed_dirs")
+
     def delete_done(self, delete_id: int) -> None:
         self.db.execute("DELETE FROM pending_deletes WHERE id = ?", (delete_id,))
 

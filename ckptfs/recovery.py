@@ -101,7 +101,11 @@ def _missing_cache_file(journal: Journal, inode: Inode, report: RecoveryReport) 
 
 def _valid_path(key: str) -> str | None:
     """The mount path for a store key, or None if the key cannot be a path inside the mount."""
-    path = key.rstrip("/")
+    path = key[:-1] if key.endswith("/") else key  # one '/': 'a//' is the key of an empty name in a/
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        return None  # a file:// name that is not UTF-8 (os.fsdecode's surrogate escapes)
     if not path or key.startswith("/") or "\0" in key or len(path.encode()) > MAX_PATH_BYTES:
         return None
     parts = path.split("/")
@@ -114,7 +118,10 @@ class DirLister:
     """Lazy listing: the store is read one directory at a time, the first time the mount looks into it
     and again once its listing is older than `refresh_interval` (or after invalidate_all(): `ckptfs
     refresh`). Concurrent requests for one directory share one listing. Listings run in worker threads;
-    their results are applied in the trio thread by apply_dir_listing()."""
+    their results are applied in the trio thread by apply_dir_listing(). When each directory was last
+    listed is kept in the journal (wall-clock time), so a restart within refresh_interval lists nothing
+    again. The two forget_kernel_* hooks (set by the daemon, which owns the FUSE session) drop what the
+    kernel cached of entries a listing replaced or removed, so that a refresh is seen at once."""
 
     def __init__(
         self, journal: Journal, cache: CacheDir, store: ObjectStore, *, refresh_interval: float = 30.0,
@@ -125,21 +132,32 @@ class DirLister:
         self.store = store
         self.refresh_interval = refresh_interval
         self.vanished = vanished if vanished is not None else _drop_entry(journal, cache)
-        self._listed: dict[int, float] = {}  # dir inode id -> trio time of its last listing
+        journal.ensure_listed_dirs_table()
+        self._listed: dict[int, float] = journal.listed_dirs()  # dir inode id -> time.time() of its listing
         self._in_flight: dict[int, trio.Event] = {}
         self._warned: set[str] = set()
         self.listings = 0
+        # Called in a worker thread: the kernel may wait for a request on the same inode to finish.
+        self.forget_kernel_data: Callable[[int], None] = lambda inode_id: None
+        # Queues the invalidation (pyfuse3.invalidate_entry_async): safe inside a request handler.
+        self.forget_kernel_entry: Callable[[int, str], None] = lambda parent_id, name: None
 
     def mark_listed(self, inode_id: int) -> None:
         """A directory created here: the store has nothing below it yet."""
-        self._listed[inode_id] = trio.current_time()
+        self._set_listed(inode_id, time.time())
+
+    def _set_listed(self, inode_id: int, at: float) -> None:
+        self._listed[inode_id] = at
+        self.journal.set_listed(inode_id, at)
 
     def invalidate_all(self) -> None:
         self._listed.clear()
+        self.journal.clear_listed()
 
     async def ensure(self, inode_id: int) -> None:
         listed = self._listed.get(inode_id)
-        if listed is not None and trio.current_time() - listed < self.refresh_interval:
+        # A listing "from the future" (the clock was set back) counts as stale.
+        if listed is not None and 0 <= time.time() - listed < self.refresh_interval:
             return
         event = self._in_flight.get(inode_id)
         if event is not None:
@@ -150,7 +168,7 @@ class DirLister:
             return
         event = self._in_flight[inode_id] = trio.Event()
         try:
-            started = trio.current_time()
+            started = time.time()
             prefix = inode.key or ""
             try:
                 listing = await trio.to_thread.run_sync(self.store.list_dir, prefix)
@@ -164,14 +182,23 @@ class DirLister:
             current = self.journal.get(inode_id)
             if current is None or current.path is None or current.key != inode.key:
                 return  # moved or removed while listed: list it again at its new place on next access
+            replaced: list[int] = []
             apply_dir_listing(
                 self.journal, current, listing, now=time.time(), exact_mtimes=self.store.listing_has_metadata,
-                vanished=self.vanished, warned=self._warned, cache=self.cache,
+                vanished=self._vanished, warned=self._warned, cache=self.cache, replaced=replaced.append,
             )
-            self._listed[inode_id] = started
+            self._set_listed(inode_id, started)
+            for replaced_id in replaced:
+                await trio.to_thread.run_sync(self.forget_kernel_data, replaced_id)
         finally:
             del self._in_flight[inode_id]
             event.set()
+
+
+    def _vanished(self, inode: Inode) -> None:
+        self.vanished(inode)
+        if inode.parent is not None and inode.name is not None:
+            self.forget_kernel_entry(inode.parent, inode.name)
 
 
 def _drop_entry(journal: Journal, cache: CacheDir) -> Callable[[Inode], None]:
@@ -188,6 +215,7 @@ def _drop_entry(journal: Journal, cache: CacheDir) -> Callable[[Inode], None]:
 def apply_dir_listing(
     journal: Journal, directory: Inode, listing: DirListing, *, now: float, exact_mtimes: bool,
     vanished: Callable[[Inode], None], warned: set[str], cache: CacheDir,
+    replaced: Callable[[int], None] = lambda inode_id: None,
 ) -> int:
     """Bring one directory of the journal up to date with the store's listing of it; return how many
     entries were imported. New objects appear (state 'remote'; subdirectories without a marker too),
@@ -209,8 +237,10 @@ def apply_dir_listing(
             present.add(name)
             existing = children.get(name)
             if existing is not None:
-                if existing.remote_key == info.key:
-                    _refresh_clean(journal, cache, existing, info, exact_mtimes=exact_mtimes)
+                if existing.remote_key == info.key and _refresh_clean(
+                    journal, cache, existing, info, exact_mtimes=exact_mtimes
+                ):
+                    replaced(existing.id)
                 continue
             if info.key in deleting or journal.key_owner(info.key) is not None:
                 continue  # we removed it (delete pending), or an old copy of a renamed file (a move pending)
@@ -280,18 +310,19 @@ def _listed_name(key: str, directory: Inode, warned: set[str]) -> str | None:
 
 def _refresh_clean(
     journal: Journal, cache: CacheDir, inode: Inode, info: ObjectInfo, *, exact_mtimes: bool
-) -> None:
+) -> bool:
     """Another node replaced an object we hold clean: drop our copy, serve theirs (last upload wins).
     Where listings carry no metadata (object stores: mtime is the upload time) only the size tells."""
     if inode.kind != FILE or inode.state not in (CLEAN, REMOTE) or inode.remote_key != info.key:
-        return
+        return False
     if info.size == inode.size and (info.mtime_ns == inode.mtime_ns or not exact_mtimes):
-        return
+        return False
     journal.db.execute(
         "UPDATE inodes SET state = 'remote', size = ?, mtime_ns = ?, checksum = ? WHERE id = ?",
         (info.size, info.mtime_ns, info.checksum, inode.id),
     )
     cache.remove_data(inode.id)
+    return True
 
 
 async def recover(journal: Journal, cache: CacheDir, store: ObjectStore, now: float) -> RecoveryReport:

@@ -1038,8 +1038,9 @@ class S3Store:
                     if info is not None and info.kind != DIR:
                         entries.append(info)
             for common in page.get("CommonPrefixes", []):
-                name = common["Prefix"][len(full):].rstrip("/")
-                if name and not name.startswith(TEMP_PREFIX):
+                # An empty name ('a//b' below 'a/') is passed on: the caller warns about keys it cannot map.
+                name = common["Prefix"][len(full):][:-1]
+                if not name.startswith(TEMP_PREFIX):
                     subdirs.append(name)
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
