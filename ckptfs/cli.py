@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--min-free")
     mount.add_argument("--dirty-wait", type=float)
     mount.add_argument("--refresh-interval", type=float)
+    mount.add_argument("--keep-last", type=int, help="retention: keep the newest N checkpoints (0: off)")
+    mount.add_argument("--keep", action="append", help="retention: never delete names matching this glob")
     mount.add_argument("--upload-delay", type=float)
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
@@ -63,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("mountpoint", type=Path)
     status.add_argument("--json", action="store_true")
 
+    prune = sub.add_parser("prune", help="delete all but the newest N checkpoints, in the mount and the store")
+    prune.add_argument("mountpoint", type=Path)
+    prune.add_argument("--keep-last", type=int, required=True, metavar="N")
+    prune.add_argument("--keep", action="append", default=[], metavar="GLOB", help="never delete these (repeatable)")
+    prune.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+
     refresh = sub.add_parser("refresh", help="show objects other nodes wrote (or deleted) now")
     refresh.add_argument("mountpoint", type=Path)
 
@@ -82,6 +90,8 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "min_free": args.min_free,
         "dirty_wait": args.dirty_wait,
         "refresh_interval": args.refresh_interval,
+        "keep_last": args.keep_last,
+        "keep": args.keep,
         "upload_delay": args.upload_delay,
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
@@ -245,6 +255,24 @@ def cmd_flush(args: argparse.Namespace) -> int:
     return EXIT_NOT_DURABLE
 
 
+def cmd_prune(args: argparse.Namespace) -> int:
+    if args.keep_last < 1:
+        raise UsageError("--keep-last must be at least 1")
+    reply = ctl.call(ctl.canonical_mountpoint(args.mountpoint),
+                     {"op": "prune", "keep_last": args.keep_last, "keep": args.keep, "dry_run": args.dry_run},
+                     timeout=600)
+    if not reply.get("ok"):
+        raise CkptfsError(reply.get("error") or "prune failed")
+    verb = "would delete" if args.dry_run else "deleted"
+    for name in reply["delete"]:
+        print(f"{verb} {name}")
+    for name, why in sorted(reply["reasons"].items()):
+        print(f"kept    {name} ({why})")
+    if not reply["delete"]:
+        print(f"nothing to delete: {len(reply['reasons'])} checkpoints kept")
+    return 0
+
+
 def cmd_refresh(args: argparse.Namespace) -> int:
     reply = ctl.call(ctl.canonical_mountpoint(args.mountpoint), {"op": "refresh"}, timeout=300)
     if not reply.get("ok"):
@@ -254,6 +282,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
+    "prune": cmd_prune,
 }
 
 

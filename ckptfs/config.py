@@ -47,6 +47,12 @@ class Config:
     min_free: str = "5%"
     """Free space the cache always leaves on its filesystem (bytes or a percentage of it)."""
 
+    keep_last: int = 0
+    """Retention: after each completed checkpoint keep only the newest N top-level checkpoints (0: off)."""
+
+    keep: tuple[str, ...] = ()
+    """Retention: glob patterns of top-level names never deleted by retention."""
+
     refresh_interval: float = 30.0
     """Seconds after which a directory's listing of the store is read again (objects other nodes wrote)."""
 
@@ -132,6 +138,14 @@ def _coerce(name: str, value: Any) -> Any:
         if value < 0:
             raise UsageError(f"{name} must not be negative")
         return value
+    if name == "keep_last":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise UsageError(f"keep_last must be a whole number >= 0 (0 turns retention off), not {value!r}")
+        return value
+    if name == "keep":
+        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+            raise UsageError("keep must be a list of glob strings")
+        return tuple(value)
     if name == "transfers":
         if not isinstance(value, int) or value < 1:
             raise UsageError(f"transfers must be a whole number >= 1, not {value!r}")

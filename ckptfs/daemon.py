@@ -37,9 +37,10 @@ from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations
-from ckptfs.journal import ROOT_ID, Journal, JournalError
+from ckptfs.journal import DIR, FILE, ROOT_ID, Inode, Journal, JournalError
 from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_addr
 from ckptfs.recovery import DirLister, recover
+from ckptfs.retention import Checkpoint, Plan, pinned_by_pointers, plan
 from ckptfs.systemd import Notifier
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class Daemon:
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval)
         self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor, self.lister)
         self.lister.vanished = self.fs.vanished
+        self._prune_wanted = trio.Event()
+        if config.keep_last:
+            self.drain.on_marker_uploaded = lambda inode: self._prune_wanted.set()
         self.lister.forget_kernel_data = _forget_kernel_data
         self.lister.forget_kernel_entry = _forget_kernel_entry
         self.drain.on_spilled = self.evictor.evict_if_clean
@@ -141,6 +145,8 @@ class Daemon:
                     nursery.start_soon(self._report_to_systemd)
                 if self.metrics is not None:
                     nursery.start_soon(self._publish_metrics)
+                if self.config.keep_last:
+                    nursery.start_soon(self._retention)
                 nursery.start_soon(self._watch_signals, nursery)
                 await self._stop_requested.wait()
                 await self._shutdown()
@@ -173,6 +179,78 @@ class Daemon:
                     log.warning("second signal: exiting now; pending uploads stay journaled for the next start")
                     nursery.cancel_scope.cancel()
                     return
+
+    async def _retention(self) -> None:
+        """Apply keep_last after each completed checkpoint (a commit marker reached the store)."""
+        while True:
+            await self._prune_wanted.wait()
+            self._prune_wanted = trio.Event()
+            try:
+                result = await self.prune(self.config.keep_last, self.config.keep, dry_run=False)
+            except Exception:
+                log.exception("retention failed; it runs again after the next checkpoint")
+                continue
+            if result.delete:
+                log.info("retention (keep_last %d): deleted %s", self.config.keep_last, ", ".join(result.delete))
+
+    async def prune(self, keep_last: int, keep_globs: tuple[str, ...], *, dry_run: bool) -> Plan:
+        """Delete all but the newest `keep_last` top-level checkpoints (see retention.py) through the
+        namespace, so that the drain removes them from the store too."""
+        await self.lister.ensure(ROOT_ID)
+        top = [c for c in self.journal.all_children(ROOT_ID) if c.name and not c.name.startswith(".")]
+        pointers = [c for c in top if c.kind == FILE and (self.drain.is_commit_marker(c.name) or c.name == "latest")]
+        texts = {}
+        for pointer in pointers:
+            if pointer.size <= 4096:
+                texts[pointer.name or ""] = (await self._read_small(pointer)).decode("utf-8", "replace")
+        candidates = [c for c in top if c not in pointers]
+        checkpoints = [Checkpoint(c.name or "", c.mtime_ns, self._complete(c)) for c in candidates]
+        result = plan(checkpoints, keep_last=keep_last, keep_globs=keep_globs,
+                      pinned=pinned_by_pointers(texts, [c.name for c in checkpoints]))
+        if not dry_run:
+            for name in result.delete:
+                await self._remove_tree(name)
+        return result
+
+    def _complete(self, inode: Inode) -> bool:
+        for entry in [inode, *self.journal.descendants(inode.path or "")]:
+            if entry.state in ("dirty", "uploading") or (entry.kind == FILE and entry.closed_at is None):
+                return False
+        return True
+
+    async def _read_small(self, inode: Inode) -> bytes:
+        fh = await self.fs.open(inode.id, os.O_RDONLY)
+        try:
+            return self.fs.read(fh, 0, 4096)
+        finally:
+            self.fs.release(fh)
+
+    async def _remove_tree(self, name: str) -> None:
+        """rm -r of a top-level entry, through the fs (its store listing is read first: objects nobody
+        here has listed must be deleted too)."""
+        entry = self.journal.lookup(ROOT_ID, name)
+        if entry is None:
+            return
+        if entry.kind == DIR:
+            await self._list_subtree(entry.id)
+            for child in sorted(self.journal.descendants(entry.path or ""),
+                                key=lambda i: -(i.path or "").count("/")):
+                parent = child.parent
+                if parent is None or child.name is None:
+                    continue
+                if child.kind == DIR:
+                    self.fs.rmdir(parent, child.name.encode())
+                else:
+                    self.fs.unlink(parent, child.name.encode())
+            self.fs.rmdir(ROOT_ID, name.encode())
+        else:
+            self.fs.unlink(ROOT_ID, name.encode())
+
+    async def _list_subtree(self, inode_id: int) -> None:
+        await self.lister.ensure(inode_id)
+        for child in self.journal.all_children(inode_id):
+            if child.kind == DIR:
+                await self._list_subtree(child.id)
 
     async def _publish_metrics(self) -> None:
         assert self.metrics is not None
@@ -274,6 +352,12 @@ class Daemon:
             paths = [p.strip("/") for p in request.get("paths") or []] or None
             result = await self.drain.flush(paths, _deadline(request.get("timeout")))
             return {"ok": result.ok, "remaining": result.remaining[:100], "remaining_count": len(result.remaining)}
+        if op == "prune":
+            keep_last = request.get("keep_last")
+            if not isinstance(keep_last, int) or keep_last < 1:
+                return {"ok": False, "error": "keep_last must be a whole number >= 1"}
+            pruned = await self.prune(keep_last, tuple(request.get("keep") or ()), dry_run=bool(request.get("dry_run")))
+            return {"ok": True, "delete": pruned.delete, "reasons": pruned.reasons}
         if op == "refresh":
             self.lister.invalidate_all()
             await self.lister.ensure(ROOT_ID)

@@ -119,6 +119,8 @@ class Drain:
         self.spill_lookahead = SPILL_LOOKAHEAD
         # Called with an inode id once a spilled file is uploaded: its local copy has holes, evict it.
         self.on_spilled: Callable[[int], None] = lambda inode_id: None
+        # Called once a commit marker is in the store: a checkpoint is complete (retention runs then).
+        self.on_marker_uploaded: Callable[[Inode], None] = lambda inode: None
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -603,6 +605,8 @@ class Drain:
             self.journal.finish_upload(
                 current, key=key, version=version, checksum=checksum, size=size, clean=current.version == version
             )
+        if self.is_commit_marker(current.name):
+            self.on_marker_uploaded(current)
 
     async def _move(self, inode_id: int) -> None:
         inode = self.journal.get(inode_id)
