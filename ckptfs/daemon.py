@@ -11,6 +11,7 @@ This is the only module besides fuse_ops.py that imports pyfuse3, and the only o
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import math
@@ -19,6 +20,7 @@ import secrets
 import signal
 import subprocess
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -419,6 +421,22 @@ class Daemon:
         }
 
 
+def _effective(config: Config, cache: CacheDir) -> str:
+    """The effective configuration, one line, for the log (config holds no secrets; an endpoint URL's
+    user:password part, if any, is dropped)."""
+    fields = dataclasses.asdict(config)
+    fields["cache_dir"] = str(cache.root)
+    if config.endpoint_url:
+        parts = urllib.parse.urlsplit(config.endpoint_url)
+        fields["endpoint_url"] = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")
+                                                if parts.hostname else parts.netloc).geturl()
+    fields.pop("source")
+    fields.pop("mountpoint")
+    fields["commit_markers"] = ",".join(config.commit_markers)
+    fields["keep"] = ",".join(config.keep)
+    return ", ".join(f"{key} {value}" for key, value in fields.items())
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
@@ -482,11 +500,7 @@ async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
                     f"cache dir {cache.root} holds data of {bound}, not {store.url};"
                     " use another --cache-dir (or mount that source)"
                 )
-            log.info(
-                "ckptfs %s -> %s: cache %s, upload_delay %ss, transfers %d, commit markers %s",
-                store.url, config.mountpoint, cache.root, config.upload_delay, config.transfers,
-                ",".join(config.commit_markers),
-            )
+            log.info("ckptfs %s -> %s: %s", store.url, config.mountpoint, _effective(config, cache))
             await recover(journal, cache, store, time.time())
             atimes = cache.scan()
             for inode_id, text in journal.upload_states():

@@ -194,3 +194,44 @@ def test_daemon_true_in_config_file_detaches_once(dirs: dict[str, Path], tmp_pat
     result = ckptfs_cli("mount", "--config", str(config), "--cache-dir", str(dirs["cache"]), env=env, timeout=60)
     assert result.returncode == 0, result.stderr
     assert ckptfs_cli("umount", str(dirs["mnt"]), env=env).returncode == 0
+
+
+def test_repeated_log_messages_are_rate_limited() -> None:
+    import logging
+    import time
+
+    from ckptfs.cli import RepeatFilter
+
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Collect()
+    handler.addFilter(RepeatFilter(burst=5, window=0.2))
+    logger = logging.getLogger("ckptfs.test-repeat")
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        for i in range(20):
+            logger.error("upload of %s failed: AccessDenied", f"file-{i}")
+        logger.error("something else")
+        assert len(records) == 6
+        time.sleep(0.25)
+        logger.error("upload of %s failed: AccessDenied", "file-20")
+        assert records[-1] == "upload of file-20 failed: AccessDenied (and 15 more like it in the last minute)"
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_effective_configuration_is_logged_without_credentials(tmp_path: Path) -> None:
+    from ckptfs.cache import CacheDir
+    from ckptfs.config import load_config
+    from ckptfs.daemon import _effective
+
+    config = load_config(None, {"source": "s3://b/p", "mountpoint": tmp_path,
+                                "endpoint_url": "http://user:secret@127.0.0.1:9000"})
+    line = _effective(config, CacheDir(tmp_path / "cache"))
+    assert "secret" not in line and "user" not in line
+    assert "endpoint_url http://127.0.0.1:9000" in line and "cache_size 80%" in line and "transfers 4" in line
