@@ -159,6 +159,41 @@ def test_sigterm_drains_then_unmounts(mount_factory) -> None:  # type: ignore[no
     assert not os.path.ismount(m.mnt)
 
 
+@pytest.mark.parametrize("signals", [1, 2], ids=["one-signal", "second-signal"])
+def test_sigterm_with_a_store_refusing_writes_exits_3_and_loses_nothing(
+    mount_factory, signals: int  # type: ignore[no-untyped-def]
+) -> None:
+    """The drain cannot finish (the store is read-only): SIGTERM waits out drain_timeout, unmounts and exits 3;
+    a second SIGTERM exits at once. Either way the file uploads at the next start of the same cache dir."""
+    import os
+    import signal
+    import time
+
+    m: Mount = mount_factory(upload_delay=3600, extra_args=("--drain-timeout", "5"))
+    m.allowed_log_words += ["failed and will be retried", "not yet durable", "second signal", "Read-only"]
+    subprocess.run(["mount", "--bind", str(m.store), str(m.store)], check=True)
+    subprocess.run(["mount", "-o", "remount,ro,bind", str(m.store)], check=True)
+    try:
+        (m.mnt / "step_9.pt").write_bytes(b"s" * 50_000)
+        assert m.proc is not None
+        started = time.monotonic()
+        m.proc.send_signal(signal.SIGTERM)
+        if signals == 2:
+            time.sleep(0.5)
+            m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(timeout=90) == 3
+        elapsed = time.monotonic() - started
+        assert (elapsed < 4) if signals == 2 else (elapsed >= 4.9), elapsed
+        m.proc = None
+        assert not os.path.ismount(m.mnt)
+    finally:
+        subprocess.run(["umount", str(m.store)], check=True)
+    assert m.store_files() == {}
+    m.start()
+    m.flush()
+    assert m.store_files() == {"step_9.pt": b"s" * 50_000}
+
+
 def test_external_unmount_drains_before_exit(mount_factory) -> None:  # type: ignore[no-untyped-def]
     m: Mount = mount_factory(upload_delay=3600)
     (m.mnt / "f").write_bytes(b"data")
