@@ -209,8 +209,7 @@ class CacheDir:
             entry.freed = size
 
     def punch_hole(self, inode_id: int, offset: int, length: int) -> None:
-        """Free `length` bytes at `offset` of a data file, keeping its size (a syscall: may run in a worker
-        thread; the accounting is `punched`, called from the trio thread)."""
+        """Free `length` bytes at `offset` of a data file, keeping its size (the accounting is `punched`)."""
         fd = os.open(self.data_path(inode_id), os.O_WRONLY | os.O_CLOEXEC)
         try:
             if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:

@@ -512,11 +512,18 @@ class Drain:
             current = self.journal.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
                 return  # removed meanwhile; the store's start-up cleanup takes the staged parts
+            if entry.sealed < state.size:
+                # Truncated while the part was uploading: what was staged is no longer the file's start.
+                await self._thread(self.store.spill_abort, state)
+                with self.journal.transaction():
+                    self.journal.save_upload_state(inode_id, None)
+                return
             with self.journal.transaction():
                 self.journal.save_upload_state(inode_id, state.to_json())
-            await self._thread(self.cache.punch_hole, inode_id, state.size - part, part)
-            if self.cache.files.get(inode_id) is entry:
-                self.cache.punched(inode_id, state.size - part, part)
+            # In the trio thread, with no await between the check above and the accounting: a truncate
+            # and rewrite can never slip in and lose its new bytes to the hole (fallocate is quick).
+            self.cache.punch_hole(inode_id, state.size - part, part)
+            self.cache.punched(inode_id, state.size - part, part)
             self.stats.spilled_bytes += part
 
     async def _finish_spill(self, inode: Inode, state: UploadState) -> None:

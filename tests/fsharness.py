@@ -40,6 +40,9 @@ class RecordingStore:
         self.stage_gate: threading.Event | None = None
         self.gated_keys: set[str] | None = None  # hold only these keys' stages (None: all)
         self.staging = threading.Event()
+        # Holds spill_part (once set) until the test sets it; `spilling` says a part reached the gate.
+        self.spill_gate: threading.Event | None = None
+        self.spilling = threading.Event()
         self.failures: list[Exception] = []
         self._lock = threading.Lock()
 
@@ -125,7 +128,11 @@ class RecordingStore:
 
     def spill_part(self, state: UploadState, src_path: str, length: int) -> UploadState:
         self._maybe_fail()
-        return self.inner.spill_part(state, src_path, length)
+        staged = self.inner.spill_part(state, src_path, length)
+        if self.spill_gate is not None:  # the part is in the store; its answer is held back
+            self.spilling.set()
+            self.spill_gate.wait(30)
+        return staged
 
     def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
         self._maybe_fail()

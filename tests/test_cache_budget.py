@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -273,3 +274,36 @@ async def test_a_waiting_writer_does_not_spin(tmp_path: Path, nursery: trio.Nurs
         await write_waiting(stack, fh, 0, b"2" * (64 * KIB))
     assert time.process_time() - cpu < 0.5
     stack.fs.release(fh)
+
+
+async def test_truncate_while_a_spilled_part_is_uploading_keeps_the_new_bytes(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    # Regression: the part finished uploading after the truncate, and the drain then punched its range out
+    # of the file's new content and committed the old spilled start.
+    stack = make_stack(tmp_path, cache_size=1000 * KIB, upload_delay=3600)
+    small_spills(stack)
+    stack.store.spill_gate = threading.Event()
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fs.evictor.run)
+    fh, attr = stack.fs.create(ROOT_ID, b"f", 0o644, os.O_RDWR, UID, GID)
+    offset = 0
+    with trio.fail_after(30):
+        while True:
+            try:
+                stack.fs.write(fh, offset, b"a" * (64 * KIB))
+            except RoomNeeded:
+                break
+            offset += 64 * KIB
+        # Over budget now: the evictor's next round starts a spill, whose first part is held at the gate.
+        await trio.to_thread.run_sync(stack.store.spilling.wait, 10)
+        await stack.fs.setattr(attr.ino, SetAttrs(size=0), fh)
+        stack.fs.write(fh, 0, b"fresh")
+        stack.store.spill_gate.set()
+        await trio.sleep(0.5)  # the spill job sees its part done
+        assert stack.fs.read(fh, 0, 10) == b"fresh"
+        stack.fs.release(fh)
+        await stack.flush()
+    assert stack.store_files() == {"f": b"fresh"}
+    assert not list((tmp_path / "store").glob(".ckptfs-tmp.*"))
+    check_consistency(stack)
