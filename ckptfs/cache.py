@@ -225,12 +225,14 @@ class CacheDir:
             self.used -= offset + length - entry.freed
             entry.freed = offset + length
 
-    def restore_spilled(self, inode_id: int, length: int) -> None:
-        """At start-up: the first `length` bytes of this data file were spilled before the restart."""
+    def restore_spilled(self, inode_id: int, *, punched: int, staged: int) -> None:
+        """At start-up: a spill had staged the first `staged` bytes of this data file and punched out the
+        first `punched` before the restart."""
         entry = self.files.get(inode_id)
-        if entry is not None and length <= entry.size:
-            entry.sealed = entry.freed = length
-            self.used -= length
+        if entry is not None and punched <= entry.size:
+            entry.freed = punched
+            entry.sealed = min(staged, entry.size)
+            self.used -= punched
 
     def reserve(self, size: int) -> None:
         """Count a download in progress (its tmp file) before its bytes arrive."""

@@ -506,7 +506,7 @@ async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
             for inode_id, text in journal.upload_states():
                 state = UploadState.from_json(text)
                 if state.spilled:
-                    cache.restore_spilled(inode_id, state.size)
+                    cache.restore_spilled(inode_id, punched=state.punched, staged=state.size)
             cache.configure_budget(config.cache_size, config.min_free)
             daemon = Daemon(config, store, cache, journal, metrics)
             daemon.evictor.start(atimes)

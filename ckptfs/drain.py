@@ -23,7 +23,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -405,6 +405,11 @@ class Drain:
             current = self.journal.get(inode_id)
             if current is None or current.version != version or current.closed_at is None:
                 return
+            entry = self.cache.files.get(inode_id)
+            if entry is not None and entry.freed:
+                # Part of the file was spilled and its spill is gone: the cache file has holes, and
+                # uploading it would put zeros in the store. Never do that; keep it pending and say so.
+                raise RuntimeError(f"{current.path}: spilled part of the file is no longer staged")
             inode = current
             with self.journal.transaction():
                 self.journal.begin_upload(inode_id)
@@ -478,7 +483,7 @@ class Drain:
         if not state.spilled:
             return None
         entry = self.cache.files.get(inode.id)
-        if entry is not None and entry.freed == state.size:
+        if entry is not None and entry.freed == state.punched:
             return state
         log.info("%s was rewritten after part of it was spilled; discarding the spill", inode.path)
         await self._thread(self.store.spill_abort, state)
@@ -518,6 +523,9 @@ class Drain:
                 with self.journal.transaction():
                     self.journal.save_upload_state(inode_id, None)
                 return
+            # Journaled as punched before the hole is made: after a crash in between, the bytes are still
+            # there but never read again (the parts have them).
+            state = replace(state, punched=state.size)
             with self.journal.transaction():
                 self.journal.save_upload_state(inode_id, state.to_json())
             # In the trio thread, with no await between the check above and the accounting: a truncate

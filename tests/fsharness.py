@@ -42,6 +42,7 @@ class RecordingStore:
         self.staging = threading.Event()
         # Holds spill_part (once set) until the test sets it; `spilling` says a part reached the gate.
         self.spill_gate: threading.Event | None = None
+        self.spill_commit_failures: list[Exception] = []
         self.spilling = threading.Event()
         self.failures: list[Exception] = []
         self._lock = threading.Lock()
@@ -136,6 +137,8 @@ class RecordingStore:
 
     def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
         self._maybe_fail()
+        if self.spill_commit_failures:
+            raise self.spill_commit_failures.pop(0)
         self.inner.spill_commit(state, key, meta)
         with self._lock:
             self.calls.append(("spill_commit", key))

@@ -13,7 +13,7 @@ import trio
 import trio.lowlevel
 from fsharness import GID, UID, Stack, check_consistency, make_stack
 
-from ckptfs.errors import FsError, PermanentBackendError
+from ckptfs.errors import FsError, PermanentBackendError, TransientBackendError
 from ckptfs.fs import RoomNeeded, SetAttrs
 from ckptfs.journal import CLEAN, REMOTE, ROOT_ID
 
@@ -307,3 +307,26 @@ async def test_truncate_while_a_spilled_part_is_uploading_keeps_the_new_bytes(
     assert stack.store_files() == {"f": b"fresh"}
     assert not list((tmp_path / "store").glob(".ckptfs-tmp.*"))
     check_consistency(stack)
+
+
+async def test_a_failed_spill_commit_is_retried_not_replaced_by_an_upload_of_the_holes(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    # Regression: after the rest of the file was staged, a failed commit was retried; the retry took the spill
+    # for stale (it compared the bytes staged with the bytes punched) and uploaded the cache file, holes and all.
+    stack = make_stack(tmp_path, cache_size=1000 * KIB, upload_delay=3600)
+    small_spills(stack)
+    stack.store.spill_commit_failures = [TransientBackendError("503 SlowDown")]
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fs.evictor.run)
+    fh, _ = stack.fs.create(ROOT_ID, b"big.pt", 0o644, os.O_WRONLY, UID, GID)
+    expected = bytearray()
+    with trio.fail_after(30):
+        for i in range(40):
+            chunk = bytes([i]) * (64 * KIB)
+            await write_waiting(stack, fh, len(expected), chunk)
+            expected += chunk
+        stack.fs.release(fh)
+        await stack.flush()
+    assert stack.drain.stats.spilled_bytes > 0 and not stack.store.spill_commit_failures
+    assert stack.store_files() == {"big.pt": bytes(expected)}

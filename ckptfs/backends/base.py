@@ -109,6 +109,7 @@ class UploadState:
     part_size: int
     parts: tuple[UploadPart, ...] = field(default=())
     spilled: bool = False  # a spill (see the module docstring), not a staged upload of a closed file
+    punched: int = 0  # a spill: bytes at the file's start its owner freed locally (at most `size`)
 
     def to_json(self) -> str:
         data = {k: v for k, v in self.__dict__.items() if k != "parts"}

@@ -802,9 +802,9 @@ class S3Store:
             if not _is_code(exc, "NoSuchUpload"):
                 raise
             # A retried commit: the first one completed (and maybe copied) already.
-        source = self._head_raw(state.key)
+        source = retry_transient(lambda: self._head_raw(state.key), attempts=self.attempts)
         if source is None:
-            final = self.head(key)
+            final = retry_transient(lambda: self.head(key), attempts=self.attempts)
             if final is not None and final.size == state.size and final.checksum == state.checksum:
                 self._delete_marker(state.marker)
                 return
