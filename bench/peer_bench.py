@@ -1057,9 +1057,10 @@ def charts(data: dict[str, Any], out_prefix: Path) -> list[Path]:
             ax.invert_yaxis()
             ax.set_title(w, fontsize=9)
             ax.set_xlabel("seconds", fontsize=8)
-            top = max(meds) if meds and max(meds) > 0 else 1
-            for yi, (v, lab) in enumerate(zip(meds, labels, strict=True)):
-                ax.text(v + top * 0.02, yi, lab, va="center", fontsize=7)
+            ends = [v + h for v, h in zip(meds, hi, strict=True)]
+            top = max(ends) if ends and max(ends) > 0 else 1
+            for yi, (end, lab) in enumerate(zip(ends, labels, strict=True)):
+                ax.text(end + top * 0.03, yi, lab, va="center", fontsize=7)  # right of the range bar
             ax.set_xlim(0, top * 1.3)
             ax.tick_params(axis="x", labelsize=7)
         fig.suptitle(f"{title}; median of {data['args']['runs']}, bars = range", fontsize=10)
