@@ -189,6 +189,13 @@ class Journal:
                 f"journal {path} has schema version {version}, newer than this ckptfs ({SCHEMA_VERSION});"
                 " upgrade ckptfs or use another --cache-dir"
             )
+        try:
+            self.db.execute(f"SELECT {_COLUMNS} FROM inodes LIMIT 0")
+        except sqlite3.OperationalError as exc:
+            raise JournalError(
+                f"journal {path} does not match this ckptfs's schema ({exc}): it was made by a development"
+                " build; use another --cache-dir"
+            ) from None
         self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ scripts/install.sh demo
 demo=${CKPTFS_DEMO_DIR:-/tmp/ckptfs-demo}
 store=$demo/bucket mnt=$demo/checkpoints cache=$demo/cache
 if mountpoint -q "$mnt" 2>/dev/null; then ckptfs umount "$mnt" || fusermount3 -u -z "$mnt"; fi
+rm -rf "$demo"  # every run starts from an empty store and cache
 mkdir -p "$store" "$mnt"
 
 set -x

@@ -270,3 +270,16 @@ def test_effective_configuration_is_logged_without_credentials(tmp_path: Path) -
     line = _effective(config, CacheDir(tmp_path / "cache"))
     assert "secret" not in line and "user" not in line
     assert "endpoint_url http://127.0.0.1:9000" in line and "cache_size 80%" in line and "transfers 4" in line
+
+
+def test_a_journal_of_another_schema_is_one_clear_error(dirs: dict[str, Path]) -> None:
+    import sqlite3
+
+    dirs["cache"].mkdir(parents=True)
+    db = sqlite3.connect(dirs["cache"] / "journal.db")
+    db.executescript("CREATE TABLE inodes (id INTEGER PRIMARY KEY); PRAGMA user_version = 1;")
+    db.close()
+    result = _mount(dirs)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("ckptfs:")]
+    assert len(lines) == 1 and "--cache-dir" in lines[0] and "Traceback" not in result.stderr, result.stderr
