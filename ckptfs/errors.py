@@ -43,6 +43,10 @@ class TransientBackendError(BackendError):
     """Worth retrying with backoff: 5xx, throttling, dropped connections, timeouts."""
 
 
+class ObjectChangedError(TransientBackendError):
+    """The object was replaced between two requests of one transfer (a ranged read pinned to its etag)."""
+
+
 class PermanentBackendError(BackendError):
     """Retrying the same call will not help until an operator acts (no bucket, bad config)."""
 

@@ -12,10 +12,8 @@ from ckptfs.errors import CkptfsError, UsageError
 SCHEMES = ("file", "s3", "gs", "az")
 
 
-def open_store(
-    url: str, *, endpoint_url: str | None = None, part_size: int | None = None, parts_in_flight: int | None = None
-) -> ObjectStore:
-    """The store for `url`. `part_size` and `parts_in_flight` tune multipart uploads where a store has them."""
+def open_store(url: str, *, endpoint_url: str | None = None) -> ObjectStore:
+    """The store for `url`."""
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES:
         raise UsageError(
@@ -31,16 +29,14 @@ def open_store(
 
         return LocalStore(Path(parts.path).resolve())
     if parts.scheme == "s3":
-        return _open_s3(url, parts.netloc, parts.path, endpoint_url, part_size, parts_in_flight)
+        return _open_s3(url, parts.netloc, parts.path, endpoint_url)
     raise UsageError(
         f"store URL {url!r}: the {parts.scheme}:// backend is not available in this build yet;"
         " use file:///DIR"
     )
 
 
-def _open_s3(
-    url: str, bucket: str, path: str, endpoint_url: str | None, part_size: int | None, parts_in_flight: int | None
-) -> ObjectStore:
+def _open_s3(url: str, bucket: str, path: str, endpoint_url: str | None) -> ObjectStore:
     if not bucket:
         raise UsageError(f"store URL {url!r}: name the bucket, like s3://my-bucket/run-42")
     if "@" in bucket or ":" in bucket:
@@ -55,9 +51,4 @@ def _open_s3(
             "the s3:// backend needs boto3, which is not installed: install ckptfs[s3]"
             " (pip install 'ckptfs[s3]')"
         ) from None
-    store = S3Store(bucket, path.strip("/"), endpoint_url=endpoint_url)
-    if part_size is not None:
-        store.part_size = part_size
-    if parts_in_flight is not None:
-        store.parts_in_flight = parts_in_flight
-    return store
+    return S3Store(bucket, path.strip("/"), endpoint_url=endpoint_url)

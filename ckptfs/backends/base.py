@@ -1,40 +1,39 @@
-"""The object store protocol every backend implements, the value types it speaks, and the retry policy.
+"""The object store primitives every backend implements, the value types they speak, and checksum helpers.
 
-Stores know keys, bytes and a little metadata (mtime, mode); never inodes, paths of the mount or the
-journal. Every method is blocking and thread-safe: callers run them in worker threads
-(`trio.to_thread.run_sync`). Keys are relative to the store's prefix, use '/' as separator, and a key
-ending in '/' is a directory marker.
+A store implements only what differs between services; everything about parts (sizing, parallelism,
+retries, the memory budget, resume, spills, ranged reads) lives once, in ckptfs/transfer.py. Stores know
+keys, bytes and a little metadata (mtime, mode); never inodes, paths of the mount or the journal. Every
+method is blocking, thread-safe, and makes one attempt (plus whatever the SDK retries on its own): callers
+run them in worker threads and own the retries. Keys are relative to the store's prefix, use '/' as
+separator, and a key ending in '/' is a directory marker.
 
-Uploads are two-phase so that the drain can check, between the phases, that what it copied is still the
-current content under the current name: `stage_upload` does the slow part (copying bytes, uploading parts),
-`commit_upload` makes the object appear at its key atomically (rename, multipart complete), and
-`abort_upload` throws a staged upload away. Nothing becomes visible at a final key before commit.
+The primitives:
+  - staged uploads: `open_upload` (invisible until complete) -> `put_part` N (bytes plus their CRC32, which
+    the server verifies where it can) -> `complete_upload` (the object appears at the key atomically) or
+    `abort_upload`; `list_parts` tells which parts of an interrupted upload the server still holds, and
+    `list_leftovers` finds this owner's interrupted uploads after a crash. `put_object` is the one-request
+    form for small objects.
+  - reads: `get_range` (one ranged GET, optionally pinned to a version by its etag), `head`, `list_dir`
+    (one level), `list` (recursive).
+  - namespace: `copy` (server-side, optionally with new metadata), `delete`, `put_dir`, `put_symlink`,
+    `set_meta`.
 
-Resume (optional for a store; S3 implements it, file:// simply stages afresh): a store whose staged uploads
-live server-side (a multipart upload) reports its progress through `stage_upload(progress=...)` as an
-`UploadState`, which the caller may persist (`to_json()`); after a crash it passes the state back as
-`stage_upload(resume=...)` and the store continues from the finished parts when the upload still exists and
-the file is unchanged, else it throws the old upload away and starts afresh. At start-up,
-`abort_stale_uploads(keep=...)` spares the upload ids the caller means to resume.
+Whole-object checksums are 'crc32:<hex>' everywhere (the journal, object metadata, LocalStore): parts are
+combined with `crc32_combine`, so a file's checksum is known without reading it twice.
 
-Spills (optional; file:// and S3 implement them): a file still being written whose start must leave the
-cache is uploaded in parts, in order, into a hidden staging area (`spill_begin`, `spill_part`), and once
-complete it is moved to its key atomically (`spill_commit`), whatever the key is by then. The state is an
-UploadState with `spilled` set, `size` the bytes staged so far and `checksum` the running CRC32 of them.
-
-Basenames starting with TEMP_PREFIX are reserved for the stores' own bookkeeping (temp files, upload
-markers): `list` never returns them and a key containing such a component must not be written.
+Basenames starting with TEMP_PREFIX are reserved for the stores' and the engine's own bookkeeping (temp
+files, upload markers, spill staging objects): listings never return them and a key containing such a
+component must not be written by a user.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from ckptfs.errors import TransientBackendError
 
@@ -61,7 +60,7 @@ class ObjectInfo:
     mode: int
     target: str | None = None  # symlink target
     checksum: str | None = None  # whole-content checksum ('crc32:<hex>') when the store knows it
-    etag: str | None = None  # changes whenever the object is replaced (object stores); None for file://
+    etag: str | None = None  # changes whenever the object is replaced
 
 
 @dataclass(frozen=True)
@@ -73,43 +72,57 @@ class DirListing:
     marker: bool  # the directory itself has a marker object (always true for file:// directories)
 
 
-@dataclass
-class StagedUpload:
-    """An upload whose bytes are in the store but not yet visible at `key`."""
+@dataclass(frozen=True)
+class UploadRef:
+    """A staged upload in the store: where it will appear, and the store's own handles on it."""
 
     key: str
-    size: int
-    checksum: str
-    handle: Any  # store-specific: a temp path, a multipart UploadState, ...
+    upload_id: str  # S3: the multipart UploadId; file://: the temp file's name; ...
+    marker: str = ""  # the store's owner bookkeeping for it, if it keeps any (S3: the marker object)
 
 
 @dataclass(frozen=True)
 class UploadPart:
-    """One finished part of a staged multipart upload."""
+    """One finished part of a staged upload."""
 
-    number: int  # 1-based
-    etag: str
-    checksum: str  # the part's checksum as the store verified it (S3: base64 big-endian CRC32)
+    number: int  # 1-based; part N covers bytes [(N-1) x part_size, N x part_size) of the object
+    etag: str  # the store's receipt for the part
+    checksum: str  # the part's CRC32 as the store verified it (S3: base64 big-endian)
+
+
+@dataclass(frozen=True)
+class RangeRead:
+    """The answer of one ranged GET."""
+
+    data: bytes
+    size: int  # the whole object's size
+    etag: str | None  # the object's version; pass it back as `if_match` to read more of the same version
+    checksum: str | None  # the whole object's checksum from its metadata, when it has one
 
 
 @dataclass(frozen=True)
 class UploadState:
-    """Everything needed to continue (or throw away) a staged multipart upload in a later process.
+    """Everything needed to continue (or throw away) a staged upload in a later process; the transfer
+    engine keeps it in the journal (to_json()) after every finished part.
 
-    Persist it with to_json(); pass it back as `stage_upload(resume=...)` or keep its `upload_id` alive
-    across start-up with `abort_stale_uploads(keep=...)`."""
+    A spill (`spilled`) stages the start of a file still being written at a hidden key; `size` is then the
+    bytes staged so far, `checksum` their running CRC32 and `punched` the bytes its owner freed locally."""
 
     key: str
     upload_id: str
-    marker: str  # the store's owner marker of this upload (S3: the marker object's name)
+    marker: str
     size: int
     checksum: str  # whole-file checksum, also in the object's metadata
     mtime_ns: int
     mode: int
     part_size: int
     parts: tuple[UploadPart, ...] = field(default=())
-    spilled: bool = False  # a spill (see the module docstring), not a staged upload of a closed file
-    punched: int = 0  # a spill: bytes at the file's start its owner freed locally (at most `size`)
+    spilled: bool = False
+    punched: int = 0
+
+    @property
+    def ref(self) -> UploadRef:
+        return UploadRef(self.key, self.upload_id, self.marker)
 
     def to_json(self) -> str:
         data = {k: v for k, v in self.__dict__.items() if k != "parts"}
@@ -123,7 +136,13 @@ class UploadState:
         return cls(**data, parts=parts)
 
 
-ProgressCallback = Callable[[UploadState], None]
+@dataclass(frozen=True)
+class PartLimits:
+    """What a store accepts for staged uploads."""
+
+    min_part_size: int  # every part but the last is at least this big
+    max_part_size: int
+    max_parts: int
 
 
 class ObjectStore(Protocol):
@@ -134,31 +153,70 @@ class ObjectStore(Protocol):
     # True if list() reports each object's own mtime and mode (file://); False where a listing carries no
     # metadata (object stores report the upload time and a default mode; head() has the real values).
     listing_has_metadata: bool
+    limits: PartLimits
 
     def check(self) -> None:
         """Verify the store exists and is usable; raise CkptfsError naming the problem and the fix."""
 
-    def stage_upload(
-        self, key: str, src_path: str, meta: ObjectMeta, *,
-        resume: UploadState | None = None, progress: ProgressCallback | None = None,
-    ) -> StagedUpload:
-        """Copy src_path's bytes into the store, invisible until commit. `progress` (optional) is called,
-        from worker threads but one call at a time, with the state of a server-side staged upload after
-        it is created and after each finished part; when given, a failed stage leaves that upload for the
-        caller to resume or abort, else the store aborts it. `resume` continues an earlier state (see the
-        module docstring); a store without resumable uploads ignores both and stages afresh."""
+    # -- uploads ----------------------------------------------------------------------------------------
+
+    def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
+        """Write a whole (small) object in one request; it appears at `key` atomically."""
         ...
 
-    def commit_upload(self, staged: StagedUpload) -> None: ...
-
-    def abort_upload(self, staged: StagedUpload) -> None: ...
-
-    def download(self, key: str, dst_path: str) -> str:
-        """Write the object's bytes to dst_path (created or truncated); return its checksum."""
+    def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
+        """Start a staged upload that will appear at `key` on complete_upload. `meta` and `checksum` go into
+        the object's metadata (None: a hidden staging object that will be copied to its key with them)."""
         ...
 
-    def copy(self, src_key: str, dst_key: str) -> None:
-        """Server-side copy; dst appears atomically. Raises NotFoundBackendError if src is missing."""
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+        """Stage part `number` (1-based) holding the object's bytes at `offset`; `crc` is CRC32(data), sent
+        for the server to verify where it can."""
+        ...
+
+    def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
+        """{part number: (etag, size)} the server holds for an interrupted upload; None if the upload is
+        gone or the store cannot tell (the caller then starts afresh)."""
+        ...
+
+    def complete_upload(self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None) -> None:
+        """Make the staged parts (in order, all of them) the object at upload.key, atomically. Idempotent:
+        a retry after a completion whose answer was lost finds the object (`size`, `checksum`) and succeeds."""
+        ...
+
+    def abort_upload(self, upload: UploadRef) -> None:
+        """Throw a staged upload away; a missing one is not an error."""
+        ...
+
+    def list_leftovers(self) -> list[UploadRef]:
+        """Staged uploads of `owner` that are still in the store (interrupted by a crash or failed aborts).
+        Never another owner's."""
+        ...
+
+    # -- reads ------------------------------------------------------------------------------------------
+
+    def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
+        """Bytes [offset, offset + length) of the object (fewer at its end). NotFoundBackendError if it is
+        missing; ObjectChangedError if `if_match` is given and the object is no longer that version."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo | None: ...
+
+    def list_dir(self, prefix: str = "") -> DirListing:
+        """The files, symlinks and subdirectory names directly below the directory `prefix` ('' for the
+        root, else ending in '/'), listing metadata as list() does. Missing prefix: an empty listing."""
+        ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object below the directory `prefix` (recursively), in no particular order. A directory
+        with no marker object of its own may be missing (object stores list only `dir/` markers)."""
+        ...
+
+    # -- namespace ----------------------------------------------------------------------------------------
+
+    def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
+        """Server-side copy; dst appears atomically, with `meta` and `checksum` as its metadata if given (else
+        the source's). NotFoundBackendError if src is missing."""
         ...
 
     def delete(self, key: str) -> None:
@@ -174,40 +232,6 @@ class ObjectStore(Protocol):
         Raises NotFoundBackendError if the key is missing."""
         ...
 
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Every object below the directory `prefix` (recursively), in no particular order. A directory
-        with no marker object of its own may be missing (object stores list only `dir/` markers). Object
-        stores report the upload time as mtime and a default mode: their listings carry no metadata;
-        head() has the exact values."""
-        ...
-
-    def head(self, key: str) -> ObjectInfo | None: ...
-
-    def list_dir(self, prefix: str = "") -> DirListing:
-        """The files, symlinks and subdirectory names directly below the directory `prefix` ('' for the
-        root, else ending in '/'), listing metadata as list() does. Missing prefix: an empty listing."""
-        ...
-
-    def abort_stale_uploads(self, keep: Collection[str] = ()) -> int:
-        """Remove what interrupted uploads of `owner` left behind, except the staged uploads whose
-        `UploadState.upload_id` is in `keep` (to be resumed); return how many. Called at start-up, before
-        any upload of this daemon begins. Never touches other owners' uploads."""
-        ...
-
-    def spill_begin(self, part_size: int) -> UploadState:
-        """Open a hidden staging area for a file still being written (see the module docstring)."""
-        ...
-
-    def spill_part(self, state: UploadState, src_path: str, length: int) -> UploadState:
-        """Stage the next `length` bytes of src_path (from offset state.size); return the new state."""
-        ...
-
-    def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
-        """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum."""
-        ...
-
-    def spill_abort(self, state: UploadState) -> None: ...
-
 
 T = TypeVar("T")
 
@@ -221,21 +245,46 @@ def crc_text(crc: int) -> str:
     return f"crc32:{crc:08x}"
 
 
-def read_range(path: str, offset: int, length: int) -> bytes:
-    """Exactly `length` bytes of `path` from `offset` (a spill reads what was written, never past it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = []
-        done = 0
-        while done < length:
-            chunk = os.pread(fd, length - done, offset + done)
-            if not chunk:
-                raise TransientBackendError(f"{path} is shorter than expected")
-            chunks.append(chunk)
-            done += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+_CRC_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the CRC-32 polynomial (reflected bit order), as in zlib's crc32_combine."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    table = []
+    p = 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A+B from crc32(A), crc32(B) and len(B)."""
+    p = 1 << 31  # x^0
+    k = 3  # bytes -> bits
+    n = len2
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
 
 
 def backoff_delays(base: float = 0.2, cap: float = 30.0) -> Iterator[float]:
@@ -247,8 +296,9 @@ def backoff_delays(base: float = 0.2, cap: float = 30.0) -> Iterator[float]:
 
 
 def retry_transient(call: Callable[[], T], *, attempts: int = 5, sleep: Callable[[float], None] = time.sleep) -> T:
-    """Run a blocking store call, retrying TransientBackendError a few times with backoff.
-    The drain retries forever on top of this; this is for calls that a request waits on."""
+    """Run a blocking store call, retrying TransientBackendError a few times with backoff. For the few
+    calls a store makes on its own behalf (listings at mount, bookkeeping objects); transfers retry in
+    the engine."""
     delays = backoff_delays()
     for attempt in range(attempts):
         try:

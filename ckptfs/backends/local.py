@@ -13,8 +13,7 @@ import secrets
 import stat
 import time
 import zlib
-from collections.abc import Collection, Iterator
-from dataclasses import replace
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ckptfs.backends.base import (
@@ -25,14 +24,19 @@ from ckptfs.backends.base import (
     DirListing,
     ObjectInfo,
     ObjectMeta,
-    ProgressCallback,
-    StagedUpload,
-    UploadState,
-    crc_of,
+    PartLimits,
+    RangeRead,
+    UploadPart,
+    UploadRef,
     crc_text,
-    read_range,
 )
-from ckptfs.errors import CkptfsError, NotFoundBackendError, PermanentBackendError, TransientBackendError
+from ckptfs.errors import (
+    CkptfsError,
+    NotFoundBackendError,
+    ObjectChangedError,
+    PermanentBackendError,
+    TransientBackendError,
+)
 
 COPY_CHUNK = 8 << 20
 STALE_TEMP_SECONDS = 24 * 3600
@@ -67,6 +71,8 @@ def copy_with_checksum(src_fd: int, dst_fd: int) -> tuple[int, str]:
 
 class LocalStore:
     listing_has_metadata = True  # a listing is lstat(): exact mtime and mode
+    # Parts are pwrite()s into one temp file: any size works; parallel parts still overlap reads and writes.
+    limits = PartLimits(min_part_size=1 << 20, max_part_size=1 << 40, max_parts=1_000_000)
 
     def __init__(self, root: Path, owner: str = "anon") -> None:
         self.root = root
@@ -88,125 +94,131 @@ class LocalStore:
         directory, base = os.path.split(final)
         return os.path.join(directory, f"{TEMP_PREFIX}{self.owner}.{secrets.token_hex(4)}.{base[:100]}")
 
-    def abort_stale_uploads(self, keep: Collection[str] = ()) -> int:
-        # Staged uploads are rewritten whole, so `keep` spares only spills (named by their upload id).
+    # -- staged uploads: a hidden temp file in the target directory, renamed over the key -------------
+
+    def list_leftovers(self) -> list[UploadRef]:
         mine = f"{TEMP_PREFIX}{self.owner}."
-        removed = 0
+        found = []
         for directory, _dirs, files in os.walk(self.root):
             for name in files:
-                if name.startswith(mine) and name not in keep:
-                    try:
-                        os.unlink(os.path.join(directory, name))
-                        removed += 1
-                    except FileNotFoundError:
-                        pass
-        return removed
+                if name.startswith(mine):
+                    temp = os.path.relpath(os.path.join(directory, name), self.root)
+                    found.append(UploadRef(key=_final_of(temp), upload_id=temp))
+        return found
 
-    def stage_upload(
-        self, key: str, src_path: str, meta: ObjectMeta, *,
-        resume: UploadState | None = None, progress: ProgressCallback | None = None,
-    ) -> StagedUpload:
-        """A fresh temp copy every time: `resume` and `progress` do not apply to file://."""
+    def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
+        upload = self.open_upload(key, meta, checksum)
+        try:
+            self.put_part(upload, 1, 0, data, zlib.crc32(data))
+            self.complete_upload(upload, (), len(data), checksum)
+        except BaseException:
+            self.abort_upload(upload)
+            raise
+
+    def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
         final = self._path(key)
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             temp = self._temp_name(final)
-            src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                dst = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                try:
-                    size, checksum = copy_with_checksum(src, dst)
-                    os.fchmod(dst, meta.mode & 0o7777)
-                    os.utime(dst, ns=(meta.mtime_ns, meta.mtime_ns))
-                    os.fsync(dst)
-                finally:
-                    os.close(dst)
+                if meta is not None:
+                    os.fchmod(fd, meta.mode & 0o7777)
             finally:
-                os.close(src)
+                os.close(fd)
         except OSError as exc:
             raise _translate(exc, key) from exc
-        return StagedUpload(key=key, size=size, checksum=checksum, handle=temp)
+        # The mtime is set at complete (writing the parts changes it); the marker carries it until then.
+        return UploadRef(key=key, upload_id=os.path.relpath(temp, self.root),
+                         marker="" if meta is None else str(meta.mtime_ns))
 
-    def commit_upload(self, staged: StagedUpload) -> None:
-        final = self._path(staged.key)
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
         try:
-            os.replace(staged.handle, final)
-            _fsync_dir(os.path.dirname(final))
-        except OSError as exc:
-            raise _translate(exc, staged.key) from exc
-
-    def abort_upload(self, staged: StagedUpload) -> None:
-        try:
-            os.unlink(staged.handle)
+            fd = os.open(os.path.join(self.root, upload.upload_id), os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            pass
-
-    # -- spills: a hidden file in the store's root, appended to part by part, renamed into place -------
-
-    def spill_begin(self, part_size: int) -> UploadState:
-        name = f"{TEMP_PREFIX}{self.owner}.{secrets.token_hex(6)}.spill"
-        try:
-            os.close(os.open(self.root / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+            raise TransientBackendError(f"{upload.key}: the staged upload is gone") from None
         except OSError as exc:
-            raise _translate(exc, name) from exc
-        return UploadState(key=name, upload_id=name, marker="", size=0, checksum="", mtime_ns=0, mode=0,
-                           part_size=part_size, spilled=True)
-
-    def spill_part(self, state: UploadState, src_path: str, length: int) -> UploadState:
-        data = read_range(src_path, state.size, length)
-        try:
-            fd = os.open(self.root / state.upload_id, os.O_WRONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise _translate(exc, state.key) from exc
+            raise _translate(exc, upload.key) from exc
         try:
             view = memoryview(data)
             written = 0
-            while written < length:
-                written += os.pwrite(fd, view[written:], state.size + written)
-            os.fsync(fd)
+            while written < len(view):
+                written += os.pwrite(fd, view[written:], offset + written)
+            # A spill frees its parts from the cache once they are staged: they must survive power loss.
+            os.fdatasync(fd)
+        except OSError as exc:
+            raise _translate(exc, upload.key) from exc
         finally:
             os.close(fd)
-        return replace(state, size=state.size + length, checksum=crc_text(zlib.crc32(data, crc_of(state.checksum))))
+        return UploadPart(number, crc_text(crc), crc_text(crc))
 
-    def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
-        staged = str(self.root / state.upload_id)
-        final = self._path(key)
+    def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
+        return None  # a temp file does not record which parts arrived: an interrupted upload starts afresh
+
+    def complete_upload(self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None) -> None:
+        temp = os.path.join(self.root, upload.upload_id)
+        final = self._path(upload.key)
         try:
-            if os.stat(staged).st_size != state.size:
-                raise TransientBackendError(f"{key}: the spilled parts are incomplete")
-            os.chmod(staged, meta.mode & 0o7777)
-            os.utime(staged, ns=(meta.mtime_ns, meta.mtime_ns))
+            fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if _holds(final, size):  # a retried complete: the first one renamed it already
+                return
+            raise NotFoundBackendError(f"{upload.key}: the staged upload is gone") from None
+        except OSError as exc:
+            raise _translate(exc, upload.key) from exc
+        try:
+            if os.fstat(fd).st_size != size:
+                raise TransientBackendError(f"{upload.key}: the staged upload is incomplete")
+            if upload.marker:
+                mtime = int(upload.marker)
+                os.utime(fd, ns=(mtime, mtime))
+            os.fsync(fd)
+        except OSError as exc:
+            raise _translate(exc, upload.key) from exc
+        finally:
+            os.close(fd)
+        try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
-            os.replace(staged, final)
+            os.replace(temp, final)
             _fsync_dir(os.path.dirname(final))
-        except FileNotFoundError:
-            if not (os.path.exists(final) and os.stat(final).st_size == state.size):  # a retried commit
-                raise NotFoundBackendError(f"{key}: the spilled parts are gone") from None
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise _translate(exc, upload.key) from exc
 
-    def spill_abort(self, state: UploadState) -> None:
+    def abort_upload(self, upload: UploadRef) -> None:
         try:
-            os.unlink(self.root / state.upload_id)
-        except FileNotFoundError:
+            os.unlink(os.path.join(self.root, upload.upload_id))
+        except (FileNotFoundError, IsADirectoryError):
             pass
+        except OSError as exc:
+            raise _translate(exc, upload.key) from exc
 
-    def download(self, key: str, dst_path: str) -> str:
+    def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
         try:
-            src = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            try:
-                dst = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                try:
-                    _, checksum = copy_with_checksum(src, dst)
-                finally:
-                    os.close(dst)
-            finally:
-                os.close(src)
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:
             raise _translate(exc, key) from exc
-        return checksum
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotFoundBackendError(f"{key}: not a file")
+            etag = _etag(st)
+            if if_match is not None and if_match != etag:
+                raise ObjectChangedError(f"{key}: the object was replaced during the download")
+            chunks = []
+            done = 0
+            while done < length:
+                chunk = os.pread(fd, length - done, offset + done)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                done += len(chunk)
+        except OSError as exc:
+            raise _translate(exc, key) from exc
+        finally:
+            os.close(fd)
+        return RangeRead(b"".join(chunks), st.st_size, etag, None)
 
-    def copy(self, src_key: str, dst_key: str) -> None:
+    def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
         src, dst = self._path(src_key), self._path(dst_key)
         try:
             os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -220,6 +232,14 @@ class LocalStore:
                     if exc.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP):
                         raise
                     self._copy_file(src, temp)
+            if meta is not None:
+                if not os.path.islink(temp):
+                    # A hard link shares the source's inode: give the copy its own before changing it.
+                    if os.stat(temp).st_nlink > 1:
+                        os.unlink(temp)
+                        self._copy_file(src, temp)
+                    os.chmod(temp, meta.mode & 0o7777)
+                os.utime(temp, ns=(meta.mtime_ns, meta.mtime_ns), follow_symlinks=False)
             os.replace(temp, dst)
             _fsync_dir(os.path.dirname(dst))
         except OSError as exc:
@@ -346,6 +366,25 @@ class LocalStore:
                 yield info
                 if info.kind == DIR:
                     stack.append(entry.path)
+
+
+def _final_of(temp: str) -> str:
+    """The key a temp file of `_temp_name` stands for (best effort: names are cut at 100 characters)."""
+    directory, name = os.path.split(temp)
+    parts = name.split(".", 4)  # '', 'ckptfs-tmp', owner, token, base
+    base = parts[4] if len(parts) == 5 else name
+    return os.path.join(directory, base) if directory else base
+
+
+def _etag(st: os.stat_result) -> str:
+    return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
+
+
+def _holds(path: str, size: int) -> bool:
+    try:
+        return os.stat(path).st_size == size
+    except OSError:
+        return False
 
 
 def _fsync_dir(path: str) -> None:

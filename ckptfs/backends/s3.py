@@ -12,38 +12,28 @@ Keys are relative to the prefix. Layout and metadata (x-amz-meta-*), chosen to b
     ETag of a single PUT is the MD5 of its body: `list` recognises symlinks by (size, ETag) without a
     request, and HEADs only those (plus objects of that exact size whose ETag is not an MD5: SSE-KMS).
 
-Uploads: below `multipart_threshold`, staging reads the file into memory and computes its CRC32, and
-commit is one PutObject (nothing exists remotely before commit). Above, staging first computes per-part
-CRC32s (a local read, in parallel), then CreateMultipartUpload with the whole-file checksum in the
-metadata, then uploads the parts in parallel (`parts_in_flight` worker threads, each reading its part
-with os.pread, so memory stays under parts_in_flight x part_size). Every part carries x-amz-checksum-crc32,
-which the server verifies (AWS, SeaweedFS; moto does not check), and is re-read and compared with the
-scan, so an object can never mix two versions of a file under one checksum. Commit is
-CompleteMultipartUpload, abort AbortMultipartUpload.
+Uploads (the primitives of base.py; the transfer engine does the rest): PutObject for small objects;
+CreateMultipartUpload with the whole-file checksum in the metadata, UploadPart with x-amz-checksum-crc32
+(verified by AWS and SeaweedFS; moto does not check), CompleteMultipartUpload, AbortMultipartUpload,
+ListParts for resume. A hidden staging upload (a spill) is created without metadata; `copy` gives the
+final object its metadata.
 
 Owner markers: ListMultipartUploads returns no metadata, so an upload cannot carry our `owner` tag itself.
 Instead each multipart upload has a small marker object `<prefix>/.ckptfs-tmp.uploads/<owner>/<token>`
 (JSON: key, upload id). It is written before CreateMultipartUpload (without the id) and rewritten with the
-id right after, and deleted after complete/abort. `abort_stale_uploads` reads this owner's markers and
-aborts the uploads they name (for a marker without id: the uploads of that key that no marker of any owner
+id right after, and deleted after complete/abort. `list_leftovers` reads this owner's markers and
+reports the uploads they name (for a marker without id: the uploads of that key that no marker of any owner
 claims). So it never aborts another node's upload, and a crash at any point leaves nothing unaccounted
 for. `list` hides every key component starting with TEMP_PREFIX.
 
-Resume: the StagedUpload.handle of a multipart upload is an UploadState (upload id, part size, finished
-parts with ETags and CRCs); see base.py. Resuming re-scans the file, requires the same size, checksum,
-mtime and mode, asks the server (ListParts) which recorded parts it still holds with the same ETag, and
-uploads only the rest; anything else aborts the old upload and starts afresh.
-
 Errors: every SDK failure is translated once, by `translate_error` (the ERROR_CODES table), into the
-BackendError classes. botocore retries once (standard mode); part uploads and ranged reads retry a few
-more times here; the drain retries forever on top.
+BackendError classes. botocore retries once (standard mode); the engine retries transfers; listings and
+the upload markers, which the store makes on its own behalf, retry a few times here.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -53,9 +43,8 @@ import stat
 import threading
 import time
 import zlib
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
@@ -73,12 +62,12 @@ from ckptfs.backends.base import (
     DirListing,
     ObjectInfo,
     ObjectMeta,
-    ProgressCallback,
-    StagedUpload,
+    PartLimits,
+    RangeRead,
     UploadPart,
-    UploadState,
+    UploadRef,
     crc_of,
-    read_range,
+    crc_text,
     retry_transient,
 )
 from ckptfs.errors import (
@@ -86,6 +75,7 @@ from ckptfs.errors import (
     BackendError,
     CkptfsError,
     NotFoundBackendError,
+    ObjectChangedError,
     PermanentBackendError,
     TransientBackendError,
 )
@@ -100,7 +90,7 @@ MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 MAX_PART_SIZE = 5 * GiB
 MAX_PARTS = 10_000
 MAX_COPY_SIZE = 5 * GiB  # the largest object one CopyObject may copy
-IO_CHUNK = 4 * MiB  # reads of the checksum scan and of downloads
+COPY_PARTS_IN_FLIGHT = 8  # server-side part copies of one object above MAX_COPY_SIZE
 
 META_MTIME = "mtime"
 META_MODE = "mode"
@@ -208,54 +198,8 @@ def _is_code(exc: BaseException, *codes: str) -> bool:
 
 # -- checksums -------------------------------------------------------------------------------------------
 
-_CRC_POLY = 0xEDB88320
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the CRC-32 polynomial (reflected bit order), as in zlib's crc32_combine."""
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-    return p
-
-
-def _x2n_table() -> list[int]:
-    table = []
-    p = 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of A+B from crc32(A), crc32(B) and len(B)."""
-    p = 1 << 31  # x^0
-    k = 3  # bytes -> bits
-    n = len2
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
-
-
 def _crc_b64(crc: int) -> str:
     return base64.b64encode(crc.to_bytes(4, "big")).decode()
-
-
-def _checksum_text(crc: int) -> str:
-    return f"crc32:{crc:08x}"
 
 
 # -- metadata --------------------------------------------------------------------------------------------
@@ -341,55 +285,12 @@ def run_parallel(fn: Callable[[T], None], items: Iterable[T], workers: int) -> N
 _DONE = object()
 
 
-def plan_part_size(size: int, part_size: int, parts_in_flight: int) -> int:
-    """The part size for a file of `size` bytes: the configured size, smaller for mid-size files so that
-    `parts_in_flight` parts can go in parallel (never below S3's 5 MiB), and larger when the file would
-    need more than 10,000 parts. Whole MiB."""
-    ps = max(MIN_PART_SIZE, part_size)
-    if parts_in_flight > 1:
-        spread = -(-size // parts_in_flight)
-        ps = min(ps, max(MIN_PART_SIZE, -(-spread // MiB) * MiB))
-    needed = -(-size // MAX_PARTS)
-    return max(ps, -(-needed // MiB) * MiB)
-
-
-def _pread_exact(fd: int, length: int, offset: int) -> bytes:
-    data = os.pread(fd, length, offset)
-    if len(data) == length or not data:
-        return data
-    chunks = [data]
-    got = len(data)
-    while got < length:
-        more = os.pread(fd, length - got, offset + got)
-        if not more:
-            break
-        chunks.append(more)
-        got += len(more)
-    return b"".join(chunks)
-
-
-def _os_error(exc: OSError, key: str) -> BackendError:
-    if exc.errno == errno.ENOENT:
-        return NotFoundBackendError(f"{key}: source file vanished")
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return PermanentBackendError(f"{key}: {exc.strerror}")
-    return TransientBackendError(f"{key}: {exc.strerror}")
-
-
-@dataclass(frozen=True)
-class _SinglePut:
-    """Handle of a small staged upload: the bytes, ready for one PutObject at commit."""
-
-    data: bytes
-    crc: int
-    metadata: dict[str, str]
-
-
 # -- the store -------------------------------------------------------------------------------------------
 
 
 class S3Store:
     listing_has_metadata = False  # listings carry LastModified and no user metadata
+    limits = PartLimits(min_part_size=MIN_PART_SIZE, max_part_size=MAX_PART_SIZE, max_parts=MAX_PARTS)
 
     def __init__(
         self,
@@ -399,10 +300,6 @@ class S3Store:
         endpoint_url: str | None = None,
         region: str | None = None,
         owner: str = "anon",
-        part_size: int = 64 * MiB,
-        multipart_threshold: int = 8 * MiB,
-        parts_in_flight: int = 4,
-        download_part_size: int | None = None,
         copy_threshold: int = MAX_COPY_SIZE,
         copy_part_size: int = 512 * MiB,
         max_pool_connections: int = 64,
@@ -415,10 +312,6 @@ class S3Store:
         self.prefix = f"{clean}/" if clean else ""
         self.url = f"s3://{bucket}/{clean}" if clean else f"s3://{bucket}"
         self.owner = owner
-        self.part_size = part_size
-        self.multipart_threshold = max(1, min(multipart_threshold, MAX_COPY_SIZE))
-        self.parts_in_flight = max(1, parts_in_flight)
-        self.download_part_size = max(MiB, download_part_size or part_size)
         self.copy_threshold = min(copy_threshold, MAX_COPY_SIZE)
         self.copy_part_size = max(MIN_PART_SIZE, copy_part_size)
         self.attempts = max(1, attempts)
@@ -502,150 +395,36 @@ class S3Store:
                     " the network")
         return f"cannot use {self.url}{self._where()}: {exc}"
 
-    # -- uploads --------------------------------------------------------------------------------------------
+    # -- staged uploads: multipart uploads bracketed by owner markers ---------------------------------------
 
-    def stage_upload(
-        self, key: str, src_path: str, meta: ObjectMeta, *,
-        resume: UploadState | None = None, progress: ProgressCallback | None = None,
-    ) -> StagedUpload:
+    def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
         self._check_key(key)
-        try:
-            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise _os_error(exc, key) from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size < self.multipart_threshold:
-                if resume is not None:
-                    self._discard(resume, "the file is now below the multipart threshold")
-                data = _pread_exact(fd, size, 0)
-                crc = zlib.crc32(data)
-                metadata = _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: _checksum_text(crc)})
-                return StagedUpload(key, len(data), _checksum_text(crc), _SinglePut(data, crc, metadata))
-            return self._stage_multipart(key, fd, size, meta, resume, progress)
-        except OSError as exc:
-            raise _os_error(exc, key) from exc
-        finally:
-            os.close(fd)
+        metadata = _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: checksum})
+        self._call(f"upload {key}", "put_object", Key=self._full(key), Body=data, ContentLength=len(data),
+                   ChecksumCRC32=_crc_b64(zlib.crc32(data)), Metadata=metadata)
 
-    def _scan(self, fd: int, size: int, part_size: int) -> list[int]:
-        """CRC32 of every part, computed in parallel, reading IO_CHUNK at a time."""
-        count = max(1, -(-size // part_size))
-        crcs = [0] * count
+    def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
+        if not key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill."):
+            self._check_key(key)
+        metadata = {} if meta is None else _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: checksum or ""})
+        upload_id, marker = self._begin_multipart(key, metadata, checksum_algorithm="CRC32")
+        return UploadRef(key, upload_id, marker)
 
-        def scan(index: int) -> None:
-            offset = index * part_size
-            end = min(size, offset + part_size)
-            crc = 0
-            while offset < end:
-                chunk = os.pread(fd, min(IO_CHUNK, end - offset), offset)
-                if not chunk:
-                    raise TransientBackendError("the file shrank while it was being read")
-                crc = zlib.crc32(chunk, crc)
-                offset += len(chunk)
-            crcs[index] = crc
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+        response = self._call(
+            f"upload part {number} of {upload.key}", "upload_part", Key=self._full(upload.key),
+            UploadId=upload.upload_id, PartNumber=number, Body=data, ContentLength=len(data),
+            ChecksumCRC32=_crc_b64(crc),
+        )
+        return UploadPart(number, response["ETag"], crc_text(crc))
 
-        run_parallel(scan, range(count), self.parts_in_flight)
-        return crcs
-
-    def _stage_multipart(
-        self, key: str, fd: int, size: int, meta: ObjectMeta, resume: UploadState | None,
-        progress: ProgressCallback | None,
-    ) -> StagedUpload:
-        full = self._full(key)
-        reusable = resume is not None and resume.key == key and resume.size == size
-        part_size = resume.part_size if reusable and resume is not None else plan_part_size(
-            size, self.part_size, self.parts_in_flight)
-        crcs = self._scan(fd, size, part_size)
-        whole = crcs[0]
-        for index in range(1, len(crcs)):
-            whole = crc32_combine(whole, crcs[index], min(part_size, size - index * part_size))
-        checksum = _checksum_text(whole)
-
-        state: UploadState | None = None
-        if resume is not None:
-            state = self._resumable(resume, key, size, checksum, meta, crcs)
-        if state is None:
-            metadata = _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: checksum})
-            upload_id, marker = self._begin_multipart(key, metadata, checksum_algorithm="CRC32")
-            state = UploadState(key=key, upload_id=upload_id, marker=marker, size=size, checksum=checksum,
-                                mtime_ns=meta.mtime_ns, mode=meta.mode, part_size=part_size)
-        else:
-            log.info("resuming the upload of %s: %d of %d parts already there", key, len(state.parts), len(crcs))
-
-        lock = threading.Lock()
-        current = [state]
-        upload_id = state.upload_id
-        if progress is not None:
-            progress(state)
-        done = {part.number for part in state.parts}
-
-        def upload(number: int) -> None:
-            offset = (number - 1) * part_size
-            length = min(part_size, size - offset)
-            data = _pread_exact(fd, length, offset)
-            if len(data) != length or zlib.crc32(data) != crcs[number - 1]:
-                raise TransientBackendError(f"{key}: the file changed while it was being uploaded")
-            crc64 = _crc_b64(crcs[number - 1])
-            response = self._retrying(
-                f"upload part {number} of {key}", "upload_part", Key=full, UploadId=upload_id,
-                PartNumber=number, Body=data, ContentLength=length, ChecksumCRC32=crc64,
-            )
-            del data
-            part = UploadPart(number, response["ETag"], crc64)
-            with lock:
-                latest = replace(current[0], parts=tuple(sorted((*current[0].parts, part), key=lambda p: p.number)))
-                current[0] = latest
-                if progress is not None:
-                    progress(latest)
-
-        todo = [n for n in range(1, len(crcs) + 1) if n not in done]
-        try:
-            run_parallel(upload, todo, self.parts_in_flight)
-        except BaseException:
-            if progress is None:  # nobody can resume it: do not leave it behind
-                self._abort_quietly(current[0])
-            raise
-        return StagedUpload(key, size, checksum, current[0])
-
-    def _resumable(
-        self, resume: UploadState, key: str, size: int, checksum: str, meta: ObjectMeta, crcs: list[int]
-    ) -> UploadState | None:
-        """`resume` with the parts the server still holds, or None (old upload thrown away) if it cannot
-        continue: another key, changed content or metadata, or the upload is gone."""
-        if (resume.key, resume.size, resume.checksum, resume.mtime_ns, resume.mode) != (
-            key, size, checksum, meta.mtime_ns, meta.mode
-        ):
-            self._discard(resume, "the file changed since")
-            return None
-        server = self._list_parts(resume.key, resume.upload_id)
-        if server is None:
-            log.info("upload of %s: the interrupted upload is gone from the store; starting afresh", key)
-            self._delete_marker(resume.marker)
-            return None
-        kept = []
-        for part in resume.parts:
-            offset = (part.number - 1) * resume.part_size
-            length = min(resume.part_size, size - offset)
-            have = server.get(part.number)
-            if (
-                have is not None and have == (_norm_etag(part.etag), length) and 0 < part.number <= len(crcs)
-                and part.checksum == _crc_b64(crcs[part.number - 1])
-            ):
-                kept.append(part)
-        return replace(resume, parts=tuple(kept))
-
-    def _discard(self, state: UploadState, why: str) -> None:
-        log.info("upload of %s: %s; aborting the interrupted upload and starting afresh", state.key, why)
-        self._abort_quietly(state)
-
-    def _list_parts(self, key: str, upload_id: str) -> dict[int, tuple[str, int]] | None:
-        """{part number: (etag, size)} of an upload in progress, or None if there is no such upload."""
+    def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
         parts: dict[int, tuple[str, int]] = {}
         try:
-            with _mapped(f"list parts of {key}"):
+            with _mapped(f"list parts of {upload.key}"):
                 paginator = self._client.get_paginator("list_parts")
-                for page in paginator.paginate(Bucket=self.bucket, Key=self._full(key), UploadId=upload_id):
+                pages = paginator.paginate(Bucket=self.bucket, Key=self._full(upload.key), UploadId=upload.upload_id)
+                for page in pages:
                     for part in page.get("Parts", []):
                         parts[int(part["PartNumber"])] = (_norm_etag(part["ETag"]), int(part["Size"]))
         except (NotFoundBackendError, TransientBackendError) as exc:
@@ -653,6 +432,53 @@ class S3Store:
                 return None
             raise
         return parts
+
+    def complete_upload(self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None) -> None:
+        body = [{"PartNumber": p.number, "ETag": p.etag, "ChecksumCRC32": _crc_b64(crc_of(p.checksum))}
+                for p in parts]
+        try:
+            self._call(f"complete upload of {upload.key}", "complete_multipart_upload", Key=self._full(upload.key),
+                       UploadId=upload.upload_id, MultipartUpload={"Parts": body})
+        except BackendError as exc:
+            # A retried complete whose first try succeeded finds no upload: check what is at the key.
+            if not (_is_code(exc, "NoSuchUpload") and self._holds(upload.key, size, checksum)):
+                raise
+        self._delete_marker(upload.marker)
+
+    def _holds(self, key: str, size: int, checksum: str | None) -> bool:
+        info = self.head(key)
+        return info is not None and info.size == size and (checksum is None or info.checksum == checksum)
+
+    def abort_upload(self, upload: UploadRef) -> None:
+        if upload.upload_id:
+            self._abort_multipart(upload.key, upload.upload_id)
+        if upload.marker:
+            self._delete_marker(upload.marker)
+
+    def list_leftovers(self) -> list[UploadRef]:
+        """This owner's markers, each with the upload it names (or, for a marker written before its
+        CreateMultipartUpload answered, the uploads of that key that no marker of any owner claims)."""
+        mine = f"{self.prefix}{MARKER_DIR}{self.owner}/"
+        found: list[UploadRef] = []
+        claimed: set[str] | None = None
+        for obj in self._list_raw(mine):
+            marker = obj["Key"][len(self.prefix) + len(MARKER_DIR):]
+            info = self._read_marker(obj["Key"])
+            if info is None:
+                continue
+            key, upload_id = info.get("key"), info.get("upload_id")
+            if not isinstance(key, str) or not key:
+                found.append(UploadRef("", "", marker))  # garbled: only the marker to remove
+                continue
+            if upload_id:
+                found.append(UploadRef(key, str(upload_id), marker))
+                continue
+            if claimed is None:
+                claimed = self._claimed_upload_ids()
+            orphans = [u for u in self._uploads_of(key) if u not in claimed]
+            found += [UploadRef(key, u, "") for u in orphans]
+            found.append(UploadRef(key, "", marker))
+        return found
 
     def _begin_multipart(self, key: str, metadata: dict[str, str], checksum_algorithm: str | None) -> tuple[str, str]:
         """CreateMultipartUpload, bracketed by this owner's marker; returns (upload id, marker name)."""
@@ -733,9 +559,6 @@ class S3Store:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def _abort_quietly(self, state: UploadState) -> None:
-        self._abort_quietly_raw(state.key, state.upload_id, state.marker)
-
     def _abort_quietly_raw(self, key: str, upload_id: str, marker: str) -> None:
         try:
             self._abort_multipart(key, upload_id)
@@ -751,115 +574,6 @@ class S3Store:
         except BackendError as exc:
             if not _is_code(exc, "NoSuchUpload", "NoSuchKey", "404"):
                 raise
-
-    def commit_upload(self, staged: StagedUpload) -> None:
-        handle = staged.handle
-        if isinstance(handle, _SinglePut):
-            self._call(f"upload {staged.key}", "put_object", Key=self._full(staged.key), Body=handle.data,
-                       ContentLength=len(handle.data), ChecksumCRC32=_crc_b64(handle.crc), Metadata=handle.metadata)
-            return
-        state: UploadState = handle
-        parts = [{"PartNumber": p.number, "ETag": p.etag, "ChecksumCRC32": p.checksum} for p in state.parts]
-        try:
-            self._call(f"complete upload of {staged.key}", "complete_multipart_upload", Key=self._full(state.key),
-                       UploadId=state.upload_id, MultipartUpload={"Parts": parts})
-        except BackendError as exc:
-            # A retried complete whose first try succeeded finds no upload: check what is at the key.
-            if not (_is_code(exc, "NoSuchUpload") and self._holds(state)):
-                raise
-        self._delete_marker(state.marker)
-
-    # -- spills: a multipart upload to a hidden key, copied to the final key once complete ------------------
-
-    def spill_begin(self, part_size: int) -> UploadState:
-        temp = f"{TEMP_PREFIX}spill.{self.owner}.{secrets.token_hex(8)}"
-        upload_id, marker = self._begin_multipart(temp, {}, checksum_algorithm="CRC32")
-        return UploadState(key=temp, upload_id=upload_id, marker=marker, size=0, checksum="", mtime_ns=0, mode=0,
-                           part_size=max(part_size, MIN_PART_SIZE), spilled=True)
-
-    def spill_part(self, state: UploadState, src_path: str, length: int) -> UploadState:
-        number = len(state.parts) + 1
-        if number > MAX_PARTS:
-            raise PermanentBackendError(f"a spilled file needs more than {MAX_PARTS} parts; raise part_size")
-        data = read_range(src_path, state.size, length)
-        crc = zlib.crc32(data)
-        crc64 = _crc_b64(crc)
-        response = self._retrying(
-            f"upload spilled part {number}", "upload_part", Key=self._full(state.key), UploadId=state.upload_id,
-            PartNumber=number, Body=data, ContentLength=length, ChecksumCRC32=crc64,
-        )
-        whole = crc32_combine(crc_of(state.checksum), crc, length) if state.size else crc
-        return replace(state, size=state.size + length, checksum=_checksum_text(whole),
-                       parts=(*state.parts, UploadPart(number, response["ETag"], crc64)))
-
-    def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
-        self._check_key(key)
-        parts = [{"PartNumber": p.number, "ETag": p.etag, "ChecksumCRC32": p.checksum} for p in state.parts]
-        try:
-            self._call(f"complete spilled upload of {key}", "complete_multipart_upload", Key=self._full(state.key),
-                       UploadId=state.upload_id, MultipartUpload={"Parts": parts})
-        except BackendError as exc:
-            if not _is_code(exc, "NoSuchUpload"):
-                raise
-            # A retried commit: the first one completed (and maybe copied) already.
-        source = retry_transient(lambda: self._head_raw(state.key), attempts=self.attempts)
-        if source is None:
-            final = retry_transient(lambda: self.head(key), attempts=self.attempts)
-            if final is not None and final.size == state.size and final.checksum == state.checksum:
-                self._delete_marker(state.marker)
-                return
-            raise NotFoundBackendError(f"{key}: the spilled upload is gone")
-        if int(source.get("ContentLength", -1)) != state.size:
-            raise PermanentBackendError(f"{key}: the spilled upload has {source.get('ContentLength')} bytes,"
-                                        f" not {state.size}")
-        metadata = _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: state.checksum})
-        self._copy(state.key, key, source, metadata=metadata)
-        self._retrying("delete spilled upload", "delete_object", Key=self._full(state.key))
-        self._delete_marker(state.marker)
-
-    def spill_abort(self, state: UploadState) -> None:
-        self._abort_multipart(state.key, state.upload_id)
-        with contextlib.suppress(BackendError):
-            self._retrying("delete spilled upload", "delete_object", Key=self._full(state.key))
-        self._delete_marker(state.marker)
-
-    def _holds(self, state: UploadState) -> bool:
-        info = self.head(state.key)
-        return info is not None and info.size == state.size and info.checksum == state.checksum
-
-    def abort_upload(self, staged: StagedUpload) -> None:
-        if isinstance(staged.handle, UploadState):
-            state: UploadState = staged.handle
-            self._abort_multipart(state.key, state.upload_id)
-            self._delete_marker(state.marker)
-
-    def abort_stale_uploads(self, keep: Collection[str] = ()) -> int:
-        mine = f"{self.prefix}{MARKER_DIR}{self.owner}/"
-        markers = [obj["Key"] for obj in self._list_raw(mine)]
-        aborted = 0
-        claimed: set[str] | None = None
-        for full_marker in markers:
-            marker = full_marker[len(self.prefix) + len(MARKER_DIR):]
-            info = self._read_marker(full_marker)
-            if info is None:
-                continue
-            key, upload_id = info.get("key"), info.get("upload_id")
-            if upload_id is not None and upload_id in keep:
-                continue
-            if isinstance(key, str) and key:
-                in_progress = self._uploads_of(key)
-                if upload_id:
-                    targets = [upload_id] if upload_id in in_progress else []
-                else:  # interrupted between marker and CreateMultipartUpload's answer
-                    if claimed is None:
-                        claimed = self._claimed_upload_ids()
-                    targets = [u for u in in_progress if u not in claimed and u not in keep]
-                for target in targets:
-                    self._abort_multipart(key, target)
-                    aborted += 1
-                    log.info("aborted the interrupted upload of %s", key)
-            self._delete_marker(marker)
-        return aborted
 
     def _uploads_of(self, key: str) -> list[str]:
         full = self._full(key)
@@ -880,77 +594,33 @@ class S3Store:
 
     # -- reads ----------------------------------------------------------------------------------------------
 
-    def download(self, key: str, dst_path: str) -> str:
-        full = self._full(key)
-        first = self.download_part_size
+    def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
         what = f"download {key}"
+        args: dict[str, Any] = {"Key": self._full(key), "Range": f"bytes={offset}-{offset + max(length, 1) - 1}"}
+        if if_match:
+            args["IfMatch"] = if_match
         try:
-            response = self._retrying(what, "get_object", Key=full, Range=f"bytes=0-{first - 1}")
-        except PermanentBackendError as exc:
+            response = self._call(what, "get_object", **args)
+        except BackendError as exc:
+            if _is_code(exc, "PreconditionFailed"):
+                raise ObjectChangedError(f"{what}: the object was replaced during the download") from exc
             if not _is_code(exc, "InvalidRange"):
                 raise
-            response = self._retrying(what, "get_object", Key=full)  # an empty object has no byte 0
-        length = int(response["ContentLength"])
-        content_range = response.get("ContentRange") or ""
-        total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else length
-        etag = response["ETag"]
-        expected = (response.get("Metadata") or {}).get(META_CHECKSUM)
-        try:
-            fd = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        except OSError:
+            # Past the end (an empty object has no byte 0): read what there is to learn its size and version.
+            response = self._call(what, "get_object", Key=self._full(key))
             response["Body"].close()
-            raise
-        try:
-            crcs: dict[int, tuple[int, int]] = {}
-            with _mapped(what):
-                crcs[0] = (self._stream(response["Body"], fd, 0, length, key), length)
-            ranges = [(offset, min(self.download_part_size, total - offset))
-                      for offset in range(length, total, self.download_part_size)]
-
-            def fetch(item: tuple[int, int]) -> None:
-                offset, size = item
-
-                def once() -> int:
-                    part = self._call(what, "get_object", Key=full, Range=f"bytes={offset}-{offset + size - 1}",
-                                      IfMatch=etag)
-                    with _mapped(what):
-                        return self._stream(part["Body"], fd, offset, size, key)
-
-                crcs[offset] = (retry_transient(once, attempts=self.attempts), size)
-
-            run_parallel(fetch, ranges, self.parts_in_flight)
-        finally:
-            os.close(fd)
-        crc = 0
-        for offset in sorted(crcs):
-            part_crc, size = crcs[offset]
-            crc = part_crc if offset == 0 else crc32_combine(crc, part_crc, size)
-        checksum = _checksum_text(crc)
-        if expected and expected.startswith("crc32:") and expected != checksum:
-            raise TransientBackendError(f"{what}: checksum mismatch (got {checksum}, the object says {expected})")
-        return checksum
-
-    @staticmethod
-    def _stream(body: Any, fd: int, offset: int, size: int, key: str) -> int:
-        """Copy a response body of `size` bytes to fd at offset; return its CRC32."""
-        crc = 0
-        written = 0
-        try:
-            while True:
-                chunk = body.read(IO_CHUNK)
-                if not chunk:
-                    break
-                view = memoryview(chunk)
-                while view:
-                    n = os.pwrite(fd, view, offset + written)
-                    view = view[n:]
-                    written += n
-                crc = zlib.crc32(chunk, crc)
-        finally:
-            body.close()
-        if written != size:
-            raise TransientBackendError(f"download {key}: got {written} of {size} bytes")
-        return crc
+            if if_match and response["ETag"] != if_match:
+                raise ObjectChangedError(f"{what}: the object was replaced during the download") from None
+            return RangeRead(b"", int(response["ContentLength"]), response["ETag"],
+                             (response.get("Metadata") or {}).get(META_CHECKSUM))
+        content_range = response.get("ContentRange") or ""
+        total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else int(response["ContentLength"])
+        with _mapped(what):
+            try:
+                data = response["Body"].read()
+            finally:
+                response["Body"].close()
+        return RangeRead(data, total, response["ETag"], (response.get("Metadata") or {}).get(META_CHECKSUM))
 
     def _head_raw(self, key: str) -> dict[str, Any] | None:
         try:
@@ -1048,12 +718,19 @@ class S3Store:
 
     # -- other writes -----------------------------------------------------------------------------------------
 
-    def copy(self, src_key: str, dst_key: str) -> None:
+    def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
         self._check_key(dst_key)
         source = self._head_raw(src_key)
         if source is None:
             raise NotFoundBackendError(f"copy {src_key}: no such object")
-        self._copy(src_key, dst_key, source, metadata=None)
+        metadata = None
+        if meta is not None:
+            metadata = dict(source.get("Metadata") or {})
+            type_bits = stat.S_IFLNK if META_SYMLINK in metadata else stat.S_IFREG
+            metadata.update(_metadata(meta, type_bits))
+            if checksum is not None:
+                metadata[META_CHECKSUM] = checksum
+        self._copy(src_key, dst_key, source, metadata=metadata)
 
     def _copy(self, src_key: str, dst_key: str, source: dict[str, Any], metadata: dict[str, str] | None) -> None:
         """Server-side copy of the version `source` (a HEAD answer) of src_key; new metadata if given."""
@@ -1085,7 +762,7 @@ class S3Store:
             etags[number] = response["CopyPartResult"]["ETag"]
 
         try:
-            run_parallel(copy_part, range(1, -(-size // part_size) + 1), self.parts_in_flight)
+            run_parallel(copy_part, range(1, -(-size // part_size) + 1), COPY_PARTS_IN_FLIGHT)
             parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
             self._call(f"complete copy of {src_key} to {dst_key}", "complete_multipart_upload",
                        Key=self._full(dst_key), UploadId=upload_id, MultipartUpload={"Parts": parts})
@@ -1132,4 +809,4 @@ class S3Store:
                    ChecksumCRC32=_crc_b64(zlib.crc32(SYMLINK_BODY)), Metadata=metadata)
 
 
-__all__ = ["ERROR_CODES", "S3Store", "crc32_combine", "plan_part_size", "translate_error"]
+__all__ = ["ERROR_CODES", "S3Store", "translate_error"]

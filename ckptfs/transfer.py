@@ -1,0 +1,624 @@
+"""The transfer engine: every byte that moves between the cache and the store goes through here.
+
+Owns: part sizing, parallelism (one pool of parts in flight shared by every file, up and down), the
+memory budget (bytes of part data held in memory at once, whatever the number or size of files),
+priorities (a reader waiting on a range first, read-ahead next, background uploads after, commit markers
+last), retries with backoff of each part, checksums (CRC32 per part, combined into the whole-file
+checksum), staged uploads with resume from a journaled UploadState, spills (the start of a file still
+being written, staged at a hidden key), ranged downloads, and the clean-up of interrupted uploads.
+
+Stores (backends/) implement only primitives: one attempt each, in a worker thread. This module never
+knows inodes or paths of the mount and never touches the journal: callers persist the UploadState it
+reports through `progress` (called in the trio thread after the upload is opened and after every part).
+Everything here runs in the trio thread except the blocking store calls and local reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import heapq
+import logging
+import os
+import secrets
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
+from typing import Any, TypeVar
+
+import trio
+
+from ckptfs.backends.base import (
+    TEMP_PREFIX,
+    ObjectMeta,
+    ObjectStore,
+    UploadPart,
+    UploadRef,
+    UploadState,
+    backoff_delays,
+    crc32_combine,
+    crc_of,
+    crc_text,
+)
+from ckptfs.errors import (
+    BackendError,
+    NotFoundBackendError,
+    ObjectChangedError,
+    PermanentBackendError,
+    TransientBackendError,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MiB = 1 << 20
+IO_CHUNK = 4 * MiB  # local reads of the checksum scan
+DEFAULT_MEMORY_BUDGET = 256 * MiB
+DEFAULT_PART_SIZE = 64 * MiB
+DEFAULT_DOWNLOAD_PART_SIZE = 8 * MiB
+DEFAULT_PARTS_IN_FLIGHT = 16
+DEFAULT_MULTIPART_THRESHOLD = 8 * MiB
+DEFAULT_ATTEMPTS = 5  # per part or request; the drain retries whole jobs forever on top
+# Store calls that carry no part data (open, complete, abort, head, list) run on their own threads, so
+# that they never queue behind big parts.
+CONTROL_THREADS = 8
+
+
+class Priority(IntEnum):
+    """Who waits for a transfer; lower goes first."""
+
+    READ = 0  # a process is blocked in read() on these bytes
+    READAHEAD = 1  # a sequential reader will want them soon
+    UPLOAD = 2  # the background drain
+    MARKER = 3  # commit markers: after everything else
+
+
+class SourceChangedError(TransientBackendError):
+    """The local file changed while it was being uploaded: retrying the part cannot help, the caller
+    starts the upload again once the file is quiet."""
+
+
+@dataclass(frozen=True)
+class StagedUpload:
+    """An upload whose bytes are in the store (or, below the multipart threshold, checked locally) but not
+    yet visible at `key`. `state` is the staged multipart upload, None for a one-request upload at commit."""
+
+    key: str
+    size: int
+    checksum: str
+    meta: ObjectMeta
+    src_path: str
+    state: UploadState | None
+
+
+@dataclass(frozen=True)
+class FetchedRange:
+    """What one ranged download wrote into a local file."""
+
+    offset: int
+    length: int  # bytes written (fewer than asked at the object's end)
+    crc: int  # CRC32 of those bytes
+    size: int  # the whole object's size
+    etag: str | None  # the object's version: pass it as if_match to read more of the same
+    checksum: str | None  # the whole object's checksum from its metadata, if any
+
+
+@dataclass
+class TransferStats:
+    parts_up: int = 0  # part uploads in flight now
+    parts_down: int = 0  # ranged downloads in flight now
+    bytes_up: int = 0  # since start
+    bytes_down: int = 0
+    retries: int = 0
+    memory_in_use: int = 0
+    memory_budget: int = 0
+    memory_peak: int = 0
+    memory_waiters: int = 0
+
+
+@dataclass(order=True)
+class _Waiter:
+    priority: int
+    seq: int
+    nbytes: int = field(compare=False)
+    event: trio.Event = field(compare=False, default_factory=trio.Event)
+    status: str = field(compare=False, default="waiting")  # then "granted" or "cancelled"
+
+
+class MemoryBudget:
+    """Bytes of part data in memory, granted in priority order (first come, first served within one
+    priority). A request larger than the whole budget is granted the whole budget, so it runs alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.in_use = 0
+        self.peak = 0
+        self._waiters: list[_Waiter] = []  # a heap
+        self._seq = 0
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for w in self._waiters if w.status == "waiting")
+
+    async def acquire(self, nbytes: int, priority: Priority) -> int:
+        """Wait until `nbytes` fit; return what was granted (pass it to release)."""
+        nbytes = min(nbytes, self.limit)
+        if not self.waiting and self.in_use + nbytes <= self.limit:
+            self._take(nbytes)
+            return nbytes
+        self._seq += 1
+        waiter = _Waiter(int(priority), self._seq, nbytes)
+        heapq.heappush(self._waiters, waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.status == "granted":
+                self.release(nbytes)
+            else:
+                waiter.status = "cancelled"
+                self._grant()
+            raise
+        return nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.in_use -= nbytes
+        self._grant()
+
+    def _take(self, nbytes: int) -> None:
+        self.in_use += nbytes
+        self.peak = max(self.peak, self.in_use)
+
+    def _grant(self) -> None:
+        while self._waiters:
+            waiter = self._waiters[0]
+            if waiter.status == "cancelled":
+                heapq.heappop(self._waiters)
+                continue
+            if self.in_use + waiter.nbytes > self.limit:
+                return
+            heapq.heappop(self._waiters)
+            waiter.status = "granted"
+            self._take(waiter.nbytes)
+            waiter.event.set()
+
+
+def plan_part_size(size: int, part_size: int, spread: int, *, min_part: int, max_parts: int) -> int:
+    """The part size for a file of `size` bytes: the configured size, smaller for mid-size files so that
+    `spread` parts can go in parallel (never below the store's minimum), and larger when the file would
+    need more parts than the store allows. Whole MiB."""
+    ps = max(min_part, part_size)
+    if spread > 1:
+        share = -(-size // spread)
+        ps = min(ps, max(min_part, -(-share // MiB) * MiB))
+    needed = -(-size // max_parts)
+    return max(ps, -(-needed // MiB) * MiB)
+
+
+def _pread_exact(fd: int, length: int, offset: int) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) == length or not data:
+        return data
+    chunks = [data]
+    got = len(data)
+    while got < length:
+        more = os.pread(fd, length - got, offset + got)
+        if not more:
+            break
+        chunks.append(more)
+        got += len(more)
+    return b"".join(chunks)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _source_error(exc: OSError, key: str) -> BackendError:
+    if exc.errno == errno.ENOENT:
+        return NotFoundBackendError(f"{key}: source file vanished")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PermanentBackendError(f"{key}: {exc.strerror}")
+    return TransientBackendError(f"{key}: {exc.strerror}")
+
+
+class Transfers:
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        part_size: int = DEFAULT_PART_SIZE,
+        download_part_size: int = DEFAULT_DOWNLOAD_PART_SIZE,
+        parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT,
+        multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
+        attempts: int = DEFAULT_ATTEMPTS,
+        sleep: Callable[[float], Any] = trio.sleep,
+    ) -> None:
+        self.store = store
+        self.memory = MemoryBudget(memory_budget)
+        limits = store.limits
+        self.part_size = min(max(part_size, limits.min_part_size), limits.max_part_size)
+        self.download_part_size = max(MiB, download_part_size)
+        self.parts_in_flight = max(1, parts_in_flight)
+        self.multipart_threshold = max(1, multipart_threshold)
+        self.attempts = max(1, attempts)
+        self._sleep = sleep
+        self._part_threads = trio.CapacityLimiter(self.parts_in_flight)
+        self._control_threads = trio.CapacityLimiter(CONTROL_THREADS)
+        self._stats = TransferStats()
+
+    def statistics(self) -> TransferStats:
+        return replace(
+            self._stats, memory_in_use=self.memory.in_use, memory_budget=self.memory.limit,
+            memory_peak=self.memory.peak, memory_waiters=self.memory.waiting,
+        )
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """One store call that carries no part data, in a worker thread, retried on transient errors."""
+        return await self._retry(fn, *args, limiter=self._control_threads)
+
+    async def _retry(self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter) -> T:
+        delays = backoff_delays()
+        for attempt in range(self.attempts):
+            try:
+                # Abandoned on cancel so that shutdown never waits for a transfer; what the thread leaves
+                # half done is invisible (a staged part) or harmless (an object the journal redoes).
+                return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=True)
+            except (SourceChangedError, ObjectChangedError):
+                raise
+            except TransientBackendError as exc:
+                if attempt == self.attempts - 1:
+                    raise
+                self._stats.retries += 1
+                log.debug("retrying %s after: %s", getattr(fn, "__name__", fn), exc)
+                await self._sleep(next(delays))
+        raise AssertionError("unreachable")
+
+    def upload_part_size(self, size: int) -> int:
+        limits = self.store.limits
+        spread = max(1, min(self.parts_in_flight, self.memory.limit // self.part_size))
+        return plan_part_size(size, self.part_size, spread, min_part=limits.min_part_size,
+                              max_parts=limits.max_parts)
+
+    async def _put_part(
+        self, ref: UploadRef, number: int, offset: int, length: int, fd: int, expected_crc: int | None,
+        priority: Priority,
+    ) -> tuple[UploadPart, int]:
+        """Read one part of the local file and stage it, under the memory budget; (part, its CRC32)."""
+        granted = await self.memory.acquire(length, priority)
+        self._stats.parts_up += 1
+        try:
+            result = await self._retry(self._read_and_put, ref, number, offset, length, fd, expected_crc,
+                                       limiter=self._part_threads)
+        finally:
+            self._stats.parts_up -= 1
+            self.memory.release(granted)
+        self._stats.bytes_up += length
+        return result
+
+    def _read_and_put(
+        self, ref: UploadRef, number: int, offset: int, length: int, fd: int, expected_crc: int | None
+    ) -> tuple[UploadPart, int]:
+        try:
+            data = _pread_exact(fd, length, offset)
+        except OSError as exc:
+            raise _source_error(exc, ref.key) from exc
+        crc = zlib.crc32(data)
+        if len(data) != length or (expected_crc is not None and crc != expected_crc):
+            raise SourceChangedError(f"{ref.key}: the file changed while it was being uploaded")
+        part = self.store.put_part(ref, number, offset, data, crc)
+        return part, crc
+
+    # -- uploads of closed files --------------------------------------------------------------------------
+
+    async def stage_upload(
+        self, key: str, src_path: str, meta: ObjectMeta, *, resume: UploadState | None = None,
+        progress: Callable[[UploadState], None] | None = None, priority: Priority = Priority.UPLOAD,
+    ) -> StagedUpload:
+        """Copy src_path's bytes into the store, invisible until commit_upload. Above the multipart threshold
+        the parts go in parallel; `progress` (in the trio thread) gets the UploadState after the upload is
+        opened and after each part, and when given, a failure leaves the staged upload for the caller to
+        resume (`resume=`) or abort; else it is aborted here. A `resume` state continues when it is for the
+        same key and the file is unchanged, else it is thrown away."""
+        try:
+            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _source_error(exc, key) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < self.multipart_threshold:
+                if resume is not None:
+                    await self._discard(resume, "the file is now below the multipart threshold")
+                crcs = await self._scan(fd, size, max(size, 1), key)
+                return StagedUpload(key, size, crc_text(crcs[0]), meta, src_path, None)
+            return await self._stage_parts(key, src_path, fd, size, meta, resume, progress, priority)
+        finally:
+            os.close(fd)
+
+    async def _scan(self, fd: int, size: int, part_size: int, key: str) -> list[int]:
+        """CRC32 of every part of the file, read IO_CHUNK at a time, parts in parallel."""
+        count = max(1, -(-size // part_size))
+        crcs = [0] * count
+
+        def scan(index: int) -> None:
+            offset = index * part_size
+            end = min(size, offset + part_size)
+            crc = 0
+            try:
+                while offset < end:
+                    chunk = os.pread(fd, min(IO_CHUNK, end - offset), offset)
+                    if not chunk:
+                        raise SourceChangedError(f"{key}: the file shrank while it was being read")
+                    crc = zlib.crc32(chunk, crc)
+                    offset += len(chunk)
+            except OSError as exc:
+                raise _source_error(exc, key) from exc
+            crcs[index] = crc
+
+        async def worker(indexes: list[int]) -> None:
+            while indexes:
+                await trio.to_thread.run_sync(scan, indexes.pop(0), limiter=self._part_threads,
+                                              abandon_on_cancel=True)
+
+        todo = list(range(count))
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(self.parts_in_flight, count)):
+                nursery.start_soon(worker, todo)
+        return crcs
+
+    async def _stage_parts(
+        self, key: str, src_path: str, fd: int, size: int, meta: ObjectMeta, resume: UploadState | None,
+        progress: Callable[[UploadState], None] | None, priority: Priority,
+    ) -> StagedUpload:
+        reusable = resume is not None and resume.key == key and resume.size == size and not resume.spilled
+        part_size = resume.part_size if reusable and resume is not None else self.upload_part_size(size)
+        crcs = await self._scan(fd, size, part_size, key)
+        whole = crcs[0]
+        for index in range(1, len(crcs)):
+            whole = crc32_combine(whole, crcs[index], min(part_size, size - index * part_size))
+        checksum = crc_text(whole)
+
+        state: UploadState | None = None
+        if resume is not None:
+            state = await self._resumable(resume, key, size, checksum, meta, crcs)
+        if state is None:
+            ref = await self.call(self.store.open_upload, key, meta, checksum)
+            state = UploadState(key=key, upload_id=ref.upload_id, marker=ref.marker, size=size, checksum=checksum,
+                                mtime_ns=meta.mtime_ns, mode=meta.mode, part_size=part_size)
+        else:
+            log.info("resuming the upload of %s: %d of %d parts already in the store", key, len(state.parts),
+                     len(crcs))
+        if progress is not None:
+            progress(state)
+        done = {part.number for part in state.parts}
+        todo = [n for n in range(1, len(crcs) + 1) if n not in done]
+        current = [state]
+
+        async def worker() -> None:
+            while todo:
+                number = todo.pop(0)
+                offset = (number - 1) * part_size
+                part, _ = await self._put_part(current[0].ref, number, offset, min(part_size, size - offset), fd,
+                                               crcs[number - 1], priority)
+                parts = tuple(sorted((*current[0].parts, part), key=lambda p: p.number))
+                current[0] = replace(current[0], parts=parts)
+                if progress is not None:
+                    progress(current[0])
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(min(self.parts_in_flight, len(todo))):
+                    nursery.start_soon(worker)
+        except BaseException:
+            if progress is None:  # nobody can resume it: do not leave it behind
+                with trio.move_on_after(30, shield=True):
+                    await self._abort_quietly(current[0].ref)
+            raise
+        return StagedUpload(key, size, checksum, meta, src_path, current[0])
+
+    async def _resumable(
+        self, resume: UploadState, key: str, size: int, checksum: str, meta: ObjectMeta, crcs: list[int]
+    ) -> UploadState | None:
+        """`resume` with the parts the store still holds, or None (the old upload thrown away) if it cannot
+        continue: another key, changed content or metadata, or the upload is gone."""
+        if resume.spilled or (resume.key, resume.size, resume.checksum, resume.mtime_ns, resume.mode) != (
+            key, size, checksum, meta.mtime_ns, meta.mode
+        ):
+            await self._discard(resume, "the file changed since")
+            return None
+        held = await self.call(self.store.list_parts, resume.ref)
+        if held is None:
+            log.info("upload of %s: the interrupted upload is gone from the store; starting afresh", key)
+            await self._abort_quietly(resume.ref)
+            return None
+        kept = []
+        for part in resume.parts:
+            offset = (part.number - 1) * resume.part_size
+            length = min(resume.part_size, size - offset)
+            have = held.get(part.number)
+            if (
+                have is not None and have[0].strip('"') == part.etag.strip('"') and have[1] == length
+                and 0 < part.number <= len(crcs) and part.checksum == crc_text(crcs[part.number - 1])
+            ):
+                kept.append(part)
+        return replace(resume, parts=tuple(kept))
+
+    async def _discard(self, state: UploadState, why: str) -> None:
+        log.info("upload of %s: %s; aborting the interrupted upload and starting afresh", state.key, why)
+        await self._abort_quietly(state.ref)
+
+    async def _abort_quietly(self, ref: UploadRef) -> None:
+        try:
+            await self.call(self.store.abort_upload, ref)
+        except BackendError as exc:  # the store's leftovers are removed at the next start
+            log.warning("could not abort the upload of %s: %s", ref.key, exc)
+
+    async def commit_upload(self, staged: StagedUpload, *, priority: Priority = Priority.UPLOAD) -> None:
+        """Make a staged upload the object at its key, atomically."""
+        if staged.state is None:
+            await self._put_small(staged, priority)
+            return
+        state = staged.state
+        await self.call(self.store.complete_upload, state.ref, state.parts, state.size, state.checksum)
+
+    async def _put_small(self, staged: StagedUpload, priority: Priority) -> None:
+        granted = await self.memory.acquire(staged.size, priority)
+        self._stats.parts_up += 1
+        try:
+            await self._retry(self._read_and_put_object, staged, limiter=self._part_threads)
+        finally:
+            self._stats.parts_up -= 1
+            self.memory.release(granted)
+        self._stats.bytes_up += staged.size
+
+    def _read_and_put_object(self, staged: StagedUpload) -> None:
+        try:
+            fd = os.open(staged.src_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _source_error(exc, staged.key) from exc
+        try:
+            data = _pread_exact(fd, staged.size + 1, 0)
+        finally:
+            os.close(fd)
+        if len(data) != staged.size or crc_text(zlib.crc32(data)) != staged.checksum:
+            raise SourceChangedError(f"{staged.key}: the file changed while it was being uploaded")
+        self.store.put_object(staged.key, data, staged.meta, staged.checksum)
+
+    async def abort_upload(self, staged: StagedUpload) -> None:
+        if staged.state is not None:
+            await self.call(self.store.abort_upload, staged.state.ref)
+
+    async def abort_state(self, state: UploadState) -> None:
+        """Throw away a staged upload or spill that a journal row remembers (best effort)."""
+        await self._abort_quietly(state.ref)
+        if state.spilled:
+            with contextlib.suppress(BackendError):
+                await self.call(self.store.delete, state.key)
+
+    async def abort_stale_uploads(self, keep: set[str]) -> int:
+        """At start-up: remove this owner's interrupted uploads, except those whose upload id is in
+        `keep` (the journal resumes them). Returns how many were removed."""
+        removed = 0
+        for ref in await self.call(self.store.list_leftovers):
+            if ref.upload_id in keep:
+                continue
+            await self.call(self.store.abort_upload, ref)
+            if ref.key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill."):
+                await self.call(self.store.delete, ref.key)
+            removed += 1
+            log.info("removed an interrupted upload of %s", ref.key)
+        return removed
+
+    # -- spills: the start of a file still being written, staged at a hidden key ------------------------
+
+    async def spill_begin(self, part_size: int) -> UploadState:
+        key = f"{TEMP_PREFIX}spill.{self.store.owner}.{secrets.token_hex(8)}"
+        ref = await self.call(self.store.open_upload, key, None, None)
+        part_size = min(max(part_size, self.store.limits.min_part_size), self.store.limits.max_part_size)
+        return UploadState(key=key, upload_id=ref.upload_id, marker=ref.marker, size=0, checksum="", mtime_ns=0,
+                           mode=0, part_size=part_size, spilled=True)
+
+    async def spill_part(
+        self, state: UploadState, src_path: str, length: int, *, priority: Priority = Priority.UPLOAD
+    ) -> UploadState:
+        """Stage the next `length` bytes of src_path (from offset state.size); return the new state."""
+        number = len(state.parts) + 1
+        if number > self.store.limits.max_parts:
+            raise PermanentBackendError(f"a spilled file needs more than {self.store.limits.max_parts} parts;"
+                                        " raise part_size")
+        try:
+            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _source_error(exc, state.key) from exc
+        try:
+            part, crc = await self._put_part(state.ref, number, state.size, length, fd, None, priority)
+        finally:
+            os.close(fd)
+        whole = crc32_combine(crc_of(state.checksum), crc, length) if state.size else crc
+        return replace(state, size=state.size + length, checksum=crc_text(whole), parts=(*state.parts, part))
+
+    async def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
+        """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum."""
+        try:
+            await self.call(self.store.complete_upload, state.ref, state.parts, state.size, None)
+        except BackendError:
+            if await self._holds(key, state):  # a retried commit: the first one got through
+                return
+            raise
+        try:
+            await self.call(self.store.copy, state.key, key, meta, state.checksum)
+        except NotFoundBackendError:
+            if await self._holds(key, state):
+                return
+            raise NotFoundBackendError(f"{key}: the spilled upload is gone") from None
+        await self.call(self.store.delete, state.key)
+
+    async def _holds(self, key: str, state: UploadState) -> bool:
+        info = await self.call(self.store.head, key)
+        return info is not None and info.size == state.size and info.checksum == state.checksum
+
+    # -- downloads --------------------------------------------------------------------------------------
+
+    async def fetch_range(
+        self, key: str, fd: int, offset: int, length: int, *, if_match: str | None = None,
+        priority: Priority = Priority.READ,
+    ) -> FetchedRange:
+        """One ranged GET of the object, written to fd at the same offset, under the memory budget."""
+        granted = await self.memory.acquire(length, priority)
+        self._stats.parts_down += 1
+        try:
+            fetched = await self._retry(self._get_and_write, key, fd, offset, length, if_match,
+                                        limiter=self._part_threads)
+        finally:
+            self._stats.parts_down -= 1
+            self.memory.release(granted)
+        self._stats.bytes_down += fetched.length
+        return fetched
+
+    def _get_and_write(self, key: str, fd: int, offset: int, length: int, if_match: str | None) -> FetchedRange:
+        answer = self.store.get_range(key, offset, length, if_match=if_match)
+        expected = min(length, max(0, answer.size - offset))
+        if len(answer.data) != expected:
+            raise TransientBackendError(f"download {key}: got {len(answer.data)} of {expected} bytes")
+        _pwrite_all(fd, answer.data, offset)
+        return FetchedRange(offset, len(answer.data), zlib.crc32(answer.data), answer.size, answer.etag,
+                            answer.checksum)
+
+    async def download(self, key: str, dst_path: str, *, priority: Priority = Priority.READ) -> str:
+        """The whole object into dst_path (created or truncated), ranges in parallel, pinned to one version
+        of the object and checked against the checksum in its metadata; returns its checksum."""
+        fd = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            step = self.download_part_size
+            first = await self.fetch_range(key, fd, 0, step, priority=priority)
+            crcs = {0: (first.crc, first.length)}
+            todo = list(range(first.length, first.size, step))
+
+            async def worker() -> None:
+                while todo:
+                    offset = todo.pop(0)
+                    got = await self.fetch_range(key, fd, offset, min(step, first.size - offset),
+                                                 if_match=first.etag, priority=priority)
+                    crcs[offset] = (got.crc, got.length)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(min(self.parts_in_flight, len(todo))):
+                    nursery.start_soon(worker)
+        finally:
+            os.close(fd)
+        whole = 0
+        for offset in sorted(crcs):
+            crc, length = crcs[offset]
+            whole = crc if offset == 0 else crc32_combine(whole, crc, length)
+        checksum = crc_text(whole)
+        if first.checksum and first.checksum.startswith("crc32:") and first.checksum != checksum:
+            raise TransientBackendError(f"download {key}: checksum mismatch (got {checksum}, the object says"
+                                        f" {first.checksum})")
+        return checksum
