@@ -15,6 +15,7 @@ Everything here runs in the trio thread except the blocking store calls and loca
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import heapq
@@ -64,6 +65,7 @@ DEFAULT_ATTEMPTS = 5  # per part or request; the drain retries whole jobs foreve
 # Store calls that carry no part data (open, complete, abort, head, list) run on their own threads, so
 # that they never queue behind big parts.
 CONTROL_THREADS = 8
+RATE_WINDOW = 5.0  # seconds over which status reports bytes per second
 
 
 class Priority(IntEnum):
@@ -111,6 +113,8 @@ class TransferStats:
     parts_down: int = 0  # ranged downloads in flight now
     bytes_up: int = 0  # since start
     bytes_down: int = 0
+    up_bytes_per_second: float = 0.0  # over the last RATE_WINDOW seconds
+    down_bytes_per_second: float = 0.0
     retries: int = 0
     memory_in_use: int = 0
     memory_budget: int = 0
@@ -251,12 +255,23 @@ class Transfers:
         self._part_threads = trio.CapacityLimiter(self.parts_in_flight)
         self._control_threads = trio.CapacityLimiter(CONTROL_THREADS)
         self._stats = TransferStats()
+        self._recent: collections.deque[tuple[float, int, int]] = collections.deque()  # (time, up, down)
 
     def statistics(self) -> TransferStats:
+        now = trio.current_time()
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW:
+            self._recent.popleft()
         return replace(
             self._stats, memory_in_use=self.memory.in_use, memory_budget=self.memory.limit,
             memory_peak=self.memory.peak, memory_waiters=self.memory.waiting,
+            up_bytes_per_second=sum(up for _, up, _ in self._recent) / RATE_WINDOW,
+            down_bytes_per_second=sum(down for _, _, down in self._recent) / RATE_WINDOW,
         )
+
+    def _moved(self, up: int, down: int) -> None:
+        self._stats.bytes_up += up
+        self._stats.bytes_down += down
+        self._recent.append((trio.current_time(), up, down))
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
@@ -300,7 +315,7 @@ class Transfers:
         finally:
             self._stats.parts_up -= 1
             self.memory.release(granted)
-        self._stats.bytes_up += length
+        self._moved(length, 0)
         return result
 
     def _read_and_put(
@@ -476,7 +491,7 @@ class Transfers:
         finally:
             self._stats.parts_up -= 1
             self.memory.release(granted)
-        self._stats.bytes_up += staged.size
+        self._moved(staged.size, 0)
 
     def _read_and_put_object(self, staged: StagedUpload) -> None:
         try:
@@ -579,7 +594,7 @@ class Transfers:
         finally:
             self._stats.parts_down -= 1
             self.memory.release(granted)
-        self._stats.bytes_down += fetched.length
+        self._moved(0, fetched.length)
         return fetched
 
     def _get_and_write(self, key: str, fd: int, offset: int, length: int, if_match: str | None) -> FetchedRange:
