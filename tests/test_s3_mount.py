@@ -20,7 +20,7 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:  # noqa: F811
+def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:
     with s3_bucket(seaweedfs_s3) as name:
         yield name
 
@@ -42,7 +42,7 @@ def _s3_mount(mount_factory, server: S3Server, bucket: str, *extra: str, name: s
     )
 
 
-def test_checkpoints_land_in_the_bucket(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:  # noqa: F811
+def test_checkpoints_land_in_the_bucket(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
     torch = pytest.importorskip("torch")
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket)
     state = {"w": torch.arange(3 * MiB, dtype=torch.float32), "b": torch.ones(10)}
@@ -79,7 +79,7 @@ def _finished_parts(journal: Path) -> int:
     return max((len(json.loads(text)["parts"]) for (text,) in rows), default=0)
 
 
-def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:  # noqa: F811
+def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--part-size", "16M", "--transfers", "1")
     block = os.urandom(MiB)
     with open(m.mnt / "big.bin", "wb") as f:  # 1 GiB, 64 parts
@@ -109,7 +109,7 @@ def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Serve
     assert uploads == [], "an abandoned multipart upload was left behind"
 
 
-def test_mount_time_store_errors_are_one_clear_line(seaweedfs_s3: S3Server, tmp_path: Path) -> None:  # noqa: F811
+def test_mount_time_store_errors_are_one_clear_line(seaweedfs_s3: S3Server, tmp_path: Path) -> None:
     from conftest import ckptfs_cli
 
     (tmp_path / "mnt").mkdir()
@@ -140,7 +140,7 @@ def _vm_hwm(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
-def test_draining_a_4gib_file_keeps_the_daemon_small(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:  # noqa: F811
+def test_draining_a_4gib_file_keeps_the_daemon_small(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
     """Memory is bounded by parts in flight x part size (4 x 16 MiB here), not by the file: the daemon's
     peak RSS while it drains a 4 GiB file stays far below the file's size."""
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--part-size", "16M", "--transfers", "1")
