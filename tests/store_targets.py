@@ -123,3 +123,10 @@ def download(store: ObjectStore, key: str, tmp_path: Path) -> tuple[bytes, str]:
     dst = tmp_path / f"dl-{os.urandom(4).hex()}"
     checksum = trio.run(engine(store).download, key, str(dst))
     return dst.read_bytes(), checksum
+
+
+async def fetch(store: ObjectStore, key: str, tmp_path: Path) -> tuple[bytes, str]:
+    """download(), from async test code."""
+    dst = tmp_path / f"dl-{os.urandom(4).hex()}"
+    checksum = await engine(store).download(key, str(dst))
+    return dst.read_bytes(), checksum
