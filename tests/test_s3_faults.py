@@ -213,8 +213,8 @@ def test_throttling_storm_loses_nothing(s3_mount, seaweedfs_s3: S3Server, proxy:
                                         bucket: str) -> None:
     m = s3_mount("--part-size", "5M")
     m.allowed_log_words.append(RETRY_WARNING)
-    # Half of all requests, and surely the first two tries of one PUT (botocore retries once, so that one
-    # reaches the drain as an error whatever the dice say).
+    # Half of all requests, and surely the first tries of one PUT and of some parts (botocore retries once,
+    # the transfer engine a few more times: those retries are counted whatever the dice say).
     proxy.set_rules(
         Rule("slowdown", match=r"^PUT \S+/latest ", count=2),
         Rule("slowdown", match=r"^PUT \S+partNumber=", count=3),
@@ -226,7 +226,8 @@ def test_throttling_storm_loses_nothing(s3_mount, seaweedfs_s3: S3Server, proxy:
     assert proxy.injected["slowdown"] >= 10, proxy.injected
     _assert_durable(seaweedfs_s3, bucket, m, files, proxy)
     status = m.status()
-    assert status["errors"] > 0 and "SlowDown" in (status["last_error"] or ""), status
+    assert status["transfers"]["retries"] > 0, status
+    assert status["errors"] == 0 or "SlowDown" in (status["last_error"] or ""), status
     assert status["uploaded"]["files"] >= len(files), status
     assert proxy.seen(r"^PUT \S+partNumber=", "slowdown") > 0, "no part upload was throttled"
 
