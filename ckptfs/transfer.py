@@ -300,13 +300,16 @@ class Transfers:
         """One store call that carries no part data, in a worker thread, retried on transient errors."""
         return await self._retry(fn, *args, limiter=self._control_threads)
 
-    async def _retry(self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter) -> T:
+    async def _retry(
+        self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter, abandon: bool = True
+    ) -> T:
         delays = backoff_delays()
         for attempt in range(self.attempts):
             try:
-                # Abandoned on cancel so that shutdown never waits for a transfer; what the thread leaves
-                # half done is invisible (a staged part) or harmless (an object the journal redoes).
-                return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=True)
+                # Abandoned on cancel (unless it writes into a file descriptor its caller owns) so that
+                # shutdown never waits for a transfer; what the thread leaves half done is invisible (a
+                # staged part) or harmless (an object the journal redoes).
+                return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=abandon)
             except (SourceChangedError, ObjectChangedError):
                 raise
             except TransientBackendError as exc:
@@ -324,14 +327,14 @@ class Transfers:
                               max_parts=limits.max_parts)
 
     async def _put_part(
-        self, ref: UploadRef, number: int, offset: int, length: int, fd: int, expected_crc: int | None,
+        self, ref: UploadRef, number: int, offset: int, length: int, src_path: str, expected_crc: int | None,
         priority: Priority,
     ) -> tuple[UploadPart, int]:
         """Read one part of the local file and stage it, under the memory budget; (part, its CRC32)."""
         granted = await self.memory.acquire(length, priority)
         self._stats.parts_up += 1
         try:
-            result = await self._retry(self._read_and_put, ref, number, offset, length, fd, expected_crc,
+            result = await self._retry(self._read_and_put, ref, number, offset, length, src_path, expected_crc,
                                        limiter=self._part_threads)
         finally:
             self._stats.parts_up -= 1
@@ -340,10 +343,16 @@ class Transfers:
         return result
 
     def _read_and_put(
-        self, ref: UploadRef, number: int, offset: int, length: int, fd: int, expected_crc: int | None
+        self, ref: UploadRef, number: int, offset: int, length: int, src_path: str, expected_crc: int | None
     ) -> tuple[UploadPart, int]:
+        # Each part opens the file itself: a thread abandoned at shutdown never reads a descriptor that was
+        # closed and reused meanwhile.
         try:
-            data = _pread_exact(fd, length, offset)
+            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = _pread_exact(fd, length, offset)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise _source_error(exc, ref.key) from exc
         crc = zlib.crc32(data)
@@ -400,8 +409,8 @@ class Transfers:
 
         async def worker(indexes: list[int]) -> None:
             while indexes:
-                await trio.to_thread.run_sync(scan, indexes.pop(0), limiter=self._part_threads,
-                                              abandon_on_cancel=True)
+                # Not abandoned: it reads the caller's descriptor (and a local read is quick).
+                await trio.to_thread.run_sync(scan, indexes.pop(0), limiter=self._part_threads)
 
         todo = list(range(count))
         async with _parallel() as nursery:
@@ -441,8 +450,8 @@ class Transfers:
             while todo:
                 number = todo.pop(0)
                 offset = (number - 1) * part_size
-                part, _ = await self._put_part(current[0].ref, number, offset, min(part_size, size - offset), fd,
-                                               crcs[number - 1], priority)
+                part, _ = await self._put_part(current[0].ref, number, offset, min(part_size, size - offset),
+                                               src_path, crcs[number - 1], priority)
                 parts = tuple(sorted((*current[0].parts, part), key=lambda p: p.number))
                 current[0] = replace(current[0], parts=parts)
                 if progress is not None:
@@ -569,14 +578,7 @@ class Transfers:
         if number > self.store.limits.max_parts:
             raise PermanentBackendError(f"a spilled file needs more than {self.store.limits.max_parts} parts;"
                                         " raise part_size")
-        try:
-            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise _source_error(exc, state.key) from exc
-        try:
-            part, crc = await self._put_part(state.ref, number, state.size, length, fd, None, priority)
-        finally:
-            os.close(fd)
+        part, crc = await self._put_part(state.ref, number, state.size, length, src_path, None, priority)
         whole = crc32_combine(crc_of(state.checksum), crc, length) if state.size else crc
         return replace(state, size=state.size + length, checksum=crc_text(whole), parts=(*state.parts, part))
 
@@ -627,8 +629,9 @@ class Transfers:
         granted = await self.memory.acquire(length, priority)
         self._stats.parts_down += 1
         try:
+            # Not abandoned: it writes into the caller's descriptor, which must outlive the thread.
             fetched = await self._retry(self._get_and_write, key, fd, offset, length, if_match,
-                                        limiter=self._part_threads)
+                                        limiter=self._part_threads, abandon=False)
         finally:
             self._stats.parts_down -= 1
             self.memory.release(granted)
