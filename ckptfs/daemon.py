@@ -11,6 +11,7 @@ This is the only module besides fuse_ops.py that imports pyfuse3, and the only o
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import logging
@@ -47,6 +48,8 @@ from ckptfs.systemd import Notifier
 from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3  # mallopt(3)
 
 EXIT_NOT_DRAINED = 3
 # How often systemd hears how things are (STATUS=), and how much more stop time a draining stop asks for
@@ -492,8 +495,21 @@ def _forget_kernel_entry(parent_id: int, name: str) -> None:
     pyfuse3.invalidate_entry_async(parent_id, name.encode(), ignore_enoent=True)
 
 
+def _return_freed_part_buffers() -> None:
+    """Part buffers (MiBs each) come and go on many threads. glibc raises its mmap threshold after the
+    first large free and then serves such buffers from per-thread arenas it rarely gives back, so the
+    daemon's RSS would settle far above what the transfer engine holds. A fixed threshold keeps every
+    buffer of 256 KiB or more mmapped, and returned to the system when it is freed."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, 256 << 10)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
 async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
     """Mount and serve until stopped. Raises CkptfsError for anything the user must fix before mounting."""
+    _return_freed_part_buffers()
     store = InstrumentedStore(open_store(config.source, endpoint_url=config.endpoint_url))
     check_mountpoint(config.mountpoint)
     await trio.to_thread.run_sync(store.check)

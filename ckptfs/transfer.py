@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MiB = 1 << 20
-IO_CHUNK = 4 * MiB  # local reads of the checksum scan
+IO_CHUNK = 1 * MiB  # local reads of the checksum scan, per thread
 DEFAULT_MEMORY_BUDGET = 256 * MiB
 DEFAULT_PART_SIZE = 64 * MiB
 DEFAULT_DOWNLOAD_PART_SIZE = 8 * MiB
@@ -396,13 +396,15 @@ class Transfers:
             offset = index * part_size
             end = min(size, offset + part_size)
             crc = 0
+            buffer = bytearray(IO_CHUNK)  # one per part, reused: the scan holds IO_CHUNK per thread
+            view = memoryview(buffer)
             try:
                 while offset < end:
-                    chunk = os.pread(fd, min(IO_CHUNK, end - offset), offset)
-                    if not chunk:
+                    n = os.preadv(fd, [view[: min(IO_CHUNK, end - offset)]], offset)
+                    if not n:
                         raise SourceChangedError(f"{key}: the file shrank while it was being read")
-                    crc = zlib.crc32(chunk, crc)
-                    offset += len(chunk)
+                    crc = zlib.crc32(view[:n], crc)
+                    offset += n
             except OSError as exc:
                 raise _source_error(exc, key) from exc
             crcs[index] = crc
