@@ -232,8 +232,8 @@ def _human_bytes(n: int) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     status = client.status(args.mountpoint)
-    if args.json:
-        print(json.dumps(status, indent=2, sort_keys=True))
+    if args.json:  # scripts parse this: the same object as before the Python API, "ok" included
+        print(json.dumps({"ok": True, **status}, indent=2, sort_keys=True))
         return 0
     print(f"{status['source']} on {status['mountpoint']} (pid {status['pid']}, up {status['uptime_seconds']}s)")
     print(f"cache dir  {status['cache_dir']}")
