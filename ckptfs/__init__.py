@@ -1,4 +1,32 @@
 """ckptfs: a checkpoint filesystem. Writes land in a local cache at disk speed; a background drain uploads
-closed files to an object store; a SQLite journal makes every step survive a crash."""
+closed files to an object store; a SQLite journal makes every step survive a crash.
+
+The Python API for a training script (a client of a running mount's control socket; importing it loads no
+FUSE, trio or cloud SDK module):
+
+    import ckptfs
+    ckptfs.wait_durable("/checkpoints", ["step_100"], timeout=600)   # NotDurableError after 600 s
+    ckptfs.status("/checkpoints")                                    # as `ckptfs status --json`
+
+See docs/INTEGRATIONS.md for the few lines each training library needs.
+"""
+
+from ckptfs.client import PruneResult, prune, refresh, status, unmount, wait_durable
+from ckptfs.errors import CkptfsError, DaemonError, NoDaemonError, NotDrainedError, NotDurableError, UsageError
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CkptfsError",
+    "DaemonError",
+    "NoDaemonError",
+    "NotDrainedError",
+    "NotDurableError",
+    "PruneResult",
+    "UsageError",
+    "prune",
+    "refresh",
+    "status",
+    "unmount",
+    "wait_durable",
+]

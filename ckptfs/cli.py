@@ -1,4 +1,5 @@
-"""The `ckptfs` command line: argv -> Config -> daemon.run(), or a control-socket call to a running daemon.
+"""The `ckptfs` command line: argv -> Config -> daemon.run(), or a call of the Python API in client.py (the
+control socket of a running daemon), so `ckptfs flush` and `ckptfs.wait_durable()` are one code path.
 
 Owns argument parsing, the --daemon detach-and-wait-for-ready dance, human and JSON output, and mapping
 errors to exit codes: 0 ok, 1 an error the user can fix (one line on stderr, no traceback), 2 bad usage,
@@ -17,13 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptfs import ctl
+from ckptfs import client
 from ckptfs.config import Config, load_config
-from ckptfs.errors import CkptfsError, UsageError
+from ckptfs.errors import CkptfsError, NotDurableError, UsageError
 
 log = logging.getLogger("ckptfs")
 
-EXIT_NOT_DURABLE = 3
+EXIT_NOT_DURABLE = NotDurableError.exit_code  # flush/umount timed out (NotDrainedError too)
 READY_FD_ENV = "CKPTFS_READY_FD"
 
 
@@ -218,21 +219,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
         timeout = config.drain_timeout if timeout is None else timeout
     if args.mountpoint is None:
         raise UsageError("umount needs a MOUNTPOINT (or --config FILE naming one)")
-    mountpoint = ctl.canonical_mountpoint(args.mountpoint)
-    reply = ctl.call(mountpoint, {"op": "umount", "timeout": timeout}, timeout=None)
-    # The daemon replies after unmounting; wait for the kernel to show it gone.
-    deadline = time.monotonic() + 10
-    while os.path.ismount(mountpoint) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if reply.get("ok"):
-        print(f"ckptfs: {mountpoint} drained and unmounted")
-        return 0
-    print(
-        f"ckptfs: {mountpoint} unmounted, but {reply.get('remaining_count')} entries are not yet in the store;"
-        f" they stay journaled in {reply.get('cache_dir')} and upload at the next mount",
-        file=sys.stderr,
-    )
-    return EXIT_NOT_DURABLE
+    mountpoint = client.canonical_mountpoint(args.mountpoint)
+    client.unmount(mountpoint, timeout=timeout)  # NotDrainedError: exit 3 with the daemon's count
+    print(f"ckptfs: {mountpoint} drained and unmounted")
+    return 0
 
 
 def _human_bytes(n: int) -> str:
@@ -245,9 +235,9 @@ def _human_bytes(n: int) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = ctl.call(ctl.canonical_mountpoint(args.mountpoint), {"op": "status"})
-    if args.json:
-        print(json.dumps(status, indent=2, sort_keys=True))
+    status = client.status(args.mountpoint)
+    if args.json:  # scripts parse this: the same object as before the Python API, "ok" included
+        print(json.dumps({"ok": True, **status}, indent=2, sort_keys=True))
         return 0
     print(f"{status['source']} on {status['mountpoint']} (pid {status['pid']}, up {status['uptime_seconds']}s)")
     print(f"cache dir  {status['cache_dir']}")
@@ -274,47 +264,24 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
-    mountpoint = ctl.canonical_mountpoint(args.mountpoint)
-    paths = []
-    for p in args.paths:
-        relative = os.path.relpath(os.path.abspath(p) if p.is_absolute() else mountpoint / p, mountpoint)
-        if relative == ".." or relative.startswith("../"):
-            raise UsageError(f"{p} is not inside {mountpoint}")
-        paths.append("" if relative == "." else relative)
-    call_timeout = None if args.timeout is None else args.timeout + 30
-    reply = ctl.call(mountpoint, {"op": "flush", "paths": paths, "timeout": args.timeout}, timeout=call_timeout)
-    if reply.get("ok"):
-        return 0
-    if "error" in reply:
-        raise CkptfsError(reply["error"])
-    remaining = reply.get("remaining") or []
-    print(f"ckptfs: not durable after {args.timeout}s: {reply.get('remaining_count')} entries pending, e.g. "
-          + ", ".join(remaining[:5]), file=sys.stderr)
-    return EXIT_NOT_DURABLE
+    client.wait_durable(args.mountpoint, args.paths, timeout=args.timeout)  # NotDurableError: exit 3
+    return 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    if args.keep_last < 1:
-        raise UsageError("--keep-last must be at least 1")
-    reply = ctl.call(ctl.canonical_mountpoint(args.mountpoint),
-                     {"op": "prune", "keep_last": args.keep_last, "keep": args.keep, "dry_run": args.dry_run},
-                     timeout=600)
-    if not reply.get("ok"):
-        raise CkptfsError(reply.get("error") or "prune failed")
+    result = client.prune(args.mountpoint, args.keep_last, args.keep, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
-    for name in reply["delete"]:
+    for name in result.deleted:
         print(f"{verb} {name}")
-    for name, why in sorted(reply["reasons"].items()):
+    for name, why in sorted(result.kept.items()):
         print(f"kept    {name} ({why})")
-    if not reply["delete"]:
-        print(f"nothing to delete: {len(reply['reasons'])} checkpoints kept")
+    if not result.deleted:
+        print(f"nothing to delete: {len(result.kept)} checkpoints kept")
     return 0
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    reply = ctl.call(ctl.canonical_mountpoint(args.mountpoint), {"op": "refresh"}, timeout=300)
-    if not reply.get("ok"):
-        raise CkptfsError(reply.get("error") or "refresh failed")
+    client.refresh(args.mountpoint)
     return 0
 
 

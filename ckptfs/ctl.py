@@ -2,48 +2,32 @@
 
 One Unix socket per mount at RUNTIME_DIR/<hash of the mountpoint>.sock (0600), found by the CLI from the
 mountpoint alone, even when the mount itself hangs. The protocol is one JSON object per line each way:
-{"op": "status"} -> {"ok": true, ...}. The server side runs in the daemon's nursery and only calls the
-handler it is given; the client side is plain blocking sockets so the CLI needs no event loop.
+{"op": "status"} -> {"ok": true, ...}. This is the server side: it runs in the daemon's nursery and only calls
+the handler it is given. The client side (plain blocking sockets, no event loop) is ckptfs/client.py, which
+the CLI and the Python API (`import ckptfs`) share.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from ckptfs.errors import CkptfsError
+# Where a mount's socket lives is defined once, on the client side; the daemon binds where clients look.
+from ckptfs.client import canonical_mountpoint as canonical_mountpoint
+from ckptfs.client import socket_path as socket_path
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 1 << 20
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-
-
-def runtime_dir() -> Path:
-    """Where control sockets live: $CKPTFS_RUNTIME_DIR, else /run/ckptfs."""
-    return Path(os.environ.get("CKPTFS_RUNTIME_DIR", "/run/ckptfs"))
-
-
-def canonical_mountpoint(mountpoint: Path) -> Path:
-    """The absolute mountpoint with symlinks in its parents resolved, without touching the mount itself
-    (a stat of a hung mount would hang the caller, and the daemon's own loop would deadlock on it)."""
-    absolute = Path(os.path.abspath(mountpoint))
-    return Path(os.path.realpath(absolute.parent)) / absolute.name
-
-
-def socket_path(mountpoint: Path) -> Path:
-    digest = hashlib.sha256(str(canonical_mountpoint(mountpoint)).encode()).hexdigest()[:16]
-    return runtime_dir() / f"{digest}.sock"
 
 
 def _prepare_socket_path(path: Path) -> None:
@@ -108,34 +92,3 @@ async def _serve_one(stream: trio.SocketStream, handler: Handler) -> None:
             reply = {"ok": False, "error": str(exc)}
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await stream.send_all(json.dumps(reply).encode() + b"\n")
-
-
-def call(mountpoint: Path, request: dict[str, Any], *, timeout: float | None = 10.0) -> dict[str, Any]:
-    """Send one request to the daemon serving `mountpoint` and return its reply."""
-    path = socket_path(mountpoint)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        try:
-            sock.connect(str(path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise CkptfsError(
-                f"no ckptfs daemon is serving {mountpoint} (no control socket at {path});"
-                " is it mounted with ckptfs mount?"
-            ) from None
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                raise CkptfsError(f"the ckptfs daemon for {mountpoint} did not answer in time") from None
-            if not chunk:
-                break
-            buf += chunk
-    finally:
-        sock.close()
-    if not buf:
-        raise CkptfsError(f"the ckptfs daemon for {mountpoint} closed the connection without an answer")
-    reply: dict[str, Any] = json.loads(buf)
-    return reply

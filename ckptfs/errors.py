@@ -23,6 +23,44 @@ class UsageError(CkptfsError):
     exit_code = 2
 
 
+class NoDaemonError(CkptfsError):
+    """No ckptfs daemon serves this mountpoint (no control socket, or nobody listening on it)."""
+
+
+class DaemonError(CkptfsError):
+    """The daemon did not answer, or answered that it could not do what was asked."""
+
+
+class NotDurableError(CkptfsError, TimeoutError):
+    """A wait for durability ran out of time: `remaining_count` entries (the first of them in `remaining`)
+    were still not in the store. A TimeoutError, so `except TimeoutError` catches it too."""
+
+    exit_code = 3
+
+    def __init__(self, timeout: float | None, remaining_count: int, remaining: list[str]) -> None:
+        super().__init__(
+            f"not durable after {timeout}s: {remaining_count} entries pending, e.g. " + ", ".join(remaining[:5])
+        )
+        self.timeout = timeout
+        self.remaining_count = remaining_count
+        self.remaining = remaining
+
+
+class NotDrainedError(CkptfsError):
+    """An unmount finished with entries not yet in the store; they stay journaled in the cache dir and
+    upload at the next mount."""
+
+    exit_code = 3
+
+    def __init__(self, mountpoint: object, remaining_count: int, cache_dir: str | None) -> None:
+        super().__init__(
+            f"{mountpoint} unmounted, but {remaining_count} entries are not yet in the store;"
+            f" they stay journaled in {cache_dir} and upload at the next mount"
+        )
+        self.remaining_count = remaining_count
+        self.cache_dir = cache_dir
+
+
 class FsError(Exception):
     """A POSIX error for one filesystem request; `errno` is what the caller of the syscall sees."""
 

@@ -24,12 +24,13 @@ ALLOWED: dict[str, set[str]] = {
     "recovery": {"backends", "cache", "errors", "journal", "transfer"},
     "fs": {"cache", "errors", "evict", "journal"},
     "fuse_ops": {"errors", "fs", "metrics"},
-    "ctl": {"errors"},
+    "client": {"errors"},
+    "ctl": {"client", "errors"},
     "daemon": {"backends", "cache", "config", "ctl", "drain", "errors", "evict", "fetch", "fs", "fuse_ops", "journal",
                "recovery", "systemd", "metrics", "retention", "transfer"},
-    "cli": {"config", "ctl", "daemon", "errors"},
+    "cli": {"client", "config", "daemon", "errors"},
     "__main__": {"cli"},
-    "__init__": set(),
+    "__init__": {"client", "errors"},
 }
 CLOUD_SDKS = {"boto3", "botocore", "google", "azure", "s3transfer"}
 

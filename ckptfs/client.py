@@ -1,0 +1,168 @@
+"""The client side of the control socket, and the Python API on top of it: what `import ckptfs` offers a
+training script, and what every `ckptfs status|flush|refresh|prune|umount` command calls (one code path).
+
+Owns: where a mount's socket lives (the daemon binds where this module looks), the blocking one-request
+protocol, turning replies into values or exceptions from ckptfs.errors with the messages the CLI prints.
+Must not import trio, pyfuse3, a cloud SDK or any other ckptfs module but errors: a training process
+imports this next to torch, and it has to work with nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptfs.errors import (
+    DaemonError,
+    NoDaemonError,
+    NotDrainedError,
+    NotDurableError,
+    UsageError,
+)
+
+StrPath = str | os.PathLike[str]
+
+# How long after its own deadline a waiting call still listens for the daemon's answer: the daemon
+# replies when its deadline passes, so this covers only a slow reply, never a second wait.
+REPLY_GRACE_SECONDS = 30.0
+
+
+def runtime_dir() -> Path:
+    """Where control sockets live: $CKPTFS_RUNTIME_DIR, else /run/ckptfs."""
+    return Path(os.environ.get("CKPTFS_RUNTIME_DIR", "/run/ckptfs"))
+
+
+def canonical_mountpoint(mountpoint: StrPath) -> Path:
+    """The absolute mountpoint with symlinks in its parents resolved, without touching the mount itself
+    (a stat of a hung mount would hang the caller, and the daemon's own loop would deadlock on it)."""
+    absolute = Path(os.path.abspath(mountpoint))
+    return Path(os.path.realpath(absolute.parent)) / absolute.name
+
+
+def socket_path(mountpoint: StrPath) -> Path:
+    digest = hashlib.sha256(str(canonical_mountpoint(mountpoint)).encode()).hexdigest()[:16]
+    return runtime_dir() / f"{digest}.sock"
+
+
+def call(mountpoint: StrPath, request: dict[str, Any], *, timeout: float | None = 10.0) -> dict[str, Any]:
+    """Send one request to the daemon serving `mountpoint` and return its reply (any "ok")."""
+    mountpoint = canonical_mountpoint(mountpoint)
+    path = socket_path(mountpoint)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise NoDaemonError(
+                f"no ckptfs daemon is serving {mountpoint} (no control socket at {path});"
+                " is it mounted with ckptfs mount?"
+            ) from None
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                raise DaemonError(f"the ckptfs daemon for {mountpoint} did not answer in time") from None
+            if not chunk:
+                break
+            buf += chunk
+    finally:
+        sock.close()
+    if not buf:
+        raise DaemonError(f"the ckptfs daemon for {mountpoint} closed the connection without an answer")
+    reply: dict[str, Any] = json.loads(buf)
+    return reply
+
+
+def _checked(reply: dict[str, Any], what: str) -> dict[str, Any]:
+    if not reply.get("ok"):
+        raise DaemonError(reply.get("error") or f"{what} failed")
+    return reply
+
+
+def status(mountpoint: StrPath) -> dict[str, Any]:
+    """The mount's state, as `ckptfs status --json` prints it: files and bytes per state ("dirty",
+    "uploading", "clean", "remote"), the queue, files open for writing, the oldest dirty age, uploads since
+    start, cache use and the last error."""
+    reply = _checked(call(mountpoint, {"op": "status"}), "status")
+    reply.pop("ok")
+    return reply
+
+
+def mount_relative_paths(mountpoint: StrPath, paths: Iterable[StrPath]) -> list[str]:
+    """Each path relative to the mount ("" for the mount itself). A relative path is taken as relative to
+    the mountpoint (like `ckptfs flush MNT step_100`), an absolute one must lie inside it."""
+    root = canonical_mountpoint(mountpoint)
+    relative_paths = []
+    for path in paths:
+        absolute = os.path.abspath(path) if os.path.isabs(path) else root / path
+        relative = os.path.relpath(absolute, root)
+        if relative == ".." or relative.startswith("../"):
+            raise UsageError(f"{path} is not inside {root}")
+        relative_paths.append("" if relative == "." else relative)
+    return relative_paths
+
+
+def wait_durable(mountpoint: StrPath, paths: Iterable[StrPath] | None = None, *, timeout: float | None = None) -> None:
+    """Return once everything under `paths` (default: the whole mount) that was written before the call is
+    durable in the store: each file's object is complete at its key. Files still open for writing count as
+    pending, so close them first. Raises NotDurableError (a TimeoutError) if that takes longer than
+    `timeout` seconds (None: no limit), NoDaemonError if nothing serves the mountpoint."""
+    relative = mount_relative_paths(mountpoint, [] if paths is None else paths)
+    call_timeout = None if timeout is None else timeout + REPLY_GRACE_SECONDS
+    reply = call(mountpoint, {"op": "flush", "paths": relative, "timeout": timeout}, timeout=call_timeout)
+    if reply.get("ok"):
+        return
+    if "error" in reply:
+        raise DaemonError(reply["error"])
+    raise NotDurableError(timeout, reply.get("remaining_count") or 0, reply.get("remaining") or [])
+
+
+def refresh(mountpoint: StrPath) -> None:
+    """Show what other nodes wrote to (or deleted from) the store now, not after refresh_interval."""
+    _checked(call(mountpoint, {"op": "refresh"}, timeout=300), "refresh")
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    deleted: list[str]
+    """Top-level checkpoint names deleted from the mount and the store (or, with dry_run, to be deleted)."""
+    kept: dict[str, str]
+    """Top-level names kept, each with why (newest N, named by a pointer file, matches a keep glob)."""
+
+
+def prune(mountpoint: StrPath, keep_last: int, keep: Iterable[str] = (), *, dry_run: bool = False) -> PruneResult:
+    """Delete all but the newest `keep_last` top-level checkpoints from the mount and the store, keeping
+    what `latest`-style pointer files name and whatever matches a `keep` glob."""
+    if keep_last < 1:
+        raise UsageError("--keep-last must be at least 1")
+    reply = _checked(
+        call(mountpoint, {"op": "prune", "keep_last": keep_last, "keep": list(keep), "dry_run": dry_run}, timeout=600),
+        "prune",
+    )
+    return PruneResult(deleted=list(reply["delete"]), kept=dict(reply["reasons"]))
+
+
+def unmount(mountpoint: StrPath, *, timeout: float | None = None) -> None:
+    """Drain (up to `timeout` seconds; None: no limit), then unmount. Raises NotDrainedError if it unmounted
+    with entries not yet in the store (they stay journaled and upload at the next mount)."""
+    mountpoint = canonical_mountpoint(mountpoint)
+    reply = call(mountpoint, {"op": "umount", "timeout": timeout}, timeout=None)
+    # The daemon replies after unmounting; wait for the kernel to show it gone.
+    deadline = time.monotonic() + 10
+    while os.path.ismount(mountpoint) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if "error" in reply:
+        raise DaemonError(reply["error"])
+    if not reply.get("ok"):
+        raise NotDrainedError(mountpoint, reply.get("remaining_count") or 0, reply.get("cache_dir"))
+
