@@ -41,6 +41,7 @@ from ckptfs.backends.base import (
     crc32_combine,
     crc_of,
     crc_text,
+    pread_exact,
 )
 from ckptfs.errors import (
     BackendError,
@@ -223,21 +224,6 @@ def plan_part_size(size: int, part_size: int, spread: int, *, min_part: int, max
     return max(ps, -(-needed // MiB) * MiB)
 
 
-def _pread_exact(fd: int, length: int, offset: int) -> bytes:
-    data = os.pread(fd, length, offset)
-    if len(data) == length or not data:
-        return data
-    chunks = [data]
-    got = len(data)
-    while got < length:
-        more = os.pread(fd, length - got, offset + got)
-        if not more:
-            break
-        chunks.append(more)
-        got += len(more)
-    return b"".join(chunks)
-
-
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
     view = memoryview(data)
     done = 0
@@ -354,7 +340,7 @@ class Transfers:
         try:
             fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                data = _pread_exact(fd, length, offset)
+                data = pread_exact(fd, length, offset)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -535,7 +521,7 @@ class Transfers:
         except OSError as exc:
             raise _source_error(exc, staged.key) from exc
         try:
-            data = _pread_exact(fd, staged.size + 1, 0)
+            data = pread_exact(fd, staged.size + 1, 0)
         finally:
             os.close(fd)
         if len(data) != staged.size or crc_text(zlib.crc32(data)) != staged.checksum:

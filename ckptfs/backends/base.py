@@ -29,6 +29,7 @@ component must not be written by a user.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -285,6 +286,22 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
         n >>= 1
         k += 1
     return _multmodp(p, crc1) ^ crc2
+
+
+def pread_exact(fd: int, length: int, offset: int) -> bytes:
+    """`length` bytes of fd from `offset`, fewer only at the end of the file (pread may return less)."""
+    data = os.pread(fd, length, offset)
+    if len(data) == length or not data:
+        return data
+    chunks = [data]
+    got = len(data)
+    while got < length:
+        more = os.pread(fd, length - got, offset + got)
+        if not more:
+            break
+        chunks.append(more)
+        got += len(more)
+    return b"".join(chunks)
 
 
 def backoff_delays(base: float = 0.2, cap: float = 30.0) -> Iterator[float]:

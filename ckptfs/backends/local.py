@@ -30,6 +30,7 @@ from ckptfs.backends.base import (
     UploadPart,
     UploadRef,
     crc_text,
+    pread_exact,
 )
 from ckptfs.errors import (
     CkptfsError,
@@ -219,19 +220,12 @@ class LocalStore:
             etag = _etag(st)
             if if_match is not None and if_match != etag:
                 raise ObjectChangedError(f"{key}: the object was replaced during the download")
-            chunks = []
-            done = 0
-            while done < length:
-                chunk = os.pread(fd, length - done, offset + done)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                done += len(chunk)
+            data = pread_exact(fd, length, offset)
         except OSError as exc:
             raise _translate(exc, key) from exc
         finally:
             os.close(fd)
-        return RangeRead(b"".join(chunks), st.st_size, etag, None)
+        return RangeRead(data, st.st_size, etag, None)
 
     def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
         src, dst = self._path(src_key), self._path(dst_key)
