@@ -184,6 +184,7 @@ class FuseOperations(pyfuse3.Operations):
 
     async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         try:
+            await self.fs.prepare_rmdir(parent_inode, name)
             self.fs.rmdir(parent_inode, name)
         except FsError as exc:
             raise _fuse_error(exc) from None
@@ -198,6 +199,7 @@ class FuseOperations(pyfuse3.Operations):
         ctx: RequestContext,
     ) -> None:
         try:
+            await self.fs.prepare_rename(parent_inode_old, name_old, parent_inode_new, name_new)
             self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
         except FsError as exc:
             raise _fuse_error(exc) from None

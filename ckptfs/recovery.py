@@ -154,7 +154,9 @@ class DirLister:
         self._listed.clear()
         self.journal.clear_listed()
 
-    async def ensure(self, inode_id: int) -> None:
+    async def ensure(self, inode_id: int, *, required: bool = False) -> None:
+        """List the directory unless its listing is recent. A store failure is logged once and the journal
+        served as it is, unless `required` (a rename or rmdir that must know every entry): then it raises."""
         listed = self._listed.get(inode_id)
         # A listing "from the future" (the clock was set back) counts as stale.
         if listed is not None and 0 <= time.time() - listed < self.refresh_interval:
@@ -162,6 +164,8 @@ class DirLister:
         event = self._in_flight.get(inode_id)
         if event is not None:
             await event.wait()
+            if required and inode_id not in self._listed:
+                await self.ensure(inode_id, required=True)  # that listing failed: try once more, ourselves
             return
         inode = self.journal.get(inode_id)
         if inode is None or inode.kind != DIR or inode.path is None:
@@ -173,6 +177,8 @@ class DirLister:
             try:
                 listing = await trio.to_thread.run_sync(self.store.list_dir, prefix)
             except BackendError as exc:
+                if required:
+                    raise
                 # Serve what the journal knows; the next access tries again.
                 if prefix not in self._warned:
                     self._warned.add(prefix)
@@ -262,7 +268,8 @@ def apply_dir_listing(
                     warned.add(key)
                     log.warning("skipping store directory %r: %s is a file here", key, existing.path)
                 continue
-            if key in deleting or journal.key_owner(key) is not None:
+            if key in deleting or journal.key_owner(key) is not None or journal.keys_under(key):
+                # Renamed or removed here, and the drain has not moved or deleted all of it yet.
                 continue
             journal.import_remote(
                 directory, name, DIR, size=0, mtime_ns=directory.mtime_ns, mode=stat.S_IFDIR | 0o755, key=None,
