@@ -457,7 +457,10 @@ class Filesystem:
             atime = changes.atime_ns if changes.atime_ns is not None else current.atime_ns
             columns["mtime_ns"] = mtime
             if inode.kind == FILE and self._get(inode_id).state != REMOTE:
-                os.utime(self.cache.data_path(inode_id), ns=(atime, mtime))
+                try:
+                    os.utime(self.cache.data_path(inode_id), ns=(atime, mtime))
+                except OSError as exc:
+                    raise FsError(exc.errno or errno.EIO, f"utime of cache file: {exc.strerror}") from None
         if columns or changes.size is not None:
             columns["ctime_ns"] = now
             with self.journal.transaction():
@@ -542,11 +545,15 @@ class Filesystem:
                 parent, name, FILE, stat.S_IFREG | (mode & 0o7777), uid, gid,
                 closed_at=None if writable else time.time(),
             )
+            # The cache file and its descriptor are made before the journal row commits: a failure
+            # (EMFILE, ENOSPC) rolls the row back, so no entry is ever left without a cache file or a
+            # cache file without its entry (recovery would remove that as an orphan anyway).
             try:
                 self.cache.create_data(inode.id)
+                fd = os.open(self.cache.data_path(inode.id), os.O_RDWR | os.O_CLOEXEC)
             except OSError as exc:
+                self.cache.remove_data(inode.id)
                 raise FsError(exc.errno or errno.EIO, f"cannot create cache file: {exc.strerror}") from None
-        fd = os.open(self.cache.data_path(inode.id), os.O_RDWR | os.O_CLOEXEC)
         self._changed.add(inode.id)
         fh = self._new_handle(inode.id, fd, flags, dirtied=True)
         self._remember(inode.id)
@@ -582,6 +589,8 @@ class Filesystem:
             fd = os.open(self.cache.data_path(inode_id), (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
         except FileNotFoundError:
             raise FsError(errno.ENOENT, "file was removed") from None
+        except OSError as exc:
+            raise FsError(exc.errno or errno.EIO, f"cannot open cache file: {exc.strerror}") from None
         dirtied = False
         if truncate:
             self._begin_change(inode_id)
@@ -706,7 +715,10 @@ class Filesystem:
     def statfs(self) -> StatFs:
         """The cache budget as the filesystem's size: `df` on the mount shows how much more can be
         written before writes wait for the drain (clean files count as free: they can be evicted)."""
-        space = self.cache.space()
+        try:
+            space = self.cache.space()
+        except OSError as exc:
+            raise FsError(exc.errno or errno.EIO, f"statvfs of the cache dir: {exc.strerror}") from None
         block = space.block_size
         limit = self.cache.limit
         if limit == float("inf"):
