@@ -1,7 +1,10 @@
 """The control socket: how `ckptfs status|flush|umount` talk to a running daemon.
 
-One Unix socket per mount at RUNTIME_DIR/<hash of the mountpoint>.sock (0600), found by the CLI from the
-mountpoint alone, even when the mount itself hangs. The protocol is one JSON object per line each way:
+One Unix socket per mount at RUNTIME_DIR/<hash of the mountpoint>.sock (0600, in a 0700 directory), found
+by the CLI from the mountpoint alone, even when the mount itself hangs. Two layers keep other users out:
+the file permissions, and the daemon's own check of the caller (SO_PEERCRED) on every connection, which
+holds even where the socket was made reachable (a shared runtime dir, a chmod): only root and the user
+the daemon runs as may ask for status, flush, refresh or unmount. The protocol is one JSON object per line each way:
 {"op": "status"} -> {"ok": true, ...}. The server side runs in the daemon's nursery and only calls the
 handler it is given; the client side is plain blocking sockets so the CLI needs no event loop.
 """
@@ -14,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,8 @@ from ckptfs.errors import CkptfsError
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 1 << 20
+# struct ucred of SO_PEERCRED: pid, uid, gid.
+PEERCRED = struct.Struct("3i")
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -86,6 +92,17 @@ async def _accept_loop(listener: trio.SocketListener, connections: trio.Nursery,
         connections.start_soon(_serve_one, stream, handler)
 
 
+def _peer_uid(stream: trio.SocketStream) -> int:
+    creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
+    _pid, uid, _gid = PEERCRED.unpack(creds)
+    return int(uid)
+
+
+def allowed_uids() -> set[int]:
+    """Who may use the control socket: root and the mount's owner (the user the daemon runs as)."""
+    return {0, os.getuid()}
+
+
 async def _serve_one(stream: trio.SocketStream, handler: Handler) -> None:
     async with stream:
         buf = b""
@@ -96,6 +113,17 @@ async def _serve_one(stream: trio.SocketStream, handler: Handler) -> None:
             buf += chunk
             if len(buf) > MAX_REQUEST:
                 return
+        # The request is read (and not looked at) before a refusal, so the client gets the answer
+        # instead of a broken pipe.
+        uid = _peer_uid(stream)
+        if uid not in allowed_uids():
+            log.warning("control socket: refused a request from uid %d (only root and uid %d may use it)",
+                        uid, os.getuid())
+            reply = {"ok": False, "denied": True,
+                     "error": f"permission denied: only root and uid {os.getuid()} may control this mount"}
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await stream.send_all(json.dumps(reply).encode() + b"\n")
+            return
         try:
             request = json.loads(buf.split(b"\n", 1)[0])
             if not isinstance(request, dict):
@@ -118,6 +146,11 @@ def call(mountpoint: Path, request: dict[str, Any], *, timeout: float | None = 1
     try:
         try:
             sock.connect(str(path))
+        except PermissionError:
+            raise CkptfsError(
+                f"permission denied: the control socket of {mountpoint} ({path}) is for root and the user"
+                " running the daemon only"
+            ) from None
         except (FileNotFoundError, ConnectionRefusedError):
             raise CkptfsError(
                 f"no ckptfs daemon is serving {mountpoint} (no control socket at {path});"
@@ -138,4 +171,6 @@ def call(mountpoint: Path, request: dict[str, Any], *, timeout: float | None = 1
     if not buf:
         raise CkptfsError(f"the ckptfs daemon for {mountpoint} closed the connection without an answer")
     reply: dict[str, Any] = json.loads(buf)
+    if reply.get("denied"):
+        raise CkptfsError(f"{reply['error']} ({mountpoint})")
     return reply
