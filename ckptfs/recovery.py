@@ -261,6 +261,13 @@ def apply_dir_listing(
             key = f"{directory.key or ''}{name}/"
             if _listed_name(key, directory, warned) is None:
                 continue
+            if name in present:
+                # Both an object `x` and objects below `x/` (possible in a bucket, not in a file system):
+                # the file wins, as it does against a directory of this node.
+                if key not in warned:
+                    warned.add(key)
+                    log.warning("skipping store directory %r: %r is also a file in the store", key, key[:-1])
+                continue
             present.add(name)
             existing = children.get(name)
             if existing is not None:
