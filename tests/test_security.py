@@ -124,21 +124,28 @@ def test_control_socket_refuses_other_users(mount_factory, open_runtime_dir: Pat
 
 ACCESS_KEY = "AKIAZZLEAKCANARY7Q2X"
 SECRET_KEY = "SecretCanary/q9W+xYz8kLmNoP3rStUvWx4yZaBcDe"
+URL_SECRET = "UrlPasswordCanary5T7"
 
 
 def test_credentials_never_reach_log_status_metrics_or_journal(mount_factory, moto_s3: S3Server) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """moto accepts any key pair: the daemon runs with a distinctive one (from the environment, as the
-    SDK's chain reads it), does some work including a failing upload, and nothing it wrote or serves
-    contains either part of the pair."""
+    SDK's chain reads it) and a password in the endpoint URL's user part, does some work including a
+    failing upload, and nothing it wrote or serves contains any of the three."""
     (metrics_port,) = free_ports(1)
     with s3_bucket(moto_s3) as bucket:
         node = mount_factory(
             start=False, source=f"s3://{bucket}/run",
-            extra_args=("--endpoint-url", moto_s3.endpoint, "--metrics-addr", f"127.0.0.1:{metrics_port}"),
+            extra_args=(
+                "--endpoint-url", moto_s3.endpoint.replace("http://", f"http://ckptuser:{URL_SECRET}@"),
+                "--metrics-addr", f"127.0.0.1:{metrics_port}",
+            ),
         )
         node.env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
         node.start()
-        node.allowed_log_words += ["NoSuchBucket", "does not exist", "upload of", "failed", "retry"]
+        node.allowed_log_words += [
+            "user:password part of the endpoint URL is ignored", "NoSuchBucket", "does not exist", "upload of",
+            "failed", "retry",
+        ]
         (node.mnt / "step_1").mkdir()
         (node.mnt / "step_1" / "model.pt").write_bytes(os.urandom(300_000))
         node.flush()
@@ -157,8 +164,25 @@ def test_credentials_never_reach_log_status_metrics_or_journal(mount_factory, mo
         assert "ckptfs_" in metrics and '"states"' in status
         assert node.umount().returncode == 0
         journal = b"".join(p.read_bytes() for p in node.cache.iterdir() if p.name.startswith("journal.db"))
-        for secret in (ACCESS_KEY, SECRET_KEY, SECRET_KEY.split("/")[0]):
+        for secret in (ACCESS_KEY, SECRET_KEY, SECRET_KEY.split("/")[0], URL_SECRET):
             assert secret not in node.log.read_text()
             assert secret not in status
             assert secret not in metrics
             assert secret.encode() not in journal
+
+
+def test_a_password_in_an_unreachable_endpoint_url_is_not_repeated(tmp_path: Path) -> None:
+    """The error a mount gives when the endpoint cannot be reached names the endpoint, without its user
+    part (botocore would repeat it in every error)."""
+    from conftest import ckptfs_cli
+
+    (tmp_path / "mnt").mkdir()
+    (port,) = free_ports(1)  # nothing listens there
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="a", AWS_SECRET_ACCESS_KEY="b", CKPTFS_RUNTIME_DIR=str(tmp_path / "run"))
+    result = ckptfs_cli(
+        "mount", "s3://bucket/prefix", str(tmp_path / "mnt"), "--cache-dir", str(tmp_path / "cache"),
+        "--metrics-addr", "off", "--endpoint-url", f"http://ckptuser:{URL_SECRET}@127.0.0.1:{port}", env=env,
+    )
+    assert result.returncode != 0
+    assert f"127.0.0.1:{port}" in result.stderr, result.stderr
+    assert URL_SECRET not in result.stdout + result.stderr
