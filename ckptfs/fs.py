@@ -595,7 +595,11 @@ class Filesystem:
         if truncate:
             self._begin_change(inode_id)
             dirtied = True
-            os.ftruncate(fd, 0)
+            try:
+                os.ftruncate(fd, 0)
+            except OSError as exc:
+                os.close(fd)  # no handle will own it; the file stays marked changed until its next close
+                raise FsError(exc.errno or errno.EIO, f"truncate of cache file: {exc.strerror}") from None
             self.cache.resize(inode_id, 0)
         return self._new_handle(inode_id, fd, flags, dirtied)
 
