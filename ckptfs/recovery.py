@@ -171,6 +171,7 @@ class DirLister:
         if inode is None or inode.kind != DIR or inode.path is None:
             return
         event = self._in_flight[inode_id] = trio.Event()
+        moved = False
         try:
             started = time.time()
             prefix = inode.key or ""
@@ -187,7 +188,10 @@ class DirLister:
             self.listings += 1
             current = self.journal.get(inode_id)
             if current is None or current.path is None or current.key != inode.key:
-                return  # moved or removed while listed: list it again at its new place on next access
+                # Moved or removed while listed: list it again at its new place on next access (at once
+                # if the caller needs the listing, after this one is no longer in flight).
+                moved = current is not None and current.path is not None
+                return
             replaced: list[int] = []
             apply_dir_listing(
                 self.journal, current, listing, now=time.time(), exact_mtimes=self.store.listing_has_metadata,
@@ -199,6 +203,9 @@ class DirLister:
         finally:
             del self._in_flight[inode_id]
             event.set()
+            if moved and required:
+                # Only after the plain return above (never while an exception propagates).
+                await self.ensure(inode_id, required=True)
 
 
     def _vanished(self, inode: Inode) -> None:
