@@ -154,3 +154,21 @@ def test_rmdir_of_an_unlisted_non_empty_remote_directory_is_enotempty(two_nodes:
     assert raised.value.errno == errno.ENOTEMPTY
     node_b.flush()
     assert store() == {**S0, "empty_target/x": b"x"}
+
+
+def test_rename_of_a_big_unlisted_tree_moves_every_object(mount_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """More entries than one listing page (1000), three levels deep, written behind the mount's back:
+    after the rename, a kill -9 and the drain, every object is under the new name and none under the old."""
+    shared = tmp_path / "shared"
+    expected = {}
+    for rel in [f"big/many/f{i:04d}" for i in range(1200)] + ["big/a/b/c/deep", "big/top"]:
+        (shared / rel).parent.mkdir(parents=True, exist_ok=True)
+        (shared / rel).write_bytes(rel.encode())
+        expected[rel.replace("big/", "moved/", 1)] = rel.encode()
+    node: Mount = mount_factory("b", source=f"file://{shared}")
+    os.rename(node.mnt / "big", node.mnt / "moved")
+    node.kill9()
+    node.start()
+    node.flush(timeout=120)
+    assert _tree(shared) == expected
+    assert _tree(node.mnt) == expected
