@@ -60,6 +60,11 @@ def call(mountpoint: StrPath, request: dict[str, Any], *, timeout: float | None 
     try:
         try:
             sock.connect(str(path))
+        except PermissionError:
+            raise DaemonError(
+                f"permission denied: the control socket of {mountpoint} ({path}) is for root and the user"
+                " running the daemon only"
+            ) from None
         except (FileNotFoundError, ConnectionRefusedError):
             raise NoDaemonError(
                 f"no ckptfs daemon is serving {mountpoint} (no control socket at {path});"
@@ -80,6 +85,8 @@ def call(mountpoint: StrPath, request: dict[str, Any], *, timeout: float | None 
     if not buf:
         raise DaemonError(f"the ckptfs daemon for {mountpoint} closed the connection without an answer")
     reply: dict[str, Any] = json.loads(buf)
+    if reply.get("denied"):  # the daemon's own check of the caller (SO_PEERCRED)
+        raise DaemonError(f"{reply['error']} ({mountpoint})")
     return reply
 
 

@@ -17,6 +17,7 @@ import errno
 import logging
 import math
 import os
+import resource
 import secrets
 import signal
 import subprocess
@@ -507,9 +508,26 @@ def _return_freed_part_buffers() -> None:
         pass
 
 
+def raise_open_file_limit() -> None:
+    """Every open file in the mount holds a descriptor on its cache file, and the drain and the store
+    clients hold more: the usual soft limit of 1024 is reached by one big checkpoint save. Raise it to
+    the hard limit (systemd's LimitNOFILE=, or the shell's ulimit -Hn), which needs no privilege."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft >= hard:
+        log.info("open file limit %d (the hard limit)", soft)
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("cannot raise the open file limit from %d to %s: %s", soft, hard, exc)
+        return
+    log.info("open file limit raised from %d to %s (the hard limit)", soft, hard)
+
+
 async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
     """Mount and serve until stopped. Raises CkptfsError for anything the user must fix before mounting."""
     _return_freed_part_buffers()
+    raise_open_file_limit()
     store = InstrumentedStore(open_store(config.source, endpoint_url=config.endpoint_url))
     check_mountpoint(config.mountpoint)
     await trio.to_thread.run_sync(store.check)

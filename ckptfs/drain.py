@@ -36,6 +36,8 @@ from ckptfs.transfer import Priority, StagedUpload, Transfers
 
 log = logging.getLogger(__name__)
 
+# How far _breaks_move_cycle follows a chain of moves waiting for each other.
+MOVE_CYCLE_LIMIT = 1000
 SCAN_LIMIT = 2000
 # While new work keeps arriving, rescan at most this often (a scan reads up to SCAN_LIMIT rows).
 RESCAN_INTERVAL = 0.2
@@ -277,7 +279,7 @@ class Drain:
         for inode in self.journal.misplaced(SCAN_LIMIT):
             if waiting(("move", inode.id)) or self._marker_blocked(inode):
                 continue
-            if self._target_taken(inode, inode.key):  # type: ignore[arg-type]
+            if self._target_taken(inode, inode.key) and not self._breaks_move_cycle(inode):  # type: ignore[arg-type]
                 continue
             jobs.append(Job("move", inode.id, (inode.remote_key, inode.key)))  # type: ignore[arg-type]
         for inode in self.journal.meta_stale(SCAN_LIMIT):
@@ -301,7 +303,25 @@ class Drain:
         then a new file under the old name). Writing `key` now would destroy it: wait for the move, unless
         that inode has local data to upload again (then the write goes first; see Journal.release_key)."""
         owner = self.journal.key_owner(key)
-        return owner is not None and owner.id != inode.id and not owner.has_local_data
+        # A directory's marker holds only metadata: its owner writes it again (Journal.release_key).
+        return owner is not None and owner.id != inode.id and not owner.has_local_data and owner.kind != DIR
+
+    def _breaks_move_cycle(self, inode: Inode) -> bool:
+        """Misplaced objects that wait for each other's keys (a swap: `mv x t; mv y x; mv t y` on files
+        without local data) never move on their own. The one with the lowest id in such a cycle breaks it:
+        its move goes to a parking key first (see _move), which frees its old key for the next one."""
+        lowest = inode.id
+        owner = self.journal.key_owner(inode.key)  # type: ignore[arg-type]
+        for _ in range(MOVE_CYCLE_LIMIT):
+            if owner is None or owner.key is None or owner.remote_key == owner.key or not self._target_taken(
+                owner, owner.key
+            ):
+                return False
+            if owner.id == inode.id:
+                return inode.id == lowest
+            lowest = min(lowest, owner.id)
+            owner = self.journal.key_owner(owner.key)
+        return False
 
     def _claim(self, job: Job) -> bool:
         job_id = (job.kind, job.ident)
@@ -608,6 +628,10 @@ class Drain:
         if inode is None or inode.remote_key is None or inode.key is None or inode.remote_key == inode.key:
             return
         old, new = inode.remote_key, inode.key
+        if self._target_taken(inode, new):
+            if not self._breaks_move_cycle(inode):
+                return  # the owner of `new` moved on meanwhile or not: the next scan decides again
+            new = _parking_key(new, inode.id)
         self._write_ahead(new)
         try:
             if inode.kind == DIR:
@@ -682,6 +706,13 @@ class Drain:
         if pending.key.endswith("/") and self.journal.keys_under(pending.key):
             return "defer"
         return "run"
+
+
+def _parking_key(key: str, inode_id: int) -> str:
+    """Where a move that breaks a cycle puts its object on the way, next to its final key. A plain key
+    (stores refuse to write reserved names): other nodes may list it until the second move deletes it."""
+    directory = key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+    return f"{directory}.ckptfs-moving-{inode_id}"
 
 
 def _fsync_path(path: str) -> None:

@@ -26,7 +26,7 @@ from typing import NamedTuple, Protocol
 import trio
 
 from ckptfs.cache import CacheDir, CacheFile
-from ckptfs.errors import FsError
+from ckptfs.errors import BackendError, FsError, errno_for_backend_error
 from ckptfs.evict import Evictor
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal
 
@@ -110,13 +110,13 @@ FetchFn = Callable[[Inode], Awaitable[None]]
 class Lister(Protocol):
     """Reads the store's namespace into the journal, a directory at a time (recovery.DirLister)."""
 
-    async def ensure(self, inode_id: int) -> None: ...
+    async def ensure(self, inode_id: int, *, required: bool = False) -> None: ...
 
     def mark_listed(self, inode_id: int) -> None: ...
 
 
 class _NothingToList:
-    async def ensure(self, inode_id: int) -> None:
+    async def ensure(self, inode_id: int, *, required: bool = False) -> None:
         return None
 
     def mark_listed(self, inode_id: int) -> None:
@@ -240,6 +240,50 @@ class Filesystem:
     async def ensure_listed(self, inode_id: int) -> None:
         """Before a lookup in or a readdir of a directory: the store's entries of it are in the journal."""
         await self.lister.ensure(inode_id)
+
+    async def _list_required(self, inode_id: int) -> None:
+        try:
+            await self.lister.ensure(inode_id, required=True)
+        except BackendError as exc:
+            raise FsError(errno_for_backend_error(exc), f"cannot list the store: {exc}") from None
+
+    async def _list_tree(self, inode_id: int) -> None:
+        """Every directory at and below `inode_id` is listed from the store, so the journal knows the whole
+        subtree. Re-read after each await: entries may come and go while a listing runs."""
+        pending = [inode_id]
+        while pending:
+            directory = pending.pop()
+            await self._list_required(directory)
+            pending.extend(c.id for c in self.journal.all_children(directory) if c.kind == DIR)
+
+    async def prepare_rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes) -> None:
+        """Before rename(): the journal knows everything the rename moves or replaces. Listing is lazy, so a
+        directory this node never looked into has no entries here yet; renamed as it is, its objects would
+        stay at the old keys and the new name would be empty (a rename in the store is a move of every
+        object, each journaled). So its whole subtree is listed first, and a directory it replaces is
+        listed too (rename over a non-empty directory is ENOTEMPTY). A big remote tree makes the rename
+        slower, never wrong; a store that cannot be listed fails the rename instead of losing entries."""
+        await self._list_required(old_parent_id)
+        await self._list_required(new_parent_id)
+        source = self._maybe_child(old_parent_id, raw_old)
+        if source is not None and source.kind == DIR:
+            await self._list_tree(source.id)
+        target = self._maybe_child(new_parent_id, raw_new)
+        if target is not None and target.kind == DIR:
+            await self._list_required(target.id)
+
+    async def prepare_rmdir(self, parent_id: int, raw_name: bytes) -> None:
+        """Before rmdir(): the directory is listed, so one with objects only in the store is ENOTEMPTY."""
+        await self._list_required(parent_id)
+        inode = self._maybe_child(parent_id, raw_name)
+        if inode is not None and inode.kind == DIR:
+            await self._list_required(inode.id)
+
+    def _maybe_child(self, parent_id: int, raw_name: bytes) -> Inode | None:
+        try:
+            return self._existing_child(self._dir(parent_id), raw_name)
+        except FsError:
+            return None  # rename()/rmdir() report it
 
     def vanished(self, inode: Inode) -> None:
         """Someone deleted this entry's object from the shared store: it goes here too (open handles and
@@ -413,7 +457,10 @@ class Filesystem:
             atime = changes.atime_ns if changes.atime_ns is not None else current.atime_ns
             columns["mtime_ns"] = mtime
             if inode.kind == FILE and self._get(inode_id).state != REMOTE:
-                os.utime(self.cache.data_path(inode_id), ns=(atime, mtime))
+                try:
+                    os.utime(self.cache.data_path(inode_id), ns=(atime, mtime))
+                except OSError as exc:
+                    raise FsError(exc.errno or errno.EIO, f"utime of cache file: {exc.strerror}") from None
         if columns or changes.size is not None:
             columns["ctime_ns"] = now
             with self.journal.transaction():
@@ -498,11 +545,15 @@ class Filesystem:
                 parent, name, FILE, stat.S_IFREG | (mode & 0o7777), uid, gid,
                 closed_at=None if writable else time.time(),
             )
+            # The cache file and its descriptor are made before the journal row commits: a failure
+            # (EMFILE, ENOSPC) rolls the row back, so no entry is ever left without a cache file or a
+            # cache file without its entry (recovery would remove that as an orphan anyway).
             try:
                 self.cache.create_data(inode.id)
+                fd = os.open(self.cache.data_path(inode.id), os.O_RDWR | os.O_CLOEXEC)
             except OSError as exc:
+                self.cache.remove_data(inode.id)
                 raise FsError(exc.errno or errno.EIO, f"cannot create cache file: {exc.strerror}") from None
-        fd = os.open(self.cache.data_path(inode.id), os.O_RDWR | os.O_CLOEXEC)
         self._changed.add(inode.id)
         fh = self._new_handle(inode.id, fd, flags, dirtied=True)
         self._remember(inode.id)
@@ -538,11 +589,17 @@ class Filesystem:
             fd = os.open(self.cache.data_path(inode_id), (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
         except FileNotFoundError:
             raise FsError(errno.ENOENT, "file was removed") from None
+        except OSError as exc:
+            raise FsError(exc.errno or errno.EIO, f"cannot open cache file: {exc.strerror}") from None
         dirtied = False
         if truncate:
             self._begin_change(inode_id)
             dirtied = True
-            os.ftruncate(fd, 0)
+            try:
+                os.ftruncate(fd, 0)
+            except OSError as exc:
+                os.close(fd)  # no handle will own it; the file stays marked changed until its next close
+                raise FsError(exc.errno or errno.EIO, f"truncate of cache file: {exc.strerror}") from None
             self.cache.resize(inode_id, 0)
         return self._new_handle(inode_id, fd, flags, dirtied)
 
@@ -662,7 +719,10 @@ class Filesystem:
     def statfs(self) -> StatFs:
         """The cache budget as the filesystem's size: `df` on the mount shows how much more can be
         written before writes wait for the drain (clean files count as free: they can be evicted)."""
-        space = self.cache.space()
+        try:
+            space = self.cache.space()
+        except OSError as exc:
+            raise FsError(exc.errno or errno.EIO, f"statvfs of the cache dir: {exc.strerror}") from None
         block = space.block_size
         limit = self.cache.limit
         if limit == float("inf"):

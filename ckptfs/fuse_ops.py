@@ -1,6 +1,8 @@
 """The pyfuse3 adapter: converts FUSE requests to Filesystem calls and results back to FUSE replies.
 
-Owns only type conversion and error translation: every FsError becomes a FUSEError here and nowhere else.
+Owns only type conversion and error translation: every request goes through one wrapper (`_timed`, or
+the inline copy in the hot read/write) whose `_fuse_error` turns whatever it raised into a FUSEError, here
+and nowhere else. A handler never lets an exception reach pyfuse3: that would end the FUSE session.
 No POSIX semantics live here (fs.py has them), and no store is reached from here.
 """
 
@@ -67,12 +69,27 @@ def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
     return entry
 
 
-def _fuse_error(exc: FsError) -> pyfuse3.FUSEError:
-    if exc.errno in (errno.EIO, errno.ENOSPC):
-        log.warning("request failed: %s", exc)
-    else:
-        log.debug("request failed: %s", exc)
-    return pyfuse3.FUSEError(exc.errno)
+def _fuse_error(exc: BaseException, op: str) -> pyfuse3.FUSEError:
+    """The one error path of every request: what the caller of the syscall sees. An FsError carries its
+    errno; an OSError from the cache directory its own (EMFILE when out of file descriptors, ENOSPC, EIO);
+    anything else is a bug here, answered with EIO and one traceback (the log handler rate-limits repeats)
+    instead of ending the FUSE session, which would take the mount away from every process using it."""
+    if isinstance(exc, pyfuse3.FUSEError):
+        return exc
+    if isinstance(exc, FsError):
+        if exc.errno in (errno.EIO, errno.ENOSPC):
+            log.warning("%s failed: %s", op, exc)
+        else:
+            log.debug("%s failed: %s", op, exc)
+        return pyfuse3.FUSEError(exc.errno)
+    if isinstance(exc, OSError) and exc.errno:
+        # Running out of file descriptors or cache space is for an operator to act on; the rest is the
+        # cache filesystem's own answer, passed on.
+        level = logging.WARNING if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EIO) else logging.DEBUG
+        log.log(level, "%s failed: %s", op, exc)
+        return pyfuse3.FUSEError(exc.errno)
+    log.error("%s failed unexpectedly; answering EIO", op, exc_info=exc)
+    return pyfuse3.FUSEError(errno.EIO)
 
 
 class FuseOperations(pyfuse3.Operations):
@@ -98,23 +115,19 @@ class FuseOperations(pyfuse3.Operations):
                 result = await method(*args)
                 failed = False
                 return result
+            except Exception as exc:  # trio.Cancelled is a BaseException: it passes
+                raise _fuse_error(exc, op) from None
             finally:
                 record(op, time.perf_counter() - started, failed)
 
         return timed
 
     async def lookup(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> EntryAttributes:
-        try:
-            await self.fs.ensure_listed(parent_inode)
-            return _entry(self.fs.lookup(parent_inode, name))
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        await self.fs.ensure_listed(parent_inode)
+        return _entry(self.fs.lookup(parent_inode, name))
 
     async def getattr(self, inode: InodeT, ctx: RequestContext) -> EntryAttributes:
-        try:
-            return _entry(self.fs.getattr(inode))
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        return _entry(self.fs.getattr(inode))
 
     async def setattr(
         self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields, fh: FileHandleT | None, ctx: RequestContext
@@ -127,10 +140,7 @@ class FuseOperations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
-        try:
-            return _entry(await self.fs.setattr(inode, changes, fh))
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        return _entry(await self.fs.setattr(inode, changes, fh))
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for inode, count in inode_list:
@@ -140,53 +150,33 @@ class FuseOperations(pyfuse3.Operations):
                 log.exception("forget(%d) failed", inode)
 
     async def readlink(self, inode: InodeT, ctx: RequestContext) -> FileNameT:
-        try:
-            return self.fs.readlink(inode)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        return self.fs.readlink(inode)
 
     async def mknod(
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, rdev: int, ctx: RequestContext
     ) -> EntryAttributes:
-        try:
-            return _entry(self.fs.mknod(parent_inode, name, mode, ctx.uid, ctx.gid))
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        return _entry(self.fs.mknod(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     async def link(
         self, inode: InodeT, new_parent_inode: InodeT, new_name: FileNameT, ctx: RequestContext
     ) -> EntryAttributes:
-        try:
-            self.fs.link()
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        self.fs.link()
         raise AssertionError("link() always raises")
 
     async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, ctx: RequestContext) -> EntryAttributes:
-        try:
-            return _entry(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        return _entry(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     async def symlink(
         self, parent_inode: InodeT, name: FileNameT, target: FileNameT, ctx: RequestContext
     ) -> EntryAttributes:
-        try:
-            return _entry(self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        return _entry(self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
-        try:
-            self.fs.unlink(parent_inode, name)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        self.fs.unlink(parent_inode, name)
 
     async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
-        try:
-            self.fs.rmdir(parent_inode, name)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        await self.fs.prepare_rmdir(parent_inode, name)
+        self.fs.rmdir(parent_inode, name)
 
     async def rename(
         self,
@@ -197,26 +187,18 @@ class FuseOperations(pyfuse3.Operations):
         flags: FlagT,
         ctx: RequestContext,
     ) -> None:
-        try:
-            self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        await self.fs.prepare_rename(parent_inode_old, name_old, parent_inode_new, name_new)
+        self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     async def create(
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT, ctx: RequestContext
     ) -> tuple[FileInfo, EntryAttributes]:
-        try:
-            fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         direct_io, keep_cache = self.fs.caching(fh)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache), _entry(attr)
 
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
-        try:
-            fh = await self.fs.open(inode, flags)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        fh = await self.fs.open(inode, flags)
         direct_io, keep_cache = self.fs.caching(fh)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
 
@@ -227,10 +209,8 @@ class FuseOperations(pyfuse3.Operations):
             data = self.fs.read(fh, off, size)
             failed = False
             return data
-        except FsError as exc:
-            raise _fuse_error(exc) from None
-        except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except Exception as exc:
+            raise _fuse_error(exc, "read") from None
         finally:
             self.op_stats.record("read", time.perf_counter() - started, failed)
 
@@ -245,12 +225,9 @@ class FuseOperations(pyfuse3.Operations):
                     return written
                 except RoomNeeded:
                     pass
-                except FsError as exc:
-                    raise _fuse_error(exc) from None
-                try:
-                    await self.fs.wait_for_room()
-                except FsError as exc:
-                    raise _fuse_error(exc) from None
+                await self.fs.wait_for_room()
+        except Exception as exc:
+            raise _fuse_error(exc, "write") from None
         finally:
             self.op_stats.record("write", time.perf_counter() - started, failed)
 
@@ -258,33 +235,19 @@ class FuseOperations(pyfuse3.Operations):
         return None
 
     async def release(self, fh: FileHandleT) -> None:
-        try:
-            self.fs.release(fh)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        self.fs.release(fh)
 
     async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
-        try:
-            await self.fs.fsync(fh, datasync)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
-        except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        await self.fs.fsync(fh, datasync)
 
     async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
-        try:
-            await self.fs.ensure_listed(inode)
-            return self.fs.opendir(inode)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        await self.fs.ensure_listed(inode)
+        return self.fs.opendir(inode)
 
     async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> None:
         after = start_id
         while True:
-            try:
-                entries = self.fs.readdir(fh, after)
-            except FsError as exc:
-                raise _fuse_error(exc) from None
+            entries = self.fs.readdir(fh, after)
             if not entries:
                 return
             for entry in entries:
@@ -314,27 +277,13 @@ class FuseOperations(pyfuse3.Operations):
         return data
 
     async def getxattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> bytes:
-        try:
-            return self.fs.getxattr(inode, name)
-        except FsError as exc:
-            if exc.errno == errno.ENODATA:
-                raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
-            raise _fuse_error(exc) from None
+        return self.fs.getxattr(inode, name)  # ENODATA is ENOATTR on Linux
 
     async def listxattr(self, inode: InodeT, ctx: RequestContext) -> Sequence[XAttrNameT]:
-        try:
-            return self.fs.listxattr(inode)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        return self.fs.listxattr(inode)
 
     async def setxattr(self, inode: InodeT, name: XAttrNameT, value: bytes, ctx: RequestContext) -> None:
-        try:
-            self.fs.setxattr(inode, name)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        self.fs.setxattr(inode, name)
 
     async def removexattr(self, inode: InodeT, name: XAttrNameT, ctx: RequestContext) -> None:
-        try:
-            self.fs.setxattr(inode, name)
-        except FsError as exc:
-            raise _fuse_error(exc) from None
+        self.fs.setxattr(inode, name)

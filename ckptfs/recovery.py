@@ -155,7 +155,9 @@ class DirLister:
         self._listed.clear()
         self.journal.clear_listed()
 
-    async def ensure(self, inode_id: int) -> None:
+    async def ensure(self, inode_id: int, *, required: bool = False) -> None:
+        """List the directory unless its listing is recent. A store failure is logged once and the journal
+        served as it is, unless `required` (a rename or rmdir that must know every entry): then it raises."""
         listed = self._listed.get(inode_id)
         # A listing "from the future" (the clock was set back) counts as stale.
         if listed is not None and 0 <= time.time() - listed < self.refresh_interval:
@@ -163,17 +165,22 @@ class DirLister:
         event = self._in_flight.get(inode_id)
         if event is not None:
             await event.wait()
+            if required and inode_id not in self._listed:
+                await self.ensure(inode_id, required=True)  # that listing failed: try once more, ourselves
             return
         inode = self.journal.get(inode_id)
         if inode is None or inode.kind != DIR or inode.path is None:
             return
         event = self._in_flight[inode_id] = trio.Event()
+        moved = False
         try:
             started = time.time()
             prefix = inode.key or ""
             try:
                 listing = await trio.to_thread.run_sync(self.store.list_dir, prefix)
             except BackendError as exc:
+                if required:
+                    raise
                 # Serve what the journal knows; the next access tries again.
                 if prefix not in self._warned:
                     self._warned.add(prefix)
@@ -182,7 +189,10 @@ class DirLister:
             self.listings += 1
             current = self.journal.get(inode_id)
             if current is None or current.path is None or current.key != inode.key:
-                return  # moved or removed while listed: list it again at its new place on next access
+                # Moved or removed while listed: list it again at its new place on next access (at once
+                # if the caller needs the listing, after this one is no longer in flight).
+                moved = current is not None and current.path is not None
+                return
             replaced: list[int] = []
             apply_dir_listing(
                 self.journal, current, listing, now=time.time(), exact_mtimes=self.store.listing_has_metadata,
@@ -194,6 +204,9 @@ class DirLister:
         finally:
             del self._in_flight[inode_id]
             event.set()
+            if moved and required:
+                # Only after the plain return above (never while an exception propagates).
+                await self.ensure(inode_id, required=True)
 
 
     def _vanished(self, inode: Inode) -> None:
@@ -256,6 +269,13 @@ def apply_dir_listing(
             key = f"{directory.key or ''}{name}/"
             if _listed_name(key, directory, warned) is None:
                 continue
+            if name in present:
+                # Both an object `x` and objects below `x/` (possible in a bucket, not in a file system):
+                # the file wins, as it does against a directory of this node.
+                if key not in warned:
+                    warned.add(key)
+                    log.warning("skipping store directory %r: %r is also a file in the store", key, key[:-1])
+                continue
             present.add(name)
             existing = children.get(name)
             if existing is not None:
@@ -263,7 +283,8 @@ def apply_dir_listing(
                     warned.add(key)
                     log.warning("skipping store directory %r: %s is a file here", key, existing.path)
                 continue
-            if key in deleting or journal.key_owner(key) is not None:
+            if key in deleting or journal.key_owner(key) is not None or journal.keys_under(key):
+                # Renamed or removed here, and the drain has not moved or deleted all of it yet.
                 continue
             journal.import_remote(
                 directory, name, DIR, size=0, mtime_ns=directory.mtime_ns, mode=stat.S_IFDIR | 0o755, key=None,

@@ -48,6 +48,7 @@ class RecordingStore:
         self.spill_commit_failures: list[Exception] = []
         self.spilling = threading.Event()
         self.failures: list[Exception] = []
+        self.list_failures: list[Exception] = []  # raised by list_dir, one per call, before `failures`
         self._lock = threading.Lock()
 
     def _maybe_fail(self) -> None:
@@ -138,6 +139,9 @@ class RecordingStore:
         return self.inner.head(key)
 
     def list_dir(self, prefix: str = "") -> DirListing:
+        with self._lock:
+            if self.list_failures:
+                raise self.list_failures.pop(0)
         return self.inner.list_dir(prefix)
 
 

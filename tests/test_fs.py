@@ -598,3 +598,22 @@ async def test_store_keys_that_cannot_be_paths_warn_once(tmp_path: Path, caplog:
     assert {i.path for i in stack.journal.all_inodes()} == {"", "ok.pt", "fine"}
     skipped = [r for r in caplog.records if "cannot be a path" in r.getMessage()]
     assert len(skipped) == 2, [r.getMessage() for r in skipped]
+
+
+async def test_rename_of_a_store_only_tree_lists_it_first_or_is_refused(stack: Stack) -> None:
+    """A tree another node wrote, never listed here: prepare_rename lists all of it, so the rename moves
+    every object; while the store cannot be listed, the rename is refused rather than leaving objects
+    behind under the old name."""
+    store = stack.root / "store"
+    (store / "s0" / "sub").mkdir(parents=True)
+    for rel, data in {"s0/f0": b"zero", "s0/sub/f1": b"one"}.items():
+        (store / rel).write_bytes(data)
+    await stack.fs.ensure_listed(ROOT_ID)
+    stack.store.list_failures = [TransientBackendError("503 slow down")]
+    with pytest.raises(FsError) as raised:
+        await stack.fs.prepare_rename(ROOT_ID, b"s0", ROOT_ID, b"s1")
+    assert errno_of(raised) == errno.EIO
+    await stack.fs.prepare_rename(ROOT_ID, b"s0", ROOT_ID, b"s1")
+    stack.fs.rename(ROOT_ID, b"s0", ROOT_ID, b"s1", 0)
+    await stack.flush()
+    assert stack.store_files() == {"s1/f0": b"zero", "s1/sub/f1": b"one"}

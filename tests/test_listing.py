@@ -165,3 +165,32 @@ def test_listing_after_refresh_interval_on_restart(mount_factory) -> None:  # ty
         os.stat(m.mnt / "ckpt" / "missing")
     assert exc.value.errno == errno.ENOENT
 
+
+
+def test_shared_bucket_keys_no_file_system_can_hold(mount_factory, moto_s3: S3Server) -> None:  # type: ignore[no-untyped-def]
+    """Keys another tool wrote into the shared bucket: a leading '/' below the prefix, '..' at the top, an
+    empty component deeper down, a name over 255 bytes (but under 255 characters), and a key that is both a
+    file and a directory prefix. None escapes the mount or breaks a listing; each warns once."""
+    client = moto_s3.client()
+    bad_keys = [
+        f"{PREFIX}/absolute",
+        f"{PREFIX}../escape",
+        f"{PREFIX}d/sub//deep",
+        f"{PREFIX}d/" + "é" * 200,
+    ]
+    with s3_bucket(moto_s3) as bucket:
+        for key in [*bad_keys, f"{PREFIX}d/good", f"{PREFIX}d/x", f"{PREFIX}d/x/y", f"{PREFIX}d/sub/ok"]:
+            client.put_object(Bucket=bucket, Key=key, Body=b"x")
+        m = _s3_mount(mount_factory, moto_s3, bucket, "--refresh-interval", "3600")
+        m.allowed_log_words += ["skipping store key", "skipping store directory"]
+        for _ in range(3):
+            assert os.listdir(m.mnt) == ["d"]
+            assert sorted(os.listdir(m.mnt / "d")) == ["good", "sub", "x"]
+            assert (m.mnt / "d" / "x").read_bytes() == b"x"  # the file wins; x/ is skipped
+            assert os.listdir(m.mnt / "d" / "sub") == ["ok"]
+            assert m.cli("refresh", str(m.mnt)).returncode == 0
+        warned = _warnings(m, "skipping store")
+        assert len(warned) == len(bad_keys) + 1, warned
+        assert len(_warnings(m, "d/x/")) == 1
+        # Nothing reached outside the mount or its cache.
+        assert not (m.root / "escape").exists() and not (m.mnt.parent / "escape").exists()

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, TypeVar
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote, urlsplit
 
 import boto3
 import botocore.config
@@ -179,6 +179,20 @@ def translate_error(exc: BaseException, what: str) -> BackendError:
 
 _SDK_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, urllib3.exceptions.HTTPError,
                OSError)
+
+
+def _without_userinfo(url: str | None) -> str | None:
+    """The endpoint without a user:password part. S3 requests are signed with the credentials; botocore
+    never uses the URL's user part, but would repeat it in every error message (and so in logs and
+    `ckptfs status`). Dropped here, so the store never holds it."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    log.warning("the user:password part of the endpoint URL is ignored: S3 requests are signed with the"
+                " credentials from the SDK's chain")
+    return parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
 
 
 @contextmanager
@@ -315,7 +329,7 @@ class S3Store:
         self.copy_threshold = min(copy_threshold, MAX_COPY_SIZE)
         self.copy_part_size = max(MIN_PART_SIZE, copy_part_size)
         self.attempts = max(1, attempts)
-        self.endpoint_url = (
+        self.endpoint_url = _without_userinfo(
             endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         )
         self._session = boto3.session.Session()
