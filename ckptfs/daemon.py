@@ -103,7 +103,8 @@ class Daemon:
         )
         self.fetcher = Fetcher(journal, cache, engine, evictor=self.evictor)
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval)
-        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor, self.lister)
+        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor, self.lister,
+                             streams=self.fetcher)
         self.lister.vanished = self.fs.vanished
         self._prune_wanted = trio.Event()
         if config.keep_last:
@@ -141,6 +142,7 @@ class Daemon:
                 nursery.start_soon(self._fuse_main, nursery)
                 await nursery.start(self.drain.run)
                 await nursery.start(self.evictor.run)
+                await nursery.start(self.fetcher.run)
                 await nursery.start(self._serve_control)
                 await trio.to_thread.run_sync(os.stat, self.mountpoint)
                 log.info("mounted %s on %s (cache %s)", self.store.url, self.mountpoint, self.cache.root)
@@ -226,7 +228,7 @@ class Daemon:
     async def _read_small(self, inode: Inode) -> bytes:
         fh = await self.fs.open(inode.id, os.O_RDONLY)
         try:
-            return self.fs.read(fh, 0, 4096)
+            return await self.fs.read(fh, 0, 4096)
         finally:
             self.fs.release(fh)
 

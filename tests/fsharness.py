@@ -233,7 +233,7 @@ def make_stack(
     )
     fetcher = Fetcher(journal, cache, engine, evictor=evictor)
     lister = DirLister(journal, cache, store, refresh_interval=0.0)  # type: ignore[arg-type]
-    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor, lister)
+    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor, lister, streams=fetcher)
     lister.vanished = fs.vanished
     in_use.append(fs)
     drain.on_spilled = evictor.evict_if_clean
