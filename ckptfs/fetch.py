@@ -59,7 +59,7 @@ FIRST_READAHEAD_CHUNKS = 2
 MAX_READAHEAD_CHUNKS = 16
 # A read starting this close to where the handle's previous read ended counts as sequential (the kernel
 # may reorder its own read-ahead requests a little).
-SEQUENTIAL_SLACK = 1 * MiB
+SEQUENTIAL_SLACK = 512 * 1024
 # Chunks this far behind a reader's position are not punched: a reader that re-reads a little is common.
 KEEP_BEHIND_CHUNKS = 1
 
@@ -308,9 +308,9 @@ class Fetcher:
         """Room for a read-ahead chunk without waiting: evicting what is evictable, punching only chunks
         outside every reader's read-ahead window (never the window itself: that would thrash)."""
         cache = self.cache
-        wanted = int(cache.used + length - cache.limit * HIGH_WATER)
-        if wanted <= 0:
+        if cache.used + length <= cache.limit * HIGH_WATER:
             return True
+        wanted = int(cache.used + length - cache.limit * HIGH_WATER)
         if self.evictor is not None:
             wanted -= self.evictor.evict(wanted, punch=False)
         if wanted > 0:
@@ -352,13 +352,24 @@ class Fetcher:
             return
         assert self._nursery is not None
         stream.inflight[index] = trio.Event()
-        self._nursery.start_soon(self._run_chunk, stream, index, priority, reserved)
+        pinner = self._claim_pin(stream, priority)
+        self._nursery.start_soon(self._run_chunk, stream, index, priority, reserved, pinner)
 
-    async def _run_chunk(self, stream: Stream, index: int, priority: Priority, reserved: int) -> None:
-        await self._fetch_chunk(stream, index, priority, started=True, reserved=reserved)
+    def _claim_pin(self, stream: Stream, priority: Priority) -> bool:
+        """Whether this chunk's answer is the first, which fixes the version. Only a chunk a reader
+        waits for pins (decided when it is started, before read-ahead starts), so the first byte never
+        waits behind read-ahead."""
+        if stream.pinned or stream.pinning or priority != Priority.READ:
+            return False
+        stream.pinning = True
+        return True
+
+    async def _run_chunk(self, stream: Stream, index: int, priority: Priority, reserved: int, pinner: bool) -> None:
+        await self._fetch_chunk(stream, index, priority, started=True, reserved=reserved, pinner=pinner)
 
     async def _fetch_chunk(
-        self, stream: Stream, index: int, priority: Priority, *, started: bool = False, reserved: int = 0
+        self, stream: Stream, index: int, priority: Priority, *, started: bool = False, reserved: int = 0,
+        pinner: bool = False,
     ) -> None:
         """Fetch one chunk into the partial file. Never raises (but Cancelled): a failure is recorded
         in stream.errors (this chunk) or stream.failure (the whole Stream) for the waiters. `reserved`:
@@ -368,16 +379,22 @@ class Fetcher:
                 await stream.inflight[index].wait()
                 return
             stream.inflight[index] = trio.Event()
+            pinner = self._claim_pin(stream, priority)
         event = stream.inflight[index]
         stream.errors.pop(index, None)
         offset, length = stream.chunk_range(index)
-        pinning = False
+        pinning = pinner
         try:
-            # The first answer fixes the version: the others wait for it, then ask for that etag.
-            while not stream.pinned and stream.pinning:
+            # The first answer fixes the version: the others wait for it, then ask for that etag. If
+            # the pinning read fails, another read's chunk pins; read-ahead gives up (a read that needs
+            # the chunk fetches it again).
+            while not stream.pinned and not pinning:
+                if not stream.pinning:
+                    if priority != Priority.READ:
+                        return
+                    stream.pinning = pinning = True
+                    break
                 await stream.pin_attempt.wait()
-            if not stream.pinned:
-                stream.pinning = pinning = True
             if not reserved and self.evictor is not None:
                 await self.evictor.wait_for_room(length, what=f"a read of {stream.key}")
             # Re-check after the awaits: the Stream may have been dropped or failed meanwhile.
@@ -403,9 +420,10 @@ class Fetcher:
             if len(stream.present) == stream.count:
                 self._complete(stream)
         except ObjectChangedError as exc:
-            self._fail(stream, FsError(errno.ESTALE, f"{stream.key} was replaced in the store while it was read"))
-            log.warning("%s was replaced in the store by another node while it was being read: its reads fail"
-                        " with ESTALE until it is opened again (%s)", stream.key, exc)
+            if self._fail(stream, FsError(errno.ESTALE, f"{stream.key} was replaced in the store while it was"
+                                                        " read")):
+                log.warning("%s was replaced in the store by another node while it was being read: its reads"
+                            " fail with ESTALE until it is opened again (%s)", stream.key, exc)
         except BackendError as exc:
             stream.errors[index] = FsError(errno_for_backend_error(exc), f"read of {stream.key} failed: {exc}")
             log.warning("cannot read %s from %s: %s", stream.key, self.engine.store.url, exc)
@@ -446,12 +464,14 @@ class Fetcher:
         stream.meta_checksum = checksum
         stream.pinned = True
 
-    def _fail(self, stream: Stream, error: FsError) -> None:
-        first = stream.failure is None
+    def _fail(self, stream: Stream, error: FsError) -> bool:
+        """Make every read of the Stream fail with `error`; True the first time (log it then)."""
+        if stream.failure is not None:
+            return False
         stream.failure = error
-        if first:
-            # The next open starts a new Stream (the namespace learns of the new version at refresh).
-            self._detach(stream)
+        # The next open starts a new Stream (the namespace learns of the new version at refresh).
+        self._detach(stream)
+        return True
 
     def _complete(self, stream: Stream) -> None:
         """Every chunk is present: verify the whole file, and make it an ordinary clean cached file."""
@@ -521,15 +541,18 @@ class Fetcher:
         stream.whole_waiters += 1
         try:
             todo = [i for i in range(stream.count) if i not in stream.present]
+            failures: list[FsError] = []
             if self._nursery is None:
                 await self._wait_chunks(stream, todo)
             else:
                 # At most parts_in_flight chunks started at a time: a reader's chunk can still go first.
                 async with trio.open_nursery() as nursery:
                     for _ in range(min(self.engine.parts_in_flight, len(todo))):
-                        nursery.start_soon(self._whole_worker, stream, todo)
+                        nursery.start_soon(self._whole_worker, stream, todo, failures)
             if stream.failure is not None:
                 raise stream.failure
+            if failures:
+                raise failures[0]
             if not stream.complete and len(stream.present) == stream.count:
                 self._complete(stream)
             if stream.failure is not None:
@@ -542,10 +565,13 @@ class Fetcher:
         if latest is not None and latest.state == REMOTE and not stream.complete:
             raise FsError(errno.ESTALE, f"{current.remote_key} changed while it was fetched")
 
-    async def _whole_worker(self, stream: Stream, todo: list[int]) -> None:
-        while todo:
+    async def _whole_worker(self, stream: Stream, todo: list[int], failures: list[FsError]) -> None:
+        while todo and not failures:
             index = todo.pop(0)
-            await self._wait_chunks(stream, [index])
+            try:
+                await self._wait_chunks(stream, [index])
+            except FsError as exc:
+                failures.append(exc)
 
     # -- room: the evictor's hooks (evict.PartialFiles) -----------------------------------------------
 

@@ -22,14 +22,13 @@ import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import trio
 
 from ckptfs.cache import CacheDir, CacheFile
 from ckptfs.errors import FsError
 from ckptfs.evict import Evictor
-from ckptfs.fetch import Fetcher, Reader
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal
 
 log = logging.getLogger(__name__)
@@ -111,6 +110,31 @@ class SetAttrs:
 FetchFn = Callable[[Inode], Awaitable[None]]
 
 
+class Reader(Protocol):
+    """One handle's reader of a remote file's partial file (fetch.Reader)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def complete(self) -> bool: ...
+
+
+R = TypeVar("R", bound=Reader)
+
+
+class ReadStreams(Protocol[R]):
+    """Streaming reads of remote files (fetch.Fetcher): partial files filled as reads need them."""
+
+    def open_reader(self, inode: Inode) -> R: ...
+
+    def close_reader(self, reader: R) -> None: ...
+
+    async def wait_readable(self, reader: R, offset: int, size: int) -> None: ...
+
+    def discard(self, inode_id: int) -> None: ...
+
+
 class Lister(Protocol):
     """Reads the store's namespace into the journal, a directory at a time (recovery.DirLister)."""
 
@@ -149,7 +173,7 @@ class Filesystem:
         notify_drain: Callable[[], None] = lambda: None,
         evictor: Evictor | None = None,
         lister: Lister | None = None,
-        streams: Fetcher | None = None,
+        streams: ReadStreams[Any] | None = None,
     ) -> None:
         self.journal = journal
         self.cache = cache
