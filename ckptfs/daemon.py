@@ -271,6 +271,7 @@ class Daemon:
         states = ("dirty", "uploading", "clean", "remote")
         oldest = self.journal.oldest_dirty_closed_at()
         drain, evict = self.drain.stats, self.evictor.stats
+        reads = self.fetcher.statistics()
         moved = self.engine.statistics()
         out: Snapshot = {
             "ckptfs_files": [((s,), summary.get(s, {}).get("files", 0)) for s in states],
@@ -296,6 +297,12 @@ class Daemon:
             "ckptfs_drain_errors": [((job,), n) for job, n in sorted(drain.errors_by_job.items())],
             "ckptfs_cache_hits": [((), self.fs.cache_hits)],
             "ckptfs_cache_misses": [((), self.fs.cache_misses)],
+            "ckptfs_fetch_bytes": [((), reads.bytes_downloaded)],
+            "ckptfs_fetch_chunks": [((), reads.chunks_fetched)],
+            "ckptfs_fetch_chunks_punched": [((), reads.chunks_punched)],
+            "ckptfs_fetch_readers_waiting": [((), reads.readers_waiting)],
+            "ckptfs_fetch_partial_bytes": [((), reads.partial_bytes)],
+            "ckptfs_fetch_checksum_failures": [((), reads.checksum_failures)],
             "ckptfs_evicted_files": [((), evict.evicted_files)],
             "ckptfs_evicted_bytes": [((), evict.evicted_bytes)],
             "ckptfs_backpressure_waits": [((), evict.waits)],
@@ -393,6 +400,7 @@ class Daemon:
         oldest = self.journal.oldest_dirty_closed_at()
         stats = self.drain.stats
         moved = self.engine.statistics()
+        reads = self.fetcher.statistics()
         return {
             "source": self.store.url,
             "mountpoint": str(self.mountpoint),
@@ -417,6 +425,16 @@ class Daemon:
                 "waits": self.evictor.stats.waits,
                 "wait_seconds": round(self.evictor.stats.wait_seconds, 3),
                 "enospc": self.evictor.stats.enospc,
+            },
+            "reads": {
+                "bytes_downloaded": reads.bytes_downloaded,
+                "chunks_fetched": reads.chunks_fetched,
+                "chunks_punched": reads.chunks_punched,
+                "readers_waiting": reads.readers_waiting,
+                "partial_files": reads.partial_files,
+                "partial_bytes": reads.partial_bytes,
+                "files_verified": reads.files_verified,
+                "checksum_failures": reads.checksum_failures,
             },
             "uploaded": {
                 "files": stats.uploaded_files,
