@@ -275,6 +275,9 @@ class Fetcher:
         sequential = abs(offset - reader.next_offset) <= SEQUENTIAL_SLACK
         if needed:
             first = needed[0]
+            # The kernel's own read-ahead sends several requests at once, not always in order: a reader
+            # already proven sequential stays so while it reads in its chunk or the next.
+            sequential = sequential or (reader.window > 0 and reader.position <= first <= reader.position + 1)
             if not sequential:
                 reader.window = 0
             elif first != reader.position or reader.window == 0:

@@ -684,6 +684,8 @@ class Filesystem:
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self.handles[fh]
+        if handle.reader is not None and not handle.reader.complete:
+            return  # a partial file of a remote file: nothing of it is local state to make durable
         sync = os.fdatasync if datasync else os.fsync
         await trio.to_thread.run_sync(sync, handle.fd)
         await trio.to_thread.run_sync(self.cache.sync_data_dir)

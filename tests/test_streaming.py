@@ -69,6 +69,8 @@ async def test_a_read_in_the_middle_is_answered_before_the_rest_is_fetched(stack
     assert chunk_offsets(stack, "m.bin") == [10 * CHUNK]  # a random read reads nothing ahead
     assert stack.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
     assert stack.fs.getattr(ino).size == len(content)
+    await stack.fs.fsync(fh, False)  # a partial file is nothing to make durable, and not a data file
+    assert not stack.cache.has_data(ino) and ino not in stack.cache.files
     stack.store.range_gate.set()
     stack.fs.release(fh)
 
