@@ -26,6 +26,7 @@ Run from the repo's venv with the test extra installed:  python bench/s3_drain_b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -88,11 +89,15 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def run_ckptfs(server: S3Server, bucket: str, sources: list[Path], root: Path, tag: str) -> dict[str, float]:
+def run_ckptfs(
+    server: S3Server, bucket: str, sources: list[Path], root: Path, tag: str, checkout: Path | None = None
+) -> dict[str, float]:
     mnt, cache = root / f"mnt-{tag}", root / f"cache-{tag}"
     mnt.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV_UNSET}
     env.update(CLIENT_ENV, CKPTFS_RUNTIME_DIR=str(root / "run"))
+    if checkout is not None:  # another version of ckptfs, for a before/after comparison in the same run
+        env["PYTHONPATH"] = str(checkout)
     ckptfs("mount", f"s3://{bucket}/ckptfs-{tag}", str(mnt), "--cache-dir", str(cache), "--endpoint-url",
            server.endpoint, "--metrics-addr", "off", "--daemon", env=env)
     try:
@@ -140,6 +145,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    p.add_argument("--before", type=Path, help="a checkout of another ckptfs version to run side by side")
     args = p.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="ckptfs-s3-bench.", dir=args.dir))
@@ -160,8 +166,11 @@ def main() -> None:
                 make_source(path, args.size // count)
         for run in range(args.runs):
             for workload in workloads:
-                for way, fn in (("local+boto3", run_local_boto3), ("ckptfs", run_ckptfs)):
-                    times = fn(server, bucket, sources[workload], root, f"{workload}-{run}")
+                ways: list[tuple[str, Any]] = [("local+boto3", run_local_boto3), ("ckptfs", run_ckptfs)]
+                if args.before is not None:
+                    ways.append(("before", functools.partial(run_ckptfs, checkout=args.before)))
+                for way, fn in ways:
+                    times = fn(server, bucket, sources[workload], root, f"{workload}-{way}-{run}")
                     for name, value in times.items():
                         results.setdefault(f"{workload} {way} {name}", []).append(value)
                     shown = "  ".join(f"{k} {v:7.2f}" for k, v in times.items())
@@ -183,6 +192,9 @@ def main() -> None:
         f"{w}: ckptfs write / local write": medians[f"{w} ckptfs write"] / medians[f"{w} local+boto3 write"]
         for w in workloads
     }
+    if args.before is not None:
+        ratios |= {f"{w}: before durable / local+boto3 durable":
+                   medians[f"{w} before durable"] / medians[f"{w} local+boto3 durable"] for w in workloads}
     for name, value in ratios.items():
         print(f"  {name:<44} {value:5.2f}x")
     report: dict[str, Any] = {

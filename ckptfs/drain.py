@@ -44,7 +44,6 @@ MIN_SCAN_INTERVAL = 0.02
 # A flush re-checks the items whose jobs finished at most this often, and all of its items this often.
 FLUSH_POLL = 0.05
 FULL_CHECK_INTERVAL = 1.0
-MARKER_PAGE = 100
 # A spill leaves this much of the end of a file being written in the cache (a writer may still seek back
 # a little, e.g. to patch a header), and takes parts of the engine's part size.
 SPILL_LOOKAHEAD = 16 << 20
@@ -292,16 +291,10 @@ class Drain:
         return jobs, next_due
 
     def _marker_blocked(self, inode: Inode) -> bool:
-        """A commit marker waits for every non-marker that became work before it (a file still open for
-        writing was not closed before the marker, so it does not count). Its completion rescans."""
-        if not self.is_commit_marker(inode.name):
-            return False
-        after = (-1, -1)
-        while page := self.journal.work_before(inode.seq, MARKER_PAGE, after):
-            if any(not self.is_commit_marker(i.name) for i in page):
-                return True
-            after = (page[-1].seq, page[-1].id)
-        return False
+        """A commit marker waits for all work that became work before it, earlier markers included (a
+        tracker naming a step must not reach the store before that step's own marker). A file still open
+        for writing was not closed before the marker, so it does not count. Its completion rescans."""
+        return self.is_commit_marker(inode.name) and bool(self.journal.work_before(inode.seq, 1))
 
     def _target_taken(self, inode: Inode, key: str) -> bool:
         """Another inode's object still sits at `key`, waiting to be moved away (a rename after upload,

@@ -65,6 +65,8 @@ DEFAULT_ATTEMPTS = 5  # per part or request; the drain retries whole jobs foreve
 # Store calls that carry no part data (open, complete, abort, head, list) run on their own threads, so
 # that they never queue behind big parts.
 CONTROL_THREADS = 8
+# Parts of one file in parallel that the part size aims for (boto3's default concurrency is 10).
+UPLOAD_SPREAD = 8
 RATE_WINDOW = 5.0  # seconds over which status reports bytes per second
 
 
@@ -321,10 +323,12 @@ class Transfers:
         raise AssertionError("unreachable")
 
     def upload_part_size(self, size: int) -> int:
+        """Parts small enough that UPLOAD_SPREAD of them fit the memory budget at once (one stream per part
+        is what fills a link), and no larger than part_size."""
         limits = self.store.limits
-        spread = max(1, min(self.parts_in_flight, self.memory.limit // self.part_size))
-        return plan_part_size(size, self.part_size, spread, min_part=limits.min_part_size,
-                              max_parts=limits.max_parts)
+        part_size = min(self.part_size, max(limits.min_part_size, self.memory.limit // UPLOAD_SPREAD))
+        spread = max(1, min(self.parts_in_flight, self.memory.limit // part_size))
+        return plan_part_size(size, part_size, spread, min_part=limits.min_part_size, max_parts=limits.max_parts)
 
     async def _put_part(
         self, ref: UploadRef, number: int, offset: int, length: int, src_path: str, expected_crc: int | None,

@@ -223,6 +223,27 @@ async def test_commit_marker_waits_for_earlier_files(stack: Stack) -> None:
     assert keys == ["shard-0", "latest"]
 
 
+async def test_commit_marker_waits_for_an_earlier_marker(stack: Stack) -> None:
+    """Megatron's tracker names a step whose own DCP `.metadata` marker came before it: the tracker must not
+    reach the store first (seen on SeaweedFS before markers waited for markers)."""
+    stack.fs.mkdir(ROOT_ID, b"iter_1", 0o755, UID, GID)
+    stack.write_file("iter_1/__0_0.distcp", b"shard")
+    await stack.flush()
+    stack.store.gated_keys = {"iter_1/.metadata"}
+    stack.store.stage_gate = threading.Event()
+    stack.write_file("iter_1/.metadata", b"meta")
+    stack.drain.notify()
+    await trio.to_thread.run_sync(stack.store.staging.wait, 10)
+    stack.write_file("latest_checkpointed_iteration.txt", b"1")
+    await trio.sleep(0.3)  # the drain had every chance to upload the tracker early
+    assert not any(key == "latest_checkpointed_iteration.txt" for _, key in stack.store.calls)
+    stack.store.stage_gate.set()
+    await stack.flush()
+    keys = [key for op, key in stack.store.calls if op == "commit"]
+    assert keys == ["iter_1/__0_0.distcp", "iter_1/.metadata", "latest_checkpointed_iteration.txt"]
+    check_consistency(stack)
+
+
 async def test_transient_and_permanent_errors_are_retried(stack: Stack) -> None:
     stack.store.failures = [TransientBackendError("503 slow down"), PermanentBackendError("access denied")]
     stack.write_file("f", b"data")
