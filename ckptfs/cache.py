@@ -4,11 +4,15 @@ Layout (all 0700 / 0600):
     CACHE_DIR/lock         flock()ed by the one daemon using this cache dir
     CACHE_DIR/journal.db   the journal (journal.py owns its contents)
     CACHE_DIR/data/<id>    the content of file inode <id>, byte for byte; its size and mtime are the file's
-    CACHE_DIR/tmp/         partial downloads, renamed into data/ once complete
+    CACHE_DIR/tmp/         partial files of remote objects being read (fetch.py), sparse at the object's
+                           size; renamed into data/ once every chunk is there and verified. Removed at
+                           start-up: a partial file is never mistaken for a local copy.
 
 Space accounting (trio thread only: the write path updates it without a lock): `used` is the sum of
 the apparent sizes of the data files (minus ranges already freed by a spill, see drain.py) plus
-reservations of downloads in progress; `limit` is the budget: `cache_size`,
+`reserved`: the chunks of partial files that are present or in flight (fetch.py reserves a chunk before
+it is fetched and unreserves it when it is punched out or its file dropped or adopted into data/);
+`limit` is the budget: `cache_size`,
 lowered when the cache filesystem would otherwise keep less than `min_free` free. Both are plain
 attributes read on every FUSE write, so the write path pays two attribute loads and a compare. The
 evictor (evict.py) keeps `used` under `limit` and makes writers wait when it cannot.
@@ -53,6 +57,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _fallocate = _libc.fallocate
 _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _fallocate.restype = ctypes.c_int
+
+
+def punch_hole_fd(fd: int, offset: int, length: int) -> None:
+    """Free `length` bytes at `offset` of an open file, keeping its size (reads there return zeros)."""
+    if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,11 @@ class CacheDir:
 
     def tmp_path(self, inode_id: int) -> str:
         return str(self.tmp_dir / f"{inode_id}.part")
+
+    def partial_path(self, inode_id: int, serial: int) -> str:
+        """The partial file of one version of a remote inode being read (several may coexist while old
+        readers finish with a version the namespace has replaced)."""
+        return str(self.tmp_dir / f"{inode_id}.{serial}.part")
 
     def create_data(self, inode_id: int) -> CacheFile:
         fd = os.open(self.data_path(inode_id), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -212,9 +228,7 @@ class CacheDir:
         """Free `length` bytes at `offset` of a data file, keeping its size (the accounting is `punched`)."""
         fd = os.open(self.data_path(inode_id), os.O_WRONLY | os.O_CLOEXEC)
         try:
-            if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
+            punch_hole_fd(fd, offset, length)
         finally:
             os.close(fd)
 
@@ -235,7 +249,7 @@ class CacheDir:
             self.used -= punched
 
     def reserve(self, size: int) -> None:
-        """Count a download in progress (its tmp file) before its bytes arrive."""
+        """Count a chunk of a partial file (fetch.py) before its bytes arrive, and while they are there."""
         self.reserved += size
         self.used += size
 

@@ -259,6 +259,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"transfers  up {moved['parts_up']} parts, {_human_bytes(moved['up_bytes_per_second'])}/s;"
           f" down {moved['parts_down']} parts, {_human_bytes(moved['down_bytes_per_second'])}/s;"
           f" memory {_human_bytes(moved['memory_bytes'])} of {_human_bytes(moved['memory_budget_bytes'])}")
+    reads = status.get("reads")
+    if reads is not None:
+        print(f"reads      {_human_bytes(reads['bytes_downloaded'])} downloaded in {reads['chunks_fetched']} chunks;"
+              f" {reads['partial_files']} partial files ({_human_bytes(reads['partial_bytes'])});"
+              f" {reads['readers_waiting']} reads waiting; {reads['checksum_failures']} checksum failures")
     print(f"last error {status['last_error'] or '-'}")
     return 0
 

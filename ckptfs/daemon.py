@@ -104,7 +104,8 @@ class Daemon:
         )
         self.fetcher = Fetcher(journal, cache, engine, evictor=self.evictor)
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval)
-        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor, self.lister)
+        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor, self.lister,
+                             streams=self.fetcher)
         self.lister.vanished = self.fs.vanished
         self._prune_wanted = trio.Event()
         if config.keep_last:
@@ -142,6 +143,7 @@ class Daemon:
                 nursery.start_soon(self._fuse_main, nursery)
                 await nursery.start(self.drain.run)
                 await nursery.start(self.evictor.run)
+                await nursery.start(self.fetcher.run)
                 await nursery.start(self._serve_control)
                 await trio.to_thread.run_sync(os.stat, self.mountpoint)
                 log.info("mounted %s on %s (cache %s)", self.store.url, self.mountpoint, self.cache.root)
@@ -227,7 +229,7 @@ class Daemon:
     async def _read_small(self, inode: Inode) -> bytes:
         fh = await self.fs.open(inode.id, os.O_RDONLY)
         try:
-            return self.fs.read(fh, 0, 4096)
+            return await self.fs.read(fh, 0, 4096)
         finally:
             self.fs.release(fh)
 
@@ -270,6 +272,7 @@ class Daemon:
         states = ("dirty", "uploading", "clean", "remote")
         oldest = self.journal.oldest_dirty_closed_at()
         drain, evict = self.drain.stats, self.evictor.stats
+        reads = self.fetcher.statistics()
         moved = self.engine.statistics()
         out: Snapshot = {
             "ckptfs_files": [((s,), summary.get(s, {}).get("files", 0)) for s in states],
@@ -295,6 +298,12 @@ class Daemon:
             "ckptfs_drain_errors": [((job,), n) for job, n in sorted(drain.errors_by_job.items())],
             "ckptfs_cache_hits": [((), self.fs.cache_hits)],
             "ckptfs_cache_misses": [((), self.fs.cache_misses)],
+            "ckptfs_fetch_bytes": [((), reads.bytes_downloaded)],
+            "ckptfs_fetch_chunks": [((), reads.chunks_fetched)],
+            "ckptfs_fetch_chunks_punched": [((), reads.chunks_punched)],
+            "ckptfs_fetch_readers_waiting": [((), reads.readers_waiting)],
+            "ckptfs_fetch_partial_bytes": [((), reads.partial_bytes)],
+            "ckptfs_fetch_checksum_failures": [((), reads.checksum_failures)],
             "ckptfs_evicted_files": [((), evict.evicted_files)],
             "ckptfs_evicted_bytes": [((), evict.evicted_bytes)],
             "ckptfs_backpressure_waits": [((), evict.waits)],
@@ -392,6 +401,7 @@ class Daemon:
         oldest = self.journal.oldest_dirty_closed_at()
         stats = self.drain.stats
         moved = self.engine.statistics()
+        reads = self.fetcher.statistics()
         return {
             "source": self.store.url,
             "mountpoint": str(self.mountpoint),
@@ -416,6 +426,16 @@ class Daemon:
                 "waits": self.evictor.stats.waits,
                 "wait_seconds": round(self.evictor.stats.wait_seconds, 3),
                 "enospc": self.evictor.stats.enospc,
+            },
+            "reads": {
+                "bytes_downloaded": reads.bytes_downloaded,
+                "chunks_fetched": reads.chunks_fetched,
+                "chunks_punched": reads.chunks_punched,
+                "readers_waiting": reads.readers_waiting,
+                "partial_files": reads.partial_files,
+                "partial_bytes": reads.partial_bytes,
+                "files_verified": reads.files_verified,
+                "checksum_failures": reads.checksum_failures,
             },
             "uploaded": {
                 "files": stats.uploaded_files,

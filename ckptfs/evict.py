@@ -6,7 +6,9 @@ back-pressure: a write that finds the cache over its budget waits here until evi
 room, up to `dirty_wait`, then fails with ENOSPC. While writers wait it asks the drain (through
 `on_pressure`) to upload at once, ignoring upload_delay, and to spill files still open for writing.
 
-An evicted file keeps its inode and becomes 'remote': the next open fetches it again (fetch.py).
+An evicted file keeps its inode and becomes 'remote': the next read fetches what it needs (fetch.py).
+Partial files of remote objects (fetch.py) count against the budget too: those no handle has open are
+dropped like clean files, and chunks of open ones that no reader is near are punched out.
 Everything here runs in the trio thread; eviction itself is a journal update and an unlink.
 """
 
@@ -18,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -47,6 +50,22 @@ class EvictStats:
     enospc: int = 0  # waits that gave up after dirty_wait
 
 
+class PartialFiles(Protocol):
+    """Partial files of remote objects being read (fetch.Fetcher): more room the evictor can make."""
+
+    def droppable(self) -> list[int]:
+        """Inode ids whose partial file no handle has open: dropped like clean files (LRU)."""
+        ...
+
+    def drop(self, inode_id: int) -> int:
+        """Remove that partial file; the bytes freed."""
+        ...
+
+    def punch(self, wanted: int, *, keep_read_ahead: bool = False) -> int:
+        """Free chunks of open partial files that no reader is near; the bytes freed."""
+        ...
+
+
 class Evictor:
     def __init__(
         self,
@@ -71,6 +90,7 @@ class Evictor:
         self._waiters = 0
         self._pressure = False
         self._logged_at = -LOG_INTERVAL
+        self.partials: PartialFiles | None = None  # set by the fetcher
 
     def start(self, atimes: dict[int, float]) -> None:
         """Seed the LRU order with the data files' access times (from CacheDir.scan at start-up)."""
@@ -111,18 +131,28 @@ class Evictor:
             return 0
         return self.evict(self.cache.used - int(limit * LOW_WATER))
 
-    def evict(self, wanted: int) -> int:
-        """Evict clean, closed files, least recently used first, until `wanted` bytes are freed or no
+    def evict(self, wanted: int, *, punch: bool = True) -> int:
+        """Evict clean, closed files and partial files no handle has open, least recently used first,
+        then punch chunks of open partial files no reader is near, until `wanted` bytes are freed or no
         candidate is left; return the bytes freed. Synchronous: nothing can open a file meanwhile."""
         freed = 0
+        if wanted <= 0:
+            return 0
         candidates = self.journal.clean_files()
+        partial = set(self.partials.droppable()) if self.partials is not None else set()
+        candidates.extend(partial)
         candidates.sort(key=lambda inode_id: self.last_used.get(inode_id, 0.0))
         for inode_id in candidates:
             if freed >= wanted:
                 break
+            if inode_id in partial and self.partials is not None:
+                freed += self.partials.drop(inode_id)
+                continue
             if self.in_use(inode_id):
                 continue
             freed += self._evict_one(inode_id)
+        if punch and freed < wanted and self.partials is not None:
+            freed += self.partials.punch(wanted - freed)
         return freed
 
     def evict_if_clean(self, inode_id: int) -> None:

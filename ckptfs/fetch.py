@@ -1,25 +1,157 @@
-"""Read-through: bring a file that exists only in the store ('remote') into the cache.
+"""Streaming reads of files that exist only in the store ('remote'): a read waits only for its own chunks.
 
-The whole object is downloaded to CACHE_DIR/tmp by the transfer engine (ranges in parallel), its checksum
-compared with the one the journal recorded at upload (when there is one), then renamed to the data file and the journal
-marks it clean. Concurrent opens of the same file share one download. Never touches FUSE or the namespace.
+Owns, per remote inode being read, a `Stream`: a partial file in CACHE_DIR/tmp, created sparse at the
+object's size, and the in-memory record (trio thread only) of which chunks of it are present. A chunk is
+`engine.download_part_size` bytes (8 MiB). `read(offset, size)` is served by pread once the chunks it
+covers are present; a missing chunk is fetched first (Priority.READ), and a reader that continues where
+its last read ended (sequential) gets a growing window of chunks fetched ahead in parallel
+(Priority.READAHEAD). Every reader of an inode shares its one Stream: a chunk is fetched once and its
+waiters wait on it.
+
+Versions: all chunks of a Stream come from one version of the object: the first answer's etag is passed
+as `if_match` to every later range. An ObjectChangedError (another node replaced the object) fails the
+Stream's reads with ESTALE, logged once, and the next open starts a new Stream.
+
+Verification: when every chunk is present at once, their CRC32s (combined in order) must equal the
+journal's checksum (or the one in the object's metadata); then the partial file is renamed to the inode's
+data file and the journal marks it clean: from there it is an ordinary cached file. On a mismatch the
+data is dropped, an ERROR logged, and reads fail with EIO. A file never completely present stays 'remote':
+its reads are served from chunks of the pinned version, each the bytes the store sent for that range.
+
+Space: a chunk is reserved in the cache budget (cache.reserve) before it is fetched and stays charged
+while present. When the cache is over budget the evictor (through the `PartialFiles` hooks below) drops
+partial files no handle has open, least recently used first, and punches out present chunks that are not
+near any reader's position; they are fetched again if read later. So a file larger than the whole cache
+can be read. `fetch()` (open for writing, truncate: whatever needs the whole content) fetches every chunk,
+verifies and returns once the file is clean.
+
+Tasks: chunk fetches run in the Fetcher's own nursery (`run`, started by the daemon) so that a fetch
+shared by several readers outlives the request that started it. Without the service (tools, some tests)
+a read fetches its missing chunks itself and nothing is read ahead.
+
+Never touches FUSE or the namespace; the journal only to adopt a verified file (finish_fetch).
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import trio
 
-from ckptfs.cache import CacheDir
-from ckptfs.errors import BackendError, FsError, errno_for_backend_error
-from ckptfs.evict import Evictor
+from ckptfs.backends.base import crc32_combine, crc_text
+from ckptfs.cache import CacheDir, punch_hole_fd
+from ckptfs.errors import BackendError, FsError, ObjectChangedError, errno_for_backend_error
+from ckptfs.evict import HIGH_WATER, Evictor
 from ckptfs.journal import REMOTE, Inode, Journal
-from ckptfs.transfer import Transfers
+from ckptfs.transfer import Priority, Transfers
 
 log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# Read-ahead of a sequential reader, in chunks: it starts small (a reader of a file's header does not
+# download the file) and doubles with every chunk the reader moves into, up to MAX_READAHEAD_CHUNKS.
+FIRST_READAHEAD_CHUNKS = 2
+MAX_READAHEAD_CHUNKS = 16
+# A read starting this close to where the handle's previous read ended counts as sequential (the kernel
+# may reorder its own read-ahead requests a little).
+SEQUENTIAL_SLACK = 512 * 1024
+# Chunks this far behind a reader's position are not punched: a reader that re-reads a little is common.
+KEEP_BEHIND_CHUNKS = 1
+
+
+@dataclass
+class FetchStats:
+    bytes_downloaded: int = 0  # chunk bytes fetched for reads of remote files, since start
+    chunks_fetched: int = 0
+    chunks_punched: int = 0  # present chunks freed to make room (fetched again if read later)
+    files_verified: int = 0  # partial files that became clean cached files
+    checksum_failures: int = 0
+    readers_waiting: int = 0  # reads blocked on a chunk now
+    partial_files: int = 0  # remote files with a partial file in the cache now
+    partial_bytes: int = 0  # bytes of chunks present or in flight now
+
+
+class Stream:
+    """One version of one remote inode, partly in the cache. Trio thread only."""
+
+    def __init__(self, inode: Inode, path: str, fd: int, chunk_size: int) -> None:
+        assert inode.remote_key is not None
+        self.inode_id = inode.id
+        self.key = inode.remote_key
+        self.size = inode.size
+        self.expected_checksum = inode.checksum
+        # What the journal said when the Stream began: if it says otherwise later, the namespace has
+        # moved on (rewritten, truncated, replaced): the Stream serves its readers and is never adopted.
+        self.identity = _identity(inode)
+        self.path = path
+        self.fd = fd
+        self.chunk_size = chunk_size
+        self.count = max(1, -(-self.size // chunk_size))
+        self.etag: str | None = None
+        self.meta_checksum: str | None = None
+        self.pinned = False  # the first answer fixed the version (etag) of every later range
+        self.pinning = False  # that first answer is being fetched now
+        self.pin_attempt = trio.Event()  # set when an attempt to pin ends (either way)
+        self.present: set[int] = set()
+        self.crcs: dict[int, int] = {}  # chunk index -> CRC32 of its bytes (kept when punched: same version)
+        self.inflight: dict[int, trio.Event] = {}
+        self.errors: dict[int, FsError] = {}  # the last attempt's failure per chunk
+        self.failure: FsError | None = None  # sticky: the whole Stream is unusable
+        self.readers: set[Reader] = set()
+        self.whole_waiters = 0  # fetch() callers: every chunk is wanted, none may be punched
+        self.charged = 0  # bytes reserved in the cache for present and in-flight chunks
+        self.complete = False  # adopted: the data file is a clean cached copy
+        self.detached = False  # no longer the Stream new opens use
+        self.dropped = False  # the partial file is gone
+        self.changed = trio.Event()  # set (and replaced) whenever a chunk arrives or fails
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        offset = index * self.chunk_size
+        return offset, max(0, min(self.chunk_size, self.size - offset))
+
+    def chunks(self, offset: int, size: int) -> range:
+        if self.size == 0:
+            return range(1)
+        end = min(offset + size, self.size)
+        if end <= offset:
+            return range(0)
+        return range(offset // self.chunk_size, (end - 1) // self.chunk_size + 1)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def idle(self) -> bool:
+        return not self.readers and not self.whole_waiters and not self.inflight
+
+
+class Reader:
+    """One open handle's view of a Stream: where it reads, and how far ahead it is worth fetching."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.next_offset = 0
+        self.window = 0  # read-ahead chunks; 0 until the reader proves sequential
+        self.position = 0  # chunk index of its last read
+
+    @property
+    def path(self) -> str:
+        """Where the handle opens its descriptor: the partial file, renamed into data/ once adopted
+        (an open descriptor follows the rename)."""
+        return self.stream.path
+
+    @property
+    def complete(self) -> bool:
+        return self.stream.complete
+
+
+def _identity(inode: Inode) -> tuple[object, ...]:
+    return (inode.state, inode.remote_key, inode.size, inode.checksum, inode.uploaded_version)
 
 
 class Fetcher:
@@ -30,76 +162,472 @@ class Fetcher:
         self.cache = cache
         self.engine = engine
         self.evictor = evictor
-        self._in_flight: dict[int, trio.Event] = {}
-        self._failures: dict[int, FsError] = {}
+        self.chunk_size = engine.download_part_size
+        self.streams: dict[int, Stream] = {}  # remote inode id -> the Stream new opens use
+        self._all: set[Stream] = set()  # every Stream with a partial file, detached ones too
+        self._serial = itertools.count(1)
+        self._nursery: trio.Nursery | None = None
+        self.stats = FetchStats()
+        if evictor is not None:
+            evictor.partials = self
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The service whose nursery owns every chunk fetch (a fetch outlives the read that started it)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+
+    def statistics(self) -> FetchStats:
+        self.stats.partial_files = len(self._all)
+        self.stats.partial_bytes = sum(s.charged for s in self._all)
+        return self.stats
+
+    # -- opening --------------------------------------------------------------------------------------
+
+    def open_reader(self, inode: Inode) -> Reader:
+        """A reader of a remote inode: no byte is fetched yet. Synchronous, so that the caller opens
+        reader.path before anything can rename it."""
+        stream = self._stream(inode)
+        reader = Reader(stream)
+        stream.readers.add(reader)
+        return reader
+
+    def close_reader(self, reader: Reader) -> None:
+        stream = reader.stream
+        stream.readers.discard(reader)
+        if stream.detached and stream.idle():
+            self._drop(stream)
+
+    def _stream(self, inode: Inode) -> Stream:
+        stream = self.streams.get(inode.id)
+        if stream is not None and (stream.failure is not None or stream.identity != _identity(inode)):
+            self._detach(stream)
+            stream = None
+        if stream is None:
+            path = self.cache.partial_path(inode.id, next(self._serial))
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise FsError(exc.errno or errno.EIO, f"cannot create a partial file: {exc.strerror}") from None
+            try:
+                os.ftruncate(fd, inode.size)  # sparse: reads of what has not arrived must wait, not see zeros
+            except OSError as exc:
+                os.close(fd)
+                os.unlink(path)
+                raise FsError(exc.errno or errno.EIO, f"cannot size a partial file: {exc.strerror}") from None
+            stream = Stream(inode, path, fd, self.chunk_size)
+            self.streams[inode.id] = stream
+            self._all.add(stream)
+            log.debug("streaming %s (%d bytes, %d chunks)", stream.key, stream.size, stream.count)
+        return stream
+
+    def discard(self, inode_id: int) -> None:
+        """The inode's content no longer comes from the store (rewritten, truncated, removed): new opens
+        must not use its Stream; its partial file goes once its readers are done."""
+        stream = self.streams.get(inode_id)
+        if stream is not None:
+            self._detach(stream)
+
+    def _detach(self, stream: Stream) -> None:
+        if self.streams.get(stream.inode_id) is stream:
+            del self.streams[stream.inode_id]
+        stream.detached = True
+        if stream.idle():
+            self._drop(stream)
+
+    def _drop(self, stream: Stream) -> int:
+        """Remove a partial file and its charge; its descriptor closes once no chunk writes into it."""
+        if self.streams.get(stream.inode_id) is stream:
+            del self.streams[stream.inode_id]
+        stream.detached = True
+        if stream.dropped:
+            return 0
+        stream.dropped = True
+        if not stream.complete:
+            try:
+                os.unlink(stream.path)
+            except FileNotFoundError:
+                pass
+        stream.present.clear()
+        freed = stream.charged
+        self.cache.unreserve(stream.charged)
+        stream.charged = 0
+        self._all.discard(stream)
+        if not stream.inflight:
+            _close(stream)
+        stream.notify()
+        return freed
+
+    # -- reads ----------------------------------------------------------------------------------------
+
+    async def wait_readable(self, reader: Reader, offset: int, size: int) -> None:
+        """Return once bytes [offset, offset + size) of the reader's file can be pread (or lie past its
+        end); raise FsError if the store cannot deliver them."""
+        stream = reader.stream
+        if stream.complete:
+            return
+        needed = stream.chunks(offset, size)
+        # A first read at 0 counts as sequential too: whole-file readers (cat, torch.load) start there.
+        sequential = abs(offset - reader.next_offset) <= SEQUENTIAL_SLACK
+        if needed:
+            first = needed[0]
+            # The kernel's own read-ahead sends several requests at once, not always in order: a reader
+            # already proven sequential stays so while it reads in its chunk or the next.
+            sequential = sequential or (reader.window > 0 and reader.position <= first <= reader.position + 1)
+            if not sequential:
+                reader.window = 0
+            elif first != reader.position or reader.window == 0:
+                reader.window = min(MAX_READAHEAD_CHUNKS, max(FIRST_READAHEAD_CHUNKS, reader.window * 2))
+            reader.position = needed[-1]
+        reader.next_offset = offset + size
+        if stream.failure is not None:
+            raise stream.failure
+        missing = [i for i in needed if i not in stream.present]
+        if self._nursery is not None:
+            for index in missing:
+                self._start(stream, index, Priority.READ)
+            self._read_ahead(reader)
+        if missing:
+            await self._wait_chunks(stream, missing)
+
+    def _read_ahead(self, reader: Reader) -> None:
+        stream = reader.stream
+        end = min(stream.count, reader.position + 1 + reader.window)
+        for index in range(reader.position + 1, end):
+            if index in stream.present or index in stream.inflight:
+                continue
+            length = stream.chunk_range(index)[1]
+            if not self._room_now(length):
+                return  # read-ahead never waits for room; the read itself will
+            # Reserved now, not when the task runs: the next chunk's room check must see this one.
+            self.cache.reserve(length)
+            self._start(stream, index, Priority.READAHEAD, reserved=length)
+
+    def _room_now(self, length: int) -> bool:
+        """Room for a read-ahead chunk without waiting: evicting what is evictable, punching only chunks
+        outside every reader's read-ahead window (never the window itself: that would thrash)."""
+        cache = self.cache
+        if cache.used + length <= cache.limit * HIGH_WATER:
+            return True
+        wanted = int(cache.used + length - cache.limit * HIGH_WATER)
+        if self.evictor is not None:
+            wanted -= self.evictor.evict(wanted, punch=False)
+        if wanted > 0:
+            self.punch(wanted, keep_read_ahead=True)
+        return cache.used + length <= cache.limit * HIGH_WATER
+
+    async def _wait_chunks(self, stream: Stream, indexes: Iterable[int]) -> None:
+        self.stats.readers_waiting += 1
+        try:
+            for index in indexes:
+                retried = False
+                while index not in stream.present:
+                    if stream.failure is not None:
+                        raise stream.failure
+                    if stream.complete:
+                        return
+                    if stream.dropped:
+                        raise FsError(errno.ESTALE, f"{stream.key}: the partial file was dropped")
+                    event = stream.inflight.get(index)
+                    if event is None:
+                        error = stream.errors.get(index)
+                        if error is not None and retried:
+                            raise error
+                        retried = True
+                        if self._nursery is None:
+                            await self._fetch_chunk(stream, index, Priority.READ)
+                            continue
+                        self._start(stream, index, Priority.READ)
+                        event = stream.inflight[index]
+                    await event.wait()
+                    if index not in stream.present and index in stream.errors and not stream.complete:
+                        raise stream.errors[index]
+        finally:
+            self.stats.readers_waiting -= 1
+
+    def _start(self, stream: Stream, index: int, priority: Priority, *, reserved: int = 0) -> None:
+        if index in stream.present or index in stream.inflight or stream.dropped or stream.complete:
+            self.cache.unreserve(reserved)
+            return
+        assert self._nursery is not None
+        stream.inflight[index] = trio.Event()
+        pinner = self._claim_pin(stream, priority)
+        self._nursery.start_soon(self._run_chunk, stream, index, priority, reserved, pinner)
+
+    def _claim_pin(self, stream: Stream, priority: Priority) -> bool:
+        """Whether this chunk's answer is the first, which fixes the version. Only a chunk a reader
+        waits for pins (decided when it is started, before read-ahead starts), so the first byte never
+        waits behind read-ahead."""
+        if stream.pinned or stream.pinning or priority != Priority.READ:
+            return False
+        stream.pinning = True
+        return True
+
+    async def _run_chunk(self, stream: Stream, index: int, priority: Priority, reserved: int, pinner: bool) -> None:
+        await self._fetch_chunk(stream, index, priority, started=True, reserved=reserved, pinner=pinner)
+
+    async def _fetch_chunk(
+        self, stream: Stream, index: int, priority: Priority, *, started: bool = False, reserved: int = 0,
+        pinner: bool = False,
+    ) -> None:
+        """Fetch one chunk into the partial file. Never raises (but Cancelled): a failure is recorded
+        in stream.errors (this chunk) or stream.failure (the whole Stream) for the waiters. `reserved`:
+        the chunk's room in the cache was reserved by the caller (read-ahead)."""
+        if not started:
+            if index in stream.inflight:
+                await stream.inflight[index].wait()
+                return
+            stream.inflight[index] = trio.Event()
+            pinner = self._claim_pin(stream, priority)
+        event = stream.inflight[index]
+        stream.errors.pop(index, None)
+        offset, length = stream.chunk_range(index)
+        pinning = pinner
+        try:
+            # The first answer fixes the version: the others wait for it, then ask for that etag. If
+            # the pinning read fails, another read's chunk pins; read-ahead gives up (a read that needs
+            # the chunk fetches it again).
+            while not stream.pinned and not pinning:
+                if not stream.pinning:
+                    if priority != Priority.READ:
+                        return
+                    stream.pinning = pinning = True
+                    break
+                await stream.pin_attempt.wait()
+            if not reserved and self.evictor is not None:
+                await self.evictor.wait_for_room(length, what=f"a read of {stream.key}")
+            # Re-check after the awaits: the Stream may have been dropped or failed meanwhile.
+            if stream.dropped or stream.failure is not None or stream.complete:
+                return
+            if not reserved:
+                self.cache.reserve(length)
+                reserved = length
+            got = await self.engine.fetch_range(stream.key, stream.fd, offset, length, if_match=stream.etag,
+                                                priority=priority)
+            if stream.dropped:
+                return
+            if pinning:
+                self._pin(stream, got.size, got.etag, got.checksum)
+                if stream.failure is not None:
+                    return
+            stream.present.add(index)
+            stream.crcs[index] = got.crc
+            stream.charged += reserved
+            reserved = 0
+            self.stats.bytes_downloaded += got.length
+            self.stats.chunks_fetched += 1
+            if len(stream.present) == stream.count:
+                self._complete(stream)
+        except ObjectChangedError as exc:
+            if self._fail(stream, FsError(errno.ESTALE, f"{stream.key} was replaced in the store while it was"
+                                                        " read")):
+                log.warning("%s was replaced in the store by another node while it was being read: its reads"
+                            " fail with ESTALE until it is opened again (%s)", stream.key, exc)
+        except BackendError as exc:
+            stream.errors[index] = FsError(errno_for_backend_error(exc), f"read of {stream.key} failed: {exc}")
+            log.warning("cannot read %s from %s: %s", stream.key, self.engine.store.url, exc)
+        except FsError as exc:  # no room in the cache (ENOSPC after dirty_wait)
+            stream.errors[index] = exc
+        except OSError as exc:
+            stream.errors[index] = FsError(exc.errno or errno.EIO, f"read of {stream.key} into the cache failed:"
+                                           f" {exc.strerror}")
+            log.warning("cannot write a chunk of %s into the cache: %s", stream.key, exc.strerror)
+        finally:
+            if reserved:
+                self.cache.unreserve(reserved)
+            if pinning:
+                stream.pinning = False
+                stream.pin_attempt.set()
+                stream.pin_attempt = trio.Event()
+            del stream.inflight[index]
+            event.set()
+            stream.notify()
+            if stream.dropped and not stream.inflight:
+                _close(stream)
+            elif stream.detached and stream.idle():
+                self._drop(stream)
+
+    def _pin(self, stream: Stream, size: int, etag: str | None, checksum: str | None) -> None:
+        expected = stream.expected_checksum
+        if size != stream.size or (
+            checksum is not None and expected is not None and checksum.split(":")[0] == expected.split(":")[0]
+            and checksum != expected
+        ):
+            self._fail(stream, FsError(errno.ESTALE, f"{stream.key} in the store is not the version this mount"
+                                                      " knows"))
+            log.warning("%s in the store is not the version this mount knows (size %d, expected %d): another"
+                        " node replaced it; `ckptfs refresh` picks the new version up", stream.key, size,
+                        stream.size)
+            return
+        stream.etag = etag
+        stream.meta_checksum = checksum
+        stream.pinned = True
+
+    def _fail(self, stream: Stream, error: FsError) -> bool:
+        """Make every read of the Stream fail with `error`; True the first time (log it then)."""
+        if stream.failure is not None:
+            return False
+        stream.failure = error
+        # The next open starts a new Stream (the namespace learns of the new version at refresh).
+        self._detach(stream)
+        return True
+
+    def _complete(self, stream: Stream) -> None:
+        """Every chunk is present: verify the whole file, and make it an ordinary clean cached file."""
+        whole = 0
+        for index in range(stream.count):
+            length = stream.chunk_range(index)[1]
+            crc = stream.crcs[index]
+            whole = crc if index == 0 else crc32_combine(whole, crc, length)
+        checksum = crc_text(whole)
+        expected = stream.expected_checksum
+        if expected is None or not expected.startswith("crc32:"):
+            expected = stream.meta_checksum if stream.meta_checksum and stream.meta_checksum.startswith("crc32:") \
+                else None
+        if expected is not None and expected != checksum:
+            self.stats.checksum_failures += 1
+            log.error("checksum mismatch reading %s: the store's bytes have %s, expected %s; the data is dropped"
+                      " and reads fail with EIO", stream.key, checksum, expected)
+            self._fail(stream, FsError(errno.EIO, f"{stream.key}: checksum mismatch (store {checksum}, expected"
+                                                  f" {expected})"))
+            self._drop(stream)
+            return
+        current = self.journal.get(stream.inode_id)
+        if current is None or stream.detached or _identity(current) != stream.identity:
+            return  # the namespace moved on: serve the readers, never adopt
+        data_path = self.cache.data_path(stream.inode_id)
+        try:
+            os.utime(stream.fd, ns=(current.mtime_ns, current.mtime_ns))
+            os.rename(stream.path, data_path)
+        except OSError as exc:
+            log.warning("cannot move the fetched %s into the cache: %s", stream.key, exc.strerror)
+            return
+        stream.path = data_path
+        stream.complete = True
+        self.cache.unreserve(stream.charged)
+        stream.charged = 0
+        self._all.discard(stream)
+        if self.streams.get(stream.inode_id) is stream:
+            del self.streams[stream.inode_id]
+        stream.detached = True
+        self.cache.adopt(stream.inode_id, stream.size)
+        with self.journal.transaction():
+            self.journal.finish_fetch(stream.inode_id, size=stream.size, mtime_ns=current.mtime_ns)
+        if self.evictor is not None:
+            self.evictor.touch(stream.inode_id)
+        self.stats.files_verified += 1
+        if not stream.inflight:
+            _close(stream)
+        log.debug("fetched %s (%s), verified", stream.key, checksum)
+
+    # -- whole files ----------------------------------------------------------------------------------
 
     async def fetch(self, inode: Inode) -> None:
-        """Return once `inode` has local data; raise FsError if the store cannot deliver it."""
-        while True:
-            current = self.journal.get(inode.id)
-            if current is None or current.state != REMOTE:
-                return
-            event = self._in_flight.get(inode.id)
-            if event is None:
-                break
-            await event.wait()
-            failure = self._failures.get(inode.id)
-            if failure is not None:
-                raise failure
-        event = trio.Event()
-        self._in_flight[inode.id] = event
-        self._failures.pop(inode.id, None)
-        try:
-            await self._download(current)
-        except FsError as exc:
-            self._failures[inode.id] = exc
-            raise
-        finally:
-            del self._in_flight[inode.id]
-            event.set()
-
-    async def _download(self, inode: Inode) -> None:
-        assert inode.remote_key is not None
-        key = inode.remote_key
-        tmp = self.cache.tmp_path(inode.id)
-        log.debug("fetching %s (%d bytes)", key, inode.size)
-        if inode.size > self.cache.limit:
-            log.error(
-                "cannot open %s: it is %d bytes, larger than the whole cache budget (%d bytes); raise cache_size",
-                inode.path, inode.size, self.cache.limit,
-            )
-            raise FsError(errno.EFBIG, f"{key} is larger than the cache budget")
-        if self.evictor is not None:
-            await self.evictor.wait_for_room(inode.size, what=f"the fetch of {key}")
-        # The download's bytes count against the budget from the start (the tmp file grows meanwhile).
-        self.cache.reserve(inode.size)
-        try:
-            await self._download_reserved(inode, key, tmp)
-        finally:
-            self.cache.unreserve(inode.size)
-
-    async def _download_reserved(self, inode: Inode, key: str, tmp: str) -> None:
-        try:
-            checksum = await self.engine.download(key, tmp)
-        except BackendError as exc:
-            log.warning("cannot fetch %s from %s: %s", key, self.engine.store.url, exc)
-            raise FsError(errno_for_backend_error(exc), f"fetch of {key} failed: {exc}") from exc
-        except OSError as exc:
-            raise FsError(exc.errno or errno.EIO, f"fetch of {key} into the cache failed: {exc.strerror}") from exc
-        # Re-check after the await: the file may have been removed, truncated or renamed meanwhile.
+        """Return once `inode` has local data (a clean cached file): every chunk fetched and the whole
+        verified. For opens for writing, truncate and anything else that needs the whole content."""
         current = self.journal.get(inode.id)
         if current is None or current.state != REMOTE:
-            os.unlink(tmp)
             return
-        same_algorithm = current.checksum is not None and current.checksum.split(":")[0] == checksum.split(":")[0]
-        if same_algorithm and current.checksum != checksum:
-            os.unlink(tmp)
-            log.error("checksum mismatch fetching %s: journal %s, store %s", key, current.checksum, checksum)
-            raise FsError(errno.EIO, f"{key}: checksum mismatch (store {checksum}, expected {current.checksum})")
-        st = os.stat(tmp)
-        os.utime(tmp, ns=(current.mtime_ns, current.mtime_ns))
-        os.rename(tmp, self.cache.data_path(inode.id))
-        self.cache.adopt(inode.id, st.st_size)
-        with self.journal.transaction():
-            self.journal.finish_fetch(inode.id, size=st.st_size, mtime_ns=current.mtime_ns)
-        log.debug("fetched %s", key)
+        assert current.remote_key is not None
+        if current.size > self.cache.limit:
+            log.error(
+                "cannot make %s local (for writing): it is %d bytes, larger than the whole cache budget (%d"
+                " bytes); raise cache_size (reading it needs no room for the whole file)",
+                current.path, current.size, self.cache.limit,
+            )
+            raise FsError(errno.EFBIG, f"{current.remote_key} is larger than the cache budget")
+        stream = self._stream(current)
+        stream.whole_waiters += 1
+        try:
+            todo = [i for i in range(stream.count) if i not in stream.present]
+            failures: list[FsError] = []
+            if self._nursery is None:
+                await self._wait_chunks(stream, todo)
+            else:
+                # At most parts_in_flight chunks started at a time: a reader's chunk can still go first.
+                async with trio.open_nursery() as nursery:
+                    for _ in range(min(self.engine.parts_in_flight, len(todo))):
+                        nursery.start_soon(self._whole_worker, stream, todo, failures)
+            if stream.failure is not None:
+                raise stream.failure
+            if failures:
+                raise failures[0]
+            if not stream.complete and len(stream.present) == stream.count:
+                self._complete(stream)
+            if stream.failure is not None:
+                raise stream.failure
+        finally:
+            stream.whole_waiters -= 1
+            if stream.detached and stream.idle():
+                self._drop(stream)
+        latest = self.journal.get(inode.id)
+        if latest is not None and latest.state == REMOTE and not stream.complete:
+            raise FsError(errno.ESTALE, f"{current.remote_key} changed while it was fetched")
+
+    async def _whole_worker(self, stream: Stream, todo: list[int], failures: list[FsError]) -> None:
+        while todo and not failures:
+            index = todo.pop(0)
+            try:
+                await self._wait_chunks(stream, [index])
+            except FsError as exc:
+                failures.append(exc)
+
+    # -- room: the evictor's hooks (evict.PartialFiles) -----------------------------------------------
+
+    def droppable(self) -> list[int]:
+        """Inodes whose partial file no handle has open and no fetch writes into."""
+        return [inode_id for inode_id, stream in self.streams.items() if stream.idle()]
+
+    def drop(self, inode_id: int) -> int:
+        stream = self.streams.get(inode_id)
+        if stream is None or not stream.idle():
+            return 0
+        return self._drop(stream)
+
+    def punch(self, wanted: int, *, keep_read_ahead: bool = False) -> int:
+        """Free present chunks of open partial files that no reader is near, until `wanted` bytes are
+        freed; return the bytes freed. The chunks are fetched again if read later. First chunks outside
+        every reader's read-ahead window; then, unless `keep_read_ahead`, read-ahead chunks too (a
+        reader blocked on its own chunk comes before read-ahead), never a reader's current chunk."""
+        freed = self._punch(wanted, windows=True)
+        if freed < wanted and not keep_read_ahead:
+            freed += self._punch(wanted - freed, windows=False)
+        return freed
+
+    def _punch(self, wanted: int, *, windows: bool) -> int:
+        freed = 0
+        for stream in list(self._all):
+            if freed >= wanted:
+                break
+            if stream.whole_waiters or stream.complete or stream.dropped:
+                continue
+            keep: set[int] = set()
+            for reader in stream.readers:
+                ahead = reader.window if windows else 1
+                keep.update(range(reader.position - KEEP_BEHIND_CHUNKS, reader.position + 1 + ahead))
+            # Farthest behind the readers first: a sequential reader will not come back to them.
+            for index in sorted(stream.present - keep):
+                if freed >= wanted:
+                    break
+                offset, length = stream.chunk_range(index)
+                try:
+                    punch_hole_fd(stream.fd, offset, length)
+                except OSError as exc:
+                    log.warning("cannot free a chunk of %s: %s", stream.key, exc.strerror)
+                    return freed
+                stream.present.discard(index)
+                stream.charged -= length
+                self.cache.unreserve(length)
+                self.stats.chunks_punched += 1
+                freed += length
+        return freed
+
+
+def _close(stream: Stream) -> None:
+    if stream.fd >= 0:
+        os.close(stream.fd)
+        stream.fd = -1

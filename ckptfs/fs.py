@@ -3,8 +3,9 @@
 Owns: name validation, the namespace operations (create, mkdir, rename, unlink, ...), open handles and
 their file descriptors on cache files, lookup counts, and the rules for when a file becomes dirty and when
 it is handed to the drain. It changes persistent state only through the journal and reads/writes file data
-only through cache files. It never talks to an object store (the fetcher does that for it) and never
-imports pyfuse3: fuse_ops.py translates its results and FsError into FUSE replies.
+only through cache files (a read-only open of a remote file reads its partial file, whose chunks the
+fetcher brings in as reads need them: `read` waits for them). It never talks to an object store (the
+fetcher does that for it) and never imports pyfuse3: fuse_ops.py translates its results and FsError into FUSE replies.
 
 The write path (`write`) is the hot path: one dict lookup, one budget compare, one pwrite, no SQL. The
 journal learns that a file changed at the first write of each open handle (`_first_write`), and its final
@@ -21,7 +22,7 @@ import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import trio
 
@@ -76,13 +77,14 @@ class RoomNeeded(Exception):
 
 class OpenFile:
     """One open() of a file: the cache file descriptor, its space accounting entry, whether this handle
-    has dirtied the file, and whether it bypasses the kernel's page cache (write-only handles do: see
-    Filesystem.caching)."""
+    has dirtied the file, whether it bypasses the kernel's page cache (write-only handles do: see
+    Filesystem.caching), and for a read-only open of a remote file, its reader of the partial file."""
 
-    __slots__ = ("direct", "dirtied", "fd", "inode_id", "local", "writable")
+    __slots__ = ("direct", "dirtied", "fd", "inode_id", "local", "reader", "writable")
 
     def __init__(
-        self, inode_id: int, fd: int, local: CacheFile, writable: bool, dirtied: bool, direct: bool
+        self, inode_id: int, fd: int, local: CacheFile, writable: bool, dirtied: bool, direct: bool,
+        reader: Reader | None = None,
     ) -> None:
         self.inode_id = inode_id
         self.fd = fd
@@ -90,6 +92,7 @@ class OpenFile:
         self.writable = writable
         self.dirtied = dirtied
         self.direct = direct
+        self.reader = reader
 
 
 @dataclass
@@ -105,6 +108,31 @@ class SetAttrs:
 
 
 FetchFn = Callable[[Inode], Awaitable[None]]
+
+
+class Reader(Protocol):
+    """One handle's reader of a remote file's partial file (fetch.Reader)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def complete(self) -> bool: ...
+
+
+R = TypeVar("R", bound=Reader)
+
+
+class ReadStreams(Protocol[R]):
+    """Streaming reads of remote files (fetch.Fetcher): partial files filled as reads need them."""
+
+    def open_reader(self, inode: Inode) -> R: ...
+
+    def close_reader(self, reader: R) -> None: ...
+
+    async def wait_readable(self, reader: R, offset: int, size: int) -> None: ...
+
+    def discard(self, inode_id: int) -> None: ...
 
 
 class Lister(Protocol):
@@ -145,10 +173,13 @@ class Filesystem:
         notify_drain: Callable[[], None] = lambda: None,
         evictor: Evictor | None = None,
         lister: Lister | None = None,
+        streams: ReadStreams[Any] | None = None,
     ) -> None:
         self.journal = journal
         self.cache = cache
         self._fetch = fetch
+        # Streaming reads of remote files; None: an open fetches the whole file first.
+        self.streams = streams
         self._notify_drain = notify_drain
         self.evictor = evictor if evictor is not None else Evictor(journal, cache, in_use=self.in_use)
         self.lister: Lister = lister if lister is not None else _NothingToList()
@@ -223,6 +254,8 @@ class Filesystem:
         if inode.kind == FILE:
             self.cache.remove_data(inode_id)
             self.evictor.forget(inode_id)
+            if self.streams is not None:
+                self.streams.discard(inode_id)
 
     # -- namespace -----------------------------------------------------------------------------------
 
@@ -480,6 +513,8 @@ class Filesystem:
         if keep_content:
             await self._fetch(inode)
         else:
+            if self.streams is not None:
+                self.streams.discard(inode.id)  # its readers keep the old version's partial file
             self.cache.create_data(inode.id)
             with self.journal.transaction():
                 self.journal.finish_fetch(inode.id, size=0, mtime_ns=time.time_ns())
@@ -514,12 +549,14 @@ class Filesystem:
         if changed:
             self._notify_drain()
 
-    def _new_handle(self, inode_id: int, fd: int, flags: int, dirtied: bool) -> int:
+    def _new_handle(self, inode_id: int, fd: int, flags: int, dirtied: bool, reader: Reader | None = None) -> int:
         fh = self._next_fh
         self._next_fh += 1
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         direct = (flags & os.O_ACCMODE) == os.O_WRONLY
-        self.handles[fh] = OpenFile(inode_id, fd, self.cache.file(inode_id), writable, dirtied, direct)
+        # A partial file is not a data file yet: its chunks are the fetcher's to account.
+        local = self.cache.file(inode_id) if reader is None else CacheFile(0)
+        self.handles[fh] = OpenFile(inode_id, fd, local, writable, dirtied, direct, reader)
         self.evictor.touch(inode_id)
         if direct and dirtied:
             self._uncached_writes.add(inode_id)
@@ -575,6 +612,8 @@ class Filesystem:
             self.cache_misses += 1
         else:
             self.cache_hits += 1
+        if inode.state == REMOTE and not writable and self.streams is not None:
+            return self._open_stream(inode, flags)
         await self._make_local(inode, keep_content=not truncate)
         # Re-check after the await: the file may have been removed while it was fetched, or (a cache
         # under heavy pressure) evicted again before this open came back to it.
@@ -603,8 +642,23 @@ class Filesystem:
             self.cache.resize(inode_id, 0)
         return self._new_handle(inode_id, fd, flags, dirtied)
 
-    def read(self, fh: int, offset: int, size: int) -> bytes:
+    def _open_stream(self, inode: Inode, flags: int) -> int:
+        """A read-only open of a remote file: nothing is fetched until it is read."""
+        assert self.streams is not None
+        reader = self.streams.open_reader(inode)
+        try:
+            fd = os.open(reader.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            self.streams.close_reader(reader)
+            raise FsError(exc.errno or errno.EIO, f"cannot open the partial file: {exc.strerror}") from None
+        return self._new_handle(inode.id, fd, flags, False, reader)
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self.handles[fh]
+        reader = handle.reader
+        if reader is not None and not reader.complete:
+            assert self.streams is not None
+            await self.streams.wait_readable(reader, offset, size)
         if offset < handle.local.freed:
             raise FsError(errno.EIO, "this part of the file was uploaded and freed from the cache to make room"
                                      " (a spill); it can be read again once the whole file is uploaded")
@@ -666,6 +720,8 @@ class Filesystem:
         handle = self.handles.pop(fh)
         os.close(handle.fd)
         inode_id = handle.inode_id
+        if handle.reader is not None and self.streams is not None:
+            self.streams.close_reader(handle.reader)
         if handle.writable:
             writers = self._writer_count[inode_id] - 1
             if writers:
@@ -685,6 +741,8 @@ class Filesystem:
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self.handles[fh]
+        if handle.reader is not None and not handle.reader.complete:
+            return  # a partial file of a remote file: nothing of it is local state to make durable
         sync = os.fdatasync if datasync else os.fsync
         await trio.to_thread.run_sync(sync, handle.fd)
         await trio.to_thread.run_sync(self.cache.sync_data_dir)

@@ -206,7 +206,7 @@ class FuseOperations(pyfuse3.Operations):
         started = time.perf_counter()
         failed = True
         try:
-            data = self.fs.read(fh, off, size)
+            data = await self.fs.read(fh, off, size)
             failed = False
             return data
         except Exception as exc:

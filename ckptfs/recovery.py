@@ -61,6 +61,12 @@ def repair_journal(journal: Journal, cache: CacheDir, now: float) -> RecoveryRep
                     journal.abort_upload(inode.id)
                 continue
             if inode.state == REMOTE:
+                if inode.id in data_ids:
+                    # Not a local copy: a fetch that died between moving its verified file into data/
+                    # and the journal saying so. The store's copy serves it (partial files in tmp/ went
+                    # with clear_tmp above).
+                    cache.remove_data(inode.id)
+                    report.orphan_cache_files += 1
                 continue
             if inode.id not in data_ids:
                 _missing_cache_file(journal, inode, report)

@@ -49,6 +49,11 @@ class RecordingStore:
         self.spilling = threading.Event()
         self.failures: list[Exception] = []
         self.list_failures: list[Exception] = []  # raised by list_dir, one per call, before `failures`
+        # Ranged reads: every (key, offset) asked for, and a gate that holds each range whose offset is
+        # not in `open_offsets` until the test sets it (streaming tests: what a read waits for).
+        self.ranges: list[tuple[str, int]] = []
+        self.range_gate: threading.Event | None = None
+        self.open_offsets: set[int] = set()
         self._lock = threading.Lock()
 
     def _maybe_fail(self) -> None:
@@ -102,6 +107,11 @@ class RecordingStore:
 
     def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
         self._maybe_fail()
+        with self._lock:
+            self.ranges.append((key, offset))
+        gate = self.range_gate
+        if gate is not None and offset not in self.open_offsets:
+            gate.wait(30)
         return self.inner.get_range(key, offset, length, if_match=if_match)
 
     def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
@@ -237,7 +247,7 @@ def make_stack(
     )
     fetcher = Fetcher(journal, cache, engine, evictor=evictor)
     lister = DirLister(journal, cache, store, refresh_interval=0.0)  # type: ignore[arg-type]
-    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor, lister)
+    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor, lister, streams=fetcher)
     lister.vanished = fs.vanished
     in_use.append(fs)
     drain.on_spilled = evictor.evict_if_clean

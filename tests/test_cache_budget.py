@@ -37,7 +37,7 @@ async def write_waiting(stack: Stack, fh: int, offset: int, data: bytes) -> None
 async def read_all(stack: Stack, ino: int) -> bytes:
     fh = await stack.fs.open(ino, os.O_RDONLY)
     try:
-        return stack.fs.read(fh, 0, 1 << 24)
+        return await stack.fs.read(fh, 0, 1 << 24)
     finally:
         stack.fs.release(fh)
 
@@ -159,15 +159,27 @@ async def test_statfs_reports_the_budget(tmp_path: Path, nursery: trio.Nursery) 
     assert stack.fs.statfs().blocks_free == info.blocks
 
 
-async def test_fetch_larger_than_the_budget_is_a_clear_error(tmp_path: Path, nursery: trio.Nursery) -> None:
+async def test_a_file_larger_than_the_budget_is_read_but_not_opened_for_writing(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
     stack = make_stack(tmp_path, cache_size=1000 * KIB)
+    stack.fetcher.chunk_size = 64 * KIB
     await nursery.start(stack.drain.run)
-    ino = stack.write_file("big", b"b" * (900 * KIB))
+    await nursery.start(stack.fetcher.run)
+    content = os.urandom(900 * KIB)
+    ino = stack.write_file("big", content)
     await stack.flush()
     assert stack.fs.evictor.evict(1 << 30) > 0
     stack.cache.configure_budget(500 * KIB, 0)
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    got = b"".join([await stack.fs.read(fh, offset, 32 * KIB) for offset in range(0, len(content), 32 * KIB)])
+    assert got == content
+    assert stack.cache.used <= 500 * KIB
+    assert stack.fetcher.stats.chunks_punched > 0
+    stack.fs.release(fh)
+    # Writing needs the whole content local, and it could not be evicted while dirty: a clear error.
     with pytest.raises(FsError) as exc_info:
-        await stack.fs.open(ino, os.O_RDONLY)
+        await stack.fs.open(ino, os.O_RDWR)
     assert exc_info.value.errno == errno.EFBIG
     check_consistency(stack)
 
@@ -245,14 +257,14 @@ async def test_truncating_a_spilled_file_to_zero_starts_it_afresh(tmp_path: Path
             await write_waiting(stack, fh, offset, b"a" * (64 * KIB))
         assert stack.cache.files[attr.ino].freed > 0
         with pytest.raises(FsError) as exc_info:
-            stack.fs.read(fh, 0, 10)
+            await stack.fs.read(fh, 0, 10)
         assert exc_info.value.errno == errno.EIO
         with pytest.raises(FsError) as exc_info:
             await stack.fs.setattr(attr.ino, SetAttrs(size=10), fh)
         assert exc_info.value.errno == errno.EIO
         await stack.fs.setattr(attr.ino, SetAttrs(size=0), fh)
         await write_waiting(stack, fh, 0, b"fresh")
-        assert stack.fs.read(fh, 0, 10) == b"fresh"
+        assert await stack.fs.read(fh, 0, 10) == b"fresh"
         stack.fs.release(fh)
         await stack.flush()
     assert stack.store_files() == {"f": b"fresh"}
@@ -301,7 +313,7 @@ async def test_truncate_while_a_spilled_part_is_uploading_keeps_the_new_bytes(
         stack.fs.write(fh, 0, b"fresh")
         stack.store.spill_gate.set()
         await trio.sleep(0.5)  # the spill job sees its part done
-        assert stack.fs.read(fh, 0, 10) == b"fresh"
+        assert await stack.fs.read(fh, 0, 10) == b"fresh"
         stack.fs.release(fh)
         await stack.flush()
     assert stack.store_files() == {"f": b"fresh"}

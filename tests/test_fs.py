@@ -46,7 +46,7 @@ async def test_random_writes_and_sparse_file(stack: Stack) -> None:
     fh, attr = stack.fs.create(ROOT_ID, b"sparse", 0o644, os.O_RDWR, UID, GID)
     stack.fs.write(fh, 1 << 20, b"end")
     stack.fs.write(fh, 10, b"mid")
-    assert stack.fs.read(fh, 0, 13) == b"\0" * 10 + b"mid"
+    assert await stack.fs.read(fh, 0, 13) == b"\0" * 10 + b"mid"
     assert stack.fs.getattr(attr.ino).size == (1 << 20) + 3
     stack.fs.release(fh)
     await stack.flush()
@@ -67,7 +67,7 @@ async def test_reopen_without_writing_does_not_reupload(stack: Stack) -> None:
     ino = stack.write_file("r", b"data")
     await stack.flush()
     fh = await stack.fs.open(ino, os.O_RDWR)
-    assert stack.fs.read(fh, 0, 4) == b"data"
+    assert await stack.fs.read(fh, 0, 4) == b"data"
     stack.fs.release(fh)
     await stack.flush()
     assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
@@ -183,7 +183,7 @@ async def test_unlink_open_file_stays_readable_then_goes(stack: Stack) -> None:
     fh = await stack.fs.open(ino, os.O_RDONLY)
     stack.fs.lookup(ROOT_ID, b"victim")  # the kernel holds a reference, as it would
     stack.fs.unlink(ROOT_ID, b"victim")
-    assert stack.fs.read(fh, 0, 100) == b"still here"
+    assert await stack.fs.read(fh, 0, 100) == b"still here"
     await stack.flush()
     assert stack.store_files() == {}
     stack.fs.release(fh)
@@ -299,7 +299,7 @@ async def test_fresh_cache_imports_store_and_fetches_on_open(tmp_path: Path, nur
     assert inode is not None and inode.state == REMOTE and inode.size == 7000
     assert (inode.uid, inode.gid) == (os.getuid(), os.getgid())
     fh = await stack.fs.open(inode.id, os.O_RDONLY)
-    assert stack.fs.read(fh, 0, 14) == b"weightsweights"
+    assert await stack.fs.read(fh, 0, 14) == b"weightsweights"
     stack.fs.release(fh)
     assert stack.journal.get(inode.id).state == CLEAN  # type: ignore[union-attr]
     await nursery.start(stack.drain.run)

@@ -1,0 +1,288 @@
+"""Streaming reads of remote files at the fs level (no kernel): a read waits only for its own chunks,
+sequential readers read ahead, readers share chunks, every chunk comes from one version, the whole file
+is verified before it becomes a clean cached file, and partial files never outlive a restart."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+from fsharness import Stack, check_consistency, make_stack
+
+from ckptfs.errors import FsError
+from ckptfs.journal import CLEAN, REMOTE
+from ckptfs.recovery import repair_journal
+
+KIB = 1 << 10
+CHUNK = 64 * KIB
+
+
+@pytest.fixture
+async def stack(tmp_path: Path, nursery: trio.Nursery) -> AsyncIterator[Stack]:
+    s = make_stack(tmp_path)
+    s.fetcher.chunk_size = CHUNK
+    await nursery.start(s.drain.run)
+    await nursery.start(s.fetcher.run)
+    yield s
+    if s.store.range_gate is not None:
+        s.store.range_gate.set()
+    check_consistency(s)
+
+
+async def remote_file(stack: Stack, name: str, size: int) -> tuple[int, bytes]:
+    """A file that exists only in the store (uploaded, then evicted), and its content."""
+    content = random.Random(name).randbytes(size)
+    ino = stack.write_file(name, content)
+    await stack.flush()
+    stack.fs.evictor.evict(1 << 40)
+    inode = stack.journal.get(ino)
+    assert inode is not None and inode.state == REMOTE
+    stack.store.ranges.clear()
+    return ino, content
+
+
+def chunk_offsets(stack: Stack, key: str) -> list[int]:
+    return [offset for k, offset in stack.store.ranges if k == key]
+
+
+async def read_all(stack: Stack, fh: int, size: int, step: int = 32 * KIB) -> bytes:
+    return b"".join([await stack.fs.read(fh, offset, step) for offset in range(0, size, step)])
+
+
+async def test_a_read_in_the_middle_is_answered_before_the_rest_is_fetched(stack: Stack) -> None:
+    ino, content = await remote_file(stack, "m.bin", 20 * CHUNK + 123)
+    # Every range but the one the read needs is held in the store until the test ends.
+    stack.store.range_gate = threading.Event()
+    stack.store.open_offsets = {10 * CHUNK}
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    with trio.fail_after(10):
+        got = await stack.fs.read(fh, 10 * CHUNK + 100, 4 * KIB)
+    assert got == content[10 * CHUNK + 100:10 * CHUNK + 100 + 4 * KIB]
+    assert chunk_offsets(stack, "m.bin") == [10 * CHUNK]  # a random read reads nothing ahead
+    assert stack.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+    assert stack.fs.getattr(ino).size == len(content)
+    await stack.fs.fsync(fh, False)  # a partial file is nothing to make durable, and not a data file
+    assert not stack.cache.has_data(ino) and ino not in stack.cache.files
+    stack.store.range_gate.set()
+    stack.fs.release(fh)
+
+
+async def test_sequential_read_reads_ahead_and_the_file_becomes_clean(stack: Stack) -> None:
+    ino, content = await remote_file(stack, "s.bin", 40 * CHUNK + 5)
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    assert await read_all(stack, fh, len(content)) == content
+    offsets = chunk_offsets(stack, "s.bin")
+    assert sorted(offsets) == [i * CHUNK for i in range(41)]  # each chunk once
+    assert stack.fetcher.stats.chunks_fetched == 41
+    stack.fs.release(fh)
+    inode = stack.journal.get(ino)
+    assert inode is not None and inode.state == CLEAN  # verified and adopted
+    assert stack.cache.reserved == 0 and stack.cache.used == len(content)
+    assert os.listdir(stack.cache.tmp_dir) == []
+    # An ordinary cached file from now on: no more ranges.
+    stack.store.ranges.clear()
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    assert await stack.fs.read(fh, 0, 10) == content[:10]
+    stack.fs.release(fh)
+    assert stack.store.ranges == []
+
+
+async def test_sequential_reader_gets_chunks_ahead_in_parallel(stack: Stack) -> None:
+    ino, content = await remote_file(stack, "p.bin", 40 * CHUNK)
+    stack.store.range_gate = threading.Event()
+    stack.store.open_offsets = {0}
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    assert await stack.fs.read(fh, 0, 32 * KIB) == content[:32 * KIB]
+    await trio.sleep(0.2)
+    # The first chunk plus a read-ahead window are asked for at once, not one after the other.
+    assert len(set(chunk_offsets(stack, "p.bin"))) >= 3
+    stack.store.range_gate.set()
+    assert await read_all(stack, fh, len(content)) == content
+    stack.fs.release(fh)
+
+
+async def test_two_readers_share_one_download(stack: Stack) -> None:
+    ino, content = await remote_file(stack, "two.bin", 30 * CHUNK + 7)
+    fh1 = await stack.fs.open(ino, os.O_RDONLY)
+    fh2 = await stack.fs.open(ino, os.O_RDONLY)
+    results: dict[int, bytes] = {}
+
+    async def reader(fh: int) -> None:
+        results[fh] = await read_all(stack, fh, len(content), step=16 * KIB)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader, fh1)
+        nursery.start_soon(reader, fh2)
+    assert results == {fh1: content, fh2: content}
+    counts = Counter(chunk_offsets(stack, "two.bin"))
+    assert set(counts.values()) == {1}, counts  # one fetch per chunk, both readers waited on it
+    stack.fs.release(fh1)
+    stack.fs.release(fh2)
+    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+
+
+async def test_random_reads_return_the_right_bytes_and_fetch_each_chunk_once(stack: Stack) -> None:
+    ino, content = await remote_file(stack, "r.bin", 25 * CHUNK + 999)
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    rng = random.Random(7)
+    for _ in range(200):
+        offset = rng.randrange(0, len(content) + 100)
+        size = rng.choice([1, 100, 4 * KIB, CHUNK + 17, 3 * CHUNK])
+        assert await stack.fs.read(fh, offset, size) == content[offset:offset + size]
+    assert max(Counter(chunk_offsets(stack, "r.bin")).values()) == 1
+    stack.fs.release(fh)
+
+
+async def test_a_file_larger_than_the_cache_is_read_through_it(tmp_path: Path, nursery: trio.Nursery) -> None:
+    s = make_stack(tmp_path, cache_size=1000 * KIB)
+    s.fetcher.chunk_size = CHUNK
+    await nursery.start(s.drain.run)
+    await nursery.start(s.fetcher.run)
+    ino, content = await remote_file(s, "big.bin", 3000 * KIB)
+    fh = await s.fs.open(ino, os.O_RDONLY)
+    for _ in range(2):  # the second pass re-fetches the chunks the first one punched
+        assert await read_all(s, fh, len(content)) == content
+        assert s.cache.used <= s.cache.limit
+    assert s.fetcher.stats.chunks_punched > 0
+    s.fs.release(fh)
+    assert s.journal.get(ino).state == REMOTE  # type: ignore[union-attr]  # never whole at once
+    # Not open any more: the evictor drops it like a clean file.
+    assert s.fs.evictor.evict(1 << 40) > 0
+    assert s.cache.used == 0 and os.listdir(s.cache.tmp_dir) == []
+    check_consistency(s)
+
+
+async def test_a_checksum_mismatch_fails_reads_and_never_marks_the_file_clean(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    ino, content = await remote_file(stack, "bad.bin", 5 * CHUNK)
+    # The store's bytes change behind the journal's back (same size: only the checksum can tell).
+    (stack.store.inner.root / "bad.bin").write_bytes(content[:-1] + bytes([content[-1] ^ 1]))
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    with caplog.at_level(logging.ERROR, logger="ckptfs.fetch"), pytest.raises(FsError) as exc_info:
+        await read_all(stack, fh, len(content))
+    assert exc_info.value.errno == errno.EIO
+    assert any("checksum mismatch" in r.message and r.levelno == logging.ERROR for r in caplog.records)
+    with pytest.raises(FsError) as exc_info:
+        await stack.fs.read(fh, 0, 10)
+    assert exc_info.value.errno == errno.EIO
+    stack.fs.release(fh)
+    assert stack.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+    assert not stack.cache.has_data(ino) and os.listdir(stack.cache.tmp_dir) == []
+    assert stack.cache.used == 0
+    # Opening for writing needs the whole verified content: EIO too, never a clean file.
+    with pytest.raises(FsError) as exc_info:
+        await stack.fs.open(ino, os.O_RDWR)
+    assert exc_info.value.errno == errno.EIO
+    assert stack.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+
+
+async def test_an_object_replaced_during_a_read_fails_with_estale_then_a_new_open_starts_afresh(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    ino, content = await remote_file(stack, "x.bin", 8 * CHUNK)
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    assert await stack.fs.read(fh, 0, 100) == content[:100]
+    # Another node replaces the object (same size): the pinned version is gone.
+    path = stack.store.inner.root / "x.bin"
+    path.unlink()
+    path.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="ckptfs.fetch"), pytest.raises(FsError) as exc_info:
+        await stack.fs.read(fh, 6 * CHUNK, 100)
+    assert exc_info.value.errno == errno.ESTALE
+    assert sum("replaced in the store" in r.message for r in caplog.records) == 1
+    stack.fs.release(fh)
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    assert await read_all(stack, fh, len(content)) == content
+    stack.fs.release(fh)
+    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+
+
+async def test_open_for_writing_waits_for_the_whole_verified_file(stack: Stack) -> None:
+    ino, content = await remote_file(stack, "w.bin", 10 * CHUNK + 3)
+    reader = await stack.fs.open(ino, os.O_RDONLY)
+    assert await stack.fs.read(reader, 5 * CHUNK, 10) == content[5 * CHUNK:5 * CHUNK + 10]
+    fh = await stack.fs.open(ino, os.O_RDWR)
+    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert sorted(chunk_offsets(stack, "w.bin")) == [i * CHUNK for i in range(11)]
+    stack.fs.write(fh, 0, b"NEW")
+    stack.fs.release(fh)
+    assert await stack.fs.read(reader, 0, 5) == b"NEW" + content[3:5]  # one file, one content
+    stack.fs.release(reader)
+    await stack.flush()
+    assert stack.store_files()["w.bin"] == b"NEW" + content[3:]
+
+
+async def test_a_reader_keeps_its_version_when_the_file_is_rewritten(stack: Stack) -> None:
+    ino, content = await remote_file(stack, "t.bin", 6 * CHUNK)
+    reader = await stack.fs.open(ino, os.O_RDONLY)
+    assert await stack.fs.read(reader, 0, 10) == content[:10]
+    writer = await stack.fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+    stack.fs.write(writer, 0, b"fresh")
+    stack.fs.release(writer)
+    # The partial file was the old version's: the reader goes on reading it, like an unlinked file.
+    assert await stack.fs.read(reader, 4 * CHUNK, 10) == content[4 * CHUNK:4 * CHUNK + 10]
+    stack.fs.release(reader)
+    with trio.fail_after(5):  # once the read-ahead still in flight is done
+        while os.listdir(stack.cache.tmp_dir):  # noqa: ASYNC110 (nothing to wait on but the directory)
+            await trio.sleep(0.01)
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    assert await stack.fs.read(fh, 0, 100) == b"fresh"
+    stack.fs.release(fh)
+    await stack.flush()
+    assert stack.cache.reserved == 0
+
+
+async def test_without_the_fetch_service_a_read_fetches_its_own_chunk(tmp_path: Path, nursery: trio.Nursery) -> None:
+    s = make_stack(tmp_path)
+    s.fetcher.chunk_size = CHUNK
+    await nursery.start(s.drain.run)
+    ino, content = await remote_file(s, "n.bin", 4 * CHUNK)
+    fh = await s.fs.open(ino, os.O_RDONLY)
+    assert await s.fs.read(fh, CHUNK + 1, 10) == content[CHUNK + 1:CHUNK + 11]
+    assert chunk_offsets(s, "n.bin") == [CHUNK]
+    assert await read_all(s, fh, len(content)) == content
+    s.fs.release(fh)
+    assert s.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    check_consistency(s)
+
+
+async def test_a_restart_discards_partial_files_and_a_remote_inodes_data_file(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    s = make_stack(tmp_path)
+    s.fetcher.chunk_size = CHUNK
+    await nursery.start(s.drain.run)
+    await nursery.start(s.fetcher.run)
+    ino, content = await remote_file(s, "k.bin", 8 * CHUNK)
+    fh = await s.fs.open(ino, os.O_RDONLY)
+    assert await s.fs.read(fh, 3 * CHUNK, 10) == content[3 * CHUNK:3 * CHUNK + 10]
+    assert os.listdir(s.cache.tmp_dir)  # a partial file
+    # What a kill -9 leaves, plus a data file of the remote inode (a fetch that died between moving its
+    # file into data/ and the journal's update): neither is a local copy.
+    Path(s.cache.data_path(ino)).write_bytes(b"\0" * len(content))  # noqa: ASYNC240
+    old_fd = s.fetcher.streams[ino].fd
+    # The next daemon on the same cache dir and store.
+    s2 = make_stack(tmp_path)
+    s2.fetcher.chunk_size = CHUNK
+    repair_journal(s2.journal, s2.cache, 0.0)
+    s2.cache.scan()
+    assert os.listdir(s2.cache.tmp_dir) == []
+    assert not s2.cache.has_data(ino) and s2.cache.used == 0
+    check_consistency(s2)
+    await nursery.start(s2.fetcher.run)
+    fh2 = await s2.fs.open(ino, os.O_RDONLY)
+    assert await read_all(s2, fh2, len(content)) == content
+    s2.fs.release(fh2)
+    assert s2.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    check_consistency(s2)
+    os.close(old_fd)
+    del s.fs.handles[fh]
