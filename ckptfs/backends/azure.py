@@ -143,10 +143,11 @@ def error_code_of(exc: BaseException) -> tuple[str, int]:
     if not isinstance(exc, HttpResponseError):
         return "", 0
     status = int(exc.status_code or 0)
-    code = str(getattr(exc, "error_code", None) or "")
     headers = getattr(exc.response, "headers", None) if exc.response is not None else None
-    if not code and headers is not None:
-        code = str(headers.get("x-ms-error-code", "") or "")
+    code = str(headers.get("x-ms-error-code", "") or "") if headers is not None else ""
+    if not code:
+        value = getattr(exc, "error_code", None) or ""
+        code = str(getattr(value, "value", value))  # the SDK's StorageErrorCode enum, or a plain string
     return code, status
 
 
@@ -349,9 +350,10 @@ class AzureBlobStore:
             return (f"cannot use {self.url}{self._where()}: the credentials were rejected ({code}); check"
                     f" {self.credential_source or 'the credentials'} (account key, SAS token expiry, identity)")
         if isinstance(exc, AuthBackendError):
-            return (f"cannot use {self.url}{self._where()}: access denied ({code or f'HTTP {status}'}); grant the"
-                    " identity 'Storage Blob Data Contributor' on the container, or a SAS with read, add, create,"
-                    " write, delete and list")
+            return (f"cannot use {self.url}{self._where()}: access denied ({code or f'HTTP {status}'}) for the"
+                    f" credentials from {self.credential_source or 'the environment'}; check the key or SAS (Azurite"
+                    " answers a wrong key this way) and grant the identity 'Storage Blob Data Contributor' on the"
+                    " container, or use a SAS with read, add, create, write, delete and list")
         if not status and isinstance(exc, TransientBackendError):
             endpoint = self.endpoint_url or "the blob endpoint"
             return (f"cannot reach {endpoint} for {self.url}: check --endpoint-url / the connection string and the"

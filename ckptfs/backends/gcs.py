@@ -339,9 +339,15 @@ class GcsStore:
 
     def _upload_bytes(self, blob: storage.Blob, data: bytes, what: str, **kwargs: Any) -> None:
         # The CRC32C goes into the object resource of the request: GCS rejects bytes that do not match it.
-        blob.crc32c = _crc32c_b64(data)
+        expected = _crc32c_b64(data)
+        blob.crc32c = expected
         with _mapped(what):
             blob.upload_from_string(data, content_type=CONTENT_TYPE, retry=None, timeout=self.timeout, **kwargs)
+        # And the CRC32C the server computed, in its answer, must be ours (what an emulator that does not
+        # verify the request's CRC32C still lets us check).
+        if blob.crc32c and blob.crc32c != expected:
+            raise TransientBackendError(f"{what}: the server stored CRC32C {blob.crc32c}, the data has {expected}"
+                                        " (damaged on the way)")
 
     def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
         self._check_key(key)
@@ -523,6 +529,8 @@ class GcsStore:
             raise
         if blob is None:
             raise NotFoundBackendError(f"{what}: no such object")
+        if if_match and int(blob.generation or 0) != int(if_match):  # emulators ignore the precondition here
+            raise ObjectChangedError(f"{what}: the object was replaced during the download")
         generation, size = int(blob.generation or 0), int(blob.size or 0)
         checksum = (blob.metadata or {}).get(META_CHECKSUM)
         with self._lock:
@@ -537,13 +545,15 @@ class GcsStore:
         end = min(size, offset + length)
         if end <= offset:
             return RangeRead(b"", size, str(generation), checksum)
-        blob = self._bucket().blob(self._full(key))
+        # Both the generation (fake-gcs-server ignores ifGenerationMatch on media reads) and the precondition.
+        blob = self._bucket().blob(self._full(key), generation=generation)
         try:
             with _mapped(what):
                 data = blob.download_as_bytes(start=offset, end=end - 1, if_generation_match=generation,
                                               checksum=None, raw_download=True, retry=None, timeout=self.timeout)
-        except TransientBackendError as exc:
-            if status_of(exc) == 412:
+        except BackendError as exc:
+            # 412, or 404 for a generation no longer kept: that version is gone (replaced, or deleted).
+            if status_of(exc) == 412 or (if_match and status_of(exc) == 404):
                 raise ObjectChangedError(f"{what}: the object was replaced during the download") from exc
             raise
         return RangeRead(data, size, str(generation), checksum)
