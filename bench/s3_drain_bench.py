@@ -1,26 +1,32 @@
 #!/usr/bin/env python3
-"""Drain benchmark: time until a checkpoint is durable in an S3 bucket through ckptfs, against a tuned
-boto3/s3transfer upload of the same bytes to the same server (DESIGN.md section 7, issue 3).
+"""Drain benchmark: time until checkpoints are durable in an S3 bucket through ckptfs, against writing the
+same bytes to local disk and uploading them with a tuned boto3 (DESIGN.md section 7, issue 10).
 
-One SeaweedFS S3 server on 127.0.0.1 (started here, as the tests do), one file of --size bytes on local
-disk (random blocks, so nothing compresses or deduplicates). Each run, interleaved:
+One SeaweedFS S3 server on 127.0.0.1 (started here, as the tests do), random source files on local disk
+(nothing compresses or deduplicates). Two workloads, each run --runs times, interleaved:
 
-  ckptfs     a fresh mount of s3://BUCKET/ckptfs-N (fresh cache dir, default part size and transfers);
-             the file is copied into the mount in 1 MiB writes, then `ckptfs flush` waits until the object
-             is committed. Reported: write (the copy returning: what a trainer waits for), drain (from the
-             end of the copy to flush returning) and durable (write + drain).
-  boto3      s3transfer's upload_file of the same file from local disk, TransferConfig with the same part
-             size and as many threads as ckptfs has parts in flight for one file (4), and again with 16.
+  one       one file of --size bytes (1 GiB)
+  four      four writers at once, --size / 4 bytes each (4 x 256 MiB)
 
-The ratio that matters is ckptfs durable / boto3: how much later than a direct upload from local disk a
-checkpoint written through ckptfs is safe. Medians of --runs; JSON in bench/results/s3_drain_bench.json.
+and, for each, two ways:
 
-Run from the repo's venv with the test extra installed:  python bench/s3_drain_bench.py [--size 2G]
+  ckptfs     a fresh mount of s3://BUCKET/ckptfs-N (fresh cache dir, default options); the files are copied
+             into the mount in 1 MiB writes (one thread per file), then `ckptfs flush` waits until every
+             object is committed. Reported: write (what a trainer waits for), durable (write + drain), and
+             the daemon's peak RSS (VmHWM).
+  local+boto3  the same copies to a directory on local disk, then s3transfer's upload_file of each file
+             (64 MiB parts, 8 threads per file; the four files in parallel).
+
+The ratio that matters is ckptfs durable / local+boto3: how much later than writing locally and uploading
+directly a checkpoint written through ckptfs is safe. Medians; JSON in bench/results/s3_drain_bench.json.
+
+Run from the repo's venv with the test extra installed:  python bench/s3_drain_bench.py [--size 1G]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -30,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,47 +71,81 @@ def ckptfs(*args: str, env: dict[str, str], timeout: float = 900) -> subprocess.
     return result
 
 
-def run_ckptfs(server: S3Server, bucket: str, source: Path, root: Path, run: int) -> dict[str, float]:
-    mnt, cache = root / f"mnt-{run}", root / f"cache-{run}"
+def copy_all(sources: list[Path], target_dir: Path) -> None:
+    """Copy every source into target_dir at once, one thread each, in 1 MiB writes (as torch.save does)."""
+
+    def one(source: Path) -> None:
+        with open(source, "rb") as src, open(target_dir / source.name, "wb") as dst:
+            shutil.copyfileobj(src, dst, MIB)
+
+    with ThreadPoolExecutor(len(sources)) as pool:
+        list(pool.map(one, sources))
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_ckptfs(
+    server: S3Server, bucket: str, sources: list[Path], root: Path, tag: str, checkout: Path | None = None
+) -> dict[str, float]:
+    mnt, cache = root / f"mnt-{tag}", root / f"cache-{tag}"
     mnt.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV_UNSET}
     env.update(CLIENT_ENV, CKPTFS_RUNTIME_DIR=str(root / "run"))
-    ckptfs("mount", f"s3://{bucket}/ckptfs-{run}", str(mnt), "--cache-dir", str(cache), "--endpoint-url",
-           server.endpoint, "--daemon", env=env)
+    if checkout is not None:  # another version of ckptfs, for a before/after comparison in the same run
+        env["PYTHONPATH"] = str(checkout)
+    ckptfs("mount", f"s3://{bucket}/ckptfs-{tag}", str(mnt), "--cache-dir", str(cache), "--endpoint-url",
+           server.endpoint, "--metrics-addr", "off", "--daemon", env=env)
     try:
+        pid = json.loads(ckptfs("status", str(mnt), "--json", env=env).stdout)["pid"]
         started = time.perf_counter()
-        with open(source, "rb") as src, open(mnt / "checkpoint.bin", "wb") as dst:
-            shutil.copyfileobj(src, dst, MIB)
+        copy_all(sources, mnt)
         written = time.perf_counter()
         ckptfs("flush", str(mnt), "--timeout", "900", env=env, timeout=960)
         durable = time.perf_counter()
+        rss = peak_rss(pid)
     finally:
         subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt), "--timeout", "120"], env=env,
                        capture_output=True, timeout=300, check=False)
         shutil.rmtree(cache, ignore_errors=True)
-    head = server.client().head_object(Bucket=bucket, Key=f"ckptfs-{run}/checkpoint.bin")
-    assert head["ContentLength"] == source.stat().st_size
-    return {"write": written - started, "drain": durable - written, "durable": durable - started}
+    for source in sources:
+        head = server.client().head_object(Bucket=bucket, Key=f"ckptfs-{tag}/{source.name}")
+        assert head["ContentLength"] == source.stat().st_size
+    return {"write": written - started, "durable": durable - started, "peak_rss_mib": rss / MIB}
 
 
-def run_boto3(server: S3Server, bucket: str, source: Path, run: int, threads: int, part_size: int) -> float:
+def run_local_boto3(server: S3Server, bucket: str, sources: list[Path], root: Path, tag: str) -> dict[str, float]:
     from boto3.s3.transfer import TransferConfig
 
-    client = server.client(max_pool_connections=max(10, threads))
-    config = TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=part_size, max_concurrency=threads,
+    local = root / f"local-{tag}"
+    local.mkdir()
+    client = server.client()
+    config = TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=64 * MIB, max_concurrency=8,
                             use_threads=True)
-    started = time.perf_counter()
-    client.upload_file(str(source), bucket, f"boto3-{threads}-{run}/checkpoint.bin", Config=config)
-    return time.perf_counter() - started
+    try:
+        started = time.perf_counter()
+        copy_all(sources, local)
+        written = time.perf_counter()
+        with ThreadPoolExecutor(len(sources)) as pool:
+            list(pool.map(lambda s: client.upload_file(str(local / s.name), bucket, f"boto3-{tag}/{s.name}",
+                                                       Config=config), sources))
+        durable = time.perf_counter()
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    return {"write": written - started, "durable": durable - started}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", type=parse_size, default=2 << 30, help="checkpoint size (2G)")
+    p.add_argument("--size", type=parse_size, default=1 << 30, help="bytes per workload (1G)")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--part-size", type=parse_size, default=64 * MIB, help="ckptfs's default part size (64M)")
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    p.add_argument("--before", type=Path, help="a checkout of another ckptfs version to run side by side")
     args = p.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="ckptfs-s3-bench.", dir=args.dir))
@@ -112,40 +153,52 @@ def main() -> None:
     os.environ.update(CLIENT_ENV)
     for name in CLIENT_ENV_UNSET:
         os.environ.pop(name, None)
+    workloads = {"one": 1, "four": 4}
+    results: dict[str, dict[str, list[float]]] = {}
     try:
         bucket = "drain-bench"
         server.client().create_bucket(Bucket=bucket)
-        source = root / "checkpoint.bin"
-        make_source(source, args.size)
-        results: dict[str, list[float]] = {"ckptfs write": [], "ckptfs drain": [], "ckptfs durable": [],
-                                           "boto3 4 threads": [], "boto3 16 threads": []}
+        sources: dict[str, list[Path]] = {}
+        for workload, count in workloads.items():
+            (root / workload).mkdir()
+            sources[workload] = [root / workload / f"shard-{i}.bin" for i in range(count)]
+            for path in sources[workload]:
+                make_source(path, args.size // count)
         for run in range(args.runs):
-            for threads in (4, 16):
-                seconds = run_boto3(server, bucket, source, run, threads, args.part_size)
-                results[f"boto3 {threads} threads"].append(seconds)
-                print(f"run {run + 1}/{args.runs} boto3 {threads:>2} threads  {seconds:6.2f}s", flush=True)
-            times = run_ckptfs(server, bucket, source, root, run)
-            for name, seconds in times.items():
-                results[f"ckptfs {name}"].append(seconds)
-            print(f"run {run + 1}/{args.runs} ckptfs  write {times['write']:6.2f}s  drain {times['drain']:6.2f}s"
-                  f"  durable {times['durable']:6.2f}s", flush=True)
+            for workload in workloads:
+                ways: list[tuple[str, Any]] = [("local+boto3", run_local_boto3), ("ckptfs", run_ckptfs)]
+                if args.before is not None:
+                    ways.append(("before", functools.partial(run_ckptfs, checkout=args.before)))
+                for way, fn in ways:
+                    times = fn(server, bucket, sources[workload], root, f"{workload}-{way}-{run}")
+                    for name, value in times.items():
+                        results.setdefault(f"{workload} {way} {name}", []).append(value)
+                    shown = "  ".join(f"{k} {v:7.2f}" for k, v in times.items())
+                    print(f"run {run + 1}/{args.runs} {workload:<4} {way:<11} {shown}", flush=True)
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
     medians = {name: statistics.median(values) for name, values in results.items()}
-    print(f"\nmedians of {args.runs} interleaved runs, {args.size / MIB:.0f} MiB to SeaweedFS on 127.0.0.1")
+    print(f"\nmedians of {args.runs} interleaved runs, {args.size / MIB:.0f} MiB per workload to SeaweedFS on"
+          " 127.0.0.1 (CPU-bound on this machine: ratios, not absolute times)")
     for name, value in medians.items():
-        print(f"  {name:<18} {value:7.2f}s  ({args.size / MIB / value:6.0f} MiB/s)")
+        print(f"  {name:<34} {value:8.2f}")
     ratios = {
-        "ckptfs durable / boto3 4 threads": medians["ckptfs durable"] / medians["boto3 4 threads"],
-        "ckptfs durable / boto3 16 threads": medians["ckptfs durable"] / medians["boto3 16 threads"],
-        "ckptfs drain / boto3 4 threads": medians["ckptfs drain"] / medians["boto3 4 threads"],
+        f"{w}: ckptfs durable / local+boto3 durable":
+            medians[f"{w} ckptfs durable"] / medians[f"{w} local+boto3 durable"]
+        for w in workloads
+    } | {
+        f"{w}: ckptfs write / local write": medians[f"{w} ckptfs write"] / medians[f"{w} local+boto3 write"]
+        for w in workloads
     }
+    if args.before is not None:
+        ratios |= {f"{w}: before durable / local+boto3 durable":
+                   medians[f"{w} before durable"] / medians[f"{w} local+boto3 durable"] for w in workloads}
     for name, value in ratios.items():
-        print(f"  {name:<34} {value:5.2f}x")
+        print(f"  {name:<44} {value:5.2f}x")
     report: dict[str, Any] = {
-        "size_bytes": args.size, "runs": args.runs, "part_size": args.part_size,
+        "size_bytes": args.size, "runs": args.runs,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
         "seconds": results, "medians": medians, "ratios": ratios,
     }

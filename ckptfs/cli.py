@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
     mount.add_argument("--part-size")
+    mount.add_argument("--memory-budget")
+    mount.add_argument("--parts-in-flight", type=int)
     mount.add_argument("--metrics-addr")
     mount.add_argument("--drain-timeout", type=float)
     mount.add_argument("--allow-other", action="store_true", default=None)
@@ -96,6 +98,8 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
         "part_size": args.part_size,
+        "memory_budget": args.memory_budget,
+        "parts_in_flight": args.parts_in_flight,
         "metrics_addr": args.metrics_addr,
         "drain_timeout": args.drain_timeout,
         "allow_other": args.allow_other,
@@ -261,6 +265,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     budget = "-" if cache["budget_bytes"] is None else _human_bytes(cache["budget_bytes"])
     print(f"cache      {_human_bytes(cache['used_bytes'])} used of {budget}; {cache['evicted_files']} files"
           f" evicted; {cache['waits']} writes waited for room ({cache['writes_waiting']} now)")
+    moved = status["transfers"]
+    print(f"transfers  up {moved['parts_up']} parts, {_human_bytes(moved['up_bytes_per_second'])}/s;"
+          f" down {moved['parts_down']} parts, {_human_bytes(moved['down_bytes_per_second'])}/s;"
+          f" memory {_human_bytes(moved['memory_bytes'])} of {_human_bytes(moved['memory_budget_bytes'])}")
     print(f"last error {status['last_error'] or '-'}")
     return 0
 

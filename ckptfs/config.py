@@ -66,7 +66,13 @@ class Config:
     """Files uploaded in parallel."""
 
     part_size: str = "64M"
-    """Multipart part size for stores that use one."""
+    """Part size of staged (multipart) uploads; smaller for mid-size files so that parts go in parallel."""
+
+    memory_budget: str = "256M"
+    """Bytes of part data all transfers together may hold in memory at once (uploads and downloads)."""
+
+    parts_in_flight: int = 16
+    """Part transfers (up and down, all files together) in flight at once, within memory_budget."""
 
     endpoint_url: str | None = None
     """S3-compatible endpoint (also AWS_ENDPOINT_URL)."""
@@ -146,9 +152,9 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, str) or not all(isinstance(v, str) for v in value):
             raise UsageError("keep must be a list of glob strings")
         return tuple(value)
-    if name == "transfers":
-        if not isinstance(value, int) or value < 1:
-            raise UsageError(f"transfers must be a whole number >= 1, not {value!r}")
+    if name in ("transfers", "parts_in_flight"):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UsageError(f"{name} must be a whole number >= 1, not {value!r}")
         return value
     if name == "commit_markers":
         if isinstance(value, str) or not all(isinstance(v, str) for v in value):
@@ -158,7 +164,12 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value
-    if name in ("cache_size", "part_size", "min_free"):
+    if name in ("part_size", "memory_budget"):
+        if str(value).strip().endswith("%"):
+            raise UsageError(f"{name} must be a size like 64M, not a percentage")
+        parse_size(value)
+        return str(value)
+    if name in ("cache_size", "min_free"):
         parse_size(value, total=100)  # validate now, resolve against the filesystem later
         return str(value)
     return value

@@ -11,6 +11,7 @@ This is the only module besides fuse_ops.py that imports pyfuse3, and the only o
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import logging
@@ -30,7 +31,7 @@ import trio
 
 from ckptfs import ctl
 from ckptfs.backends import open_store
-from ckptfs.backends.base import ObjectStore, UploadState
+from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
 from ckptfs.config import Config, parse_size
 from ckptfs.drain import Drain, FlushResult
@@ -44,8 +45,11 @@ from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_add
 from ckptfs.recovery import DirLister, recover
 from ckptfs.retention import Checkpoint, Plan, pinned_by_pointers, plan
 from ckptfs.systemd import Notifier
+from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3  # mallopt(3)
 
 EXIT_NOT_DRAINED = 3
 # How often systemd hears how things are (STATUS=), and how much more stop time a draining stop asks for
@@ -79,26 +83,25 @@ def check_mountpoint(mountpoint: Path) -> None:
 
 class Daemon:
     def __init__(
-        self, config: Config, store: ObjectStore, cache: CacheDir, journal: Journal,
+        self, config: Config, engine: Transfers, cache: CacheDir, journal: Journal,
         metrics: MetricsServer | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
-        self.store = store
+        self.engine = engine
+        self.store = store = engine.store
         self.cache = cache
         self.journal = journal
         self.mountpoint = ctl.canonical_mountpoint(config.mountpoint)
         self.started_at = time.time()
         self.drain = Drain(
-            journal, cache, store,
+            journal, cache, engine,
             transfers=config.transfers, upload_delay=config.upload_delay, commit_markers=config.commit_markers,
         )
         self.evictor = Evictor(
             journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure
         )
-        self.fetcher = Fetcher(
-            journal, cache, store, limiter=trio.CapacityLimiter(config.transfers), evictor=self.evictor
-        )
+        self.fetcher = Fetcher(journal, cache, engine, evictor=self.evictor)
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval)
         self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor, self.lister)
         self.lister.vanished = self.fs.vanished
@@ -266,6 +269,7 @@ class Daemon:
         states = ("dirty", "uploading", "clean", "remote")
         oldest = self.journal.oldest_dirty_closed_at()
         drain, evict = self.drain.stats, self.evictor.stats
+        moved = self.engine.statistics()
         out: Snapshot = {
             "ckptfs_files": [((s,), summary.get(s, {}).get("files", 0)) for s in states],
             "ckptfs_bytes": [((s,), summary.get(s, {}).get("bytes", 0)) for s in states],
@@ -275,6 +279,11 @@ class Daemon:
                 (("deletes",), len(self.journal.pending_deletes())),
             ],
             "ckptfs_transfers_in_flight": [((), self.drain.in_flight())],
+            "ckptfs_transfer_parts_in_flight": [(("up",), moved.parts_up), (("down",), moved.parts_down)],
+            "ckptfs_transfer_bytes": [(("up",), moved.bytes_up), (("down",), moved.bytes_down)],
+            "ckptfs_transfer_retries": [((), moved.retries)],
+            "ckptfs_transfer_memory_bytes": [((), moved.memory_in_use)],
+            "ckptfs_transfer_memory_budget_bytes": [((), moved.memory_budget)],
             "ckptfs_oldest_dirty_age_seconds": [((), max(0.0, time.time() - oldest) if oldest else 0.0)],
             "ckptfs_cache_used_bytes": [((), self.cache.used)],
             "ckptfs_cache_budget_bytes": [((), self.cache.limit if self.cache.limit != math.inf else 0)],
@@ -381,6 +390,7 @@ class Daemon:
         pending = self.journal.pending_uploads()
         oldest = self.journal.oldest_dirty_closed_at()
         stats = self.drain.stats
+        moved = self.engine.statistics()
         return {
             "source": self.store.url,
             "mountpoint": str(self.mountpoint),
@@ -413,6 +423,18 @@ class Daemon:
                 "moves": stats.moves,
                 "deletes": stats.deletes,
                 "spilled_bytes": stats.spilled_bytes,
+            },
+            "transfers": {
+                "parts_up": moved.parts_up,
+                "parts_down": moved.parts_down,
+                "up_bytes_per_second": round(moved.up_bytes_per_second),
+                "down_bytes_per_second": round(moved.down_bytes_per_second),
+                "bytes_up": moved.bytes_up,
+                "bytes_down": moved.bytes_down,
+                "retries": moved.retries,
+                "memory_bytes": moved.memory_in_use,
+                "memory_peak_bytes": moved.memory_peak,
+                "memory_budget_bytes": moved.memory_budget,
             },
             "errors": stats.errors,
             "last_error": stats.last_error,
@@ -473,11 +495,22 @@ def _forget_kernel_entry(parent_id: int, name: str) -> None:
     pyfuse3.invalidate_entry_async(parent_id, name.encode(), ignore_enoent=True)
 
 
+def _return_freed_part_buffers() -> None:
+    """Part buffers (MiBs each) come and go on many threads. glibc raises its mmap threshold after the
+    first large free and then serves such buffers from per-thread arenas it rarely gives back, so the
+    daemon's RSS would settle far above what the transfer engine holds. A fixed threshold keeps every
+    buffer of 256 KiB or more mmapped, and returned to the system when it is freed."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, 256 << 10)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
 async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
     """Mount and serve until stopped. Raises CkptfsError for anything the user must fix before mounting."""
-    store = InstrumentedStore(
-        open_store(config.source, endpoint_url=config.endpoint_url, part_size=parse_size(config.part_size))
-    )
+    _return_freed_part_buffers()
+    store = InstrumentedStore(open_store(config.source, endpoint_url=config.endpoint_url))
     check_mountpoint(config.mountpoint)
     await trio.to_thread.run_sync(store.check)
     cache = CacheDir(config.resolved_cache_dir())
@@ -501,14 +534,18 @@ async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
                     " use another --cache-dir (or mount that source)"
                 )
             log.info("ckptfs %s -> %s: %s", store.url, config.mountpoint, _effective(config, cache))
-            await recover(journal, cache, store, time.time())
+            engine = Transfers(
+                store, part_size=parse_size(config.part_size), memory_budget=parse_size(config.memory_budget),
+                parts_in_flight=config.parts_in_flight,
+            )
+            await recover(journal, cache, engine, time.time())
             atimes = cache.scan()
             for inode_id, text in journal.upload_states():
                 state = UploadState.from_json(text)
                 if state.spilled:
                     cache.restore_spilled(inode_id, punched=state.punched, staged=state.size)
             cache.configure_budget(config.cache_size, config.min_free)
-            daemon = Daemon(config, store, cache, journal, metrics)
+            daemon = Daemon(config, engine, cache, journal, metrics)
             daemon.evictor.start(atimes)
             return await daemon.run(ready)
         finally:

@@ -14,7 +14,6 @@ each await before it records anything. The protocol is written up in docs/design
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import logging
@@ -29,10 +28,11 @@ from typing import Any
 import trio
 import trio.lowlevel
 
-from ckptfs.backends.base import ObjectMeta, ObjectStore, StagedUpload, UploadState, backoff_delays
+from ckptfs.backends.base import ObjectMeta, UploadState, backoff_delays
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError, NotFoundBackendError, PermanentBackendError, TransientBackendError
 from ckptfs.journal import DIR, FILE, SYMLINK, UPLOADING, Inode, Journal, PendingDelete
+from ckptfs.transfer import Priority, StagedUpload, Transfers
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,9 @@ MIN_SCAN_INTERVAL = 0.02
 # A flush re-checks the items whose jobs finished at most this often, and all of its items this often.
 FLUSH_POLL = 0.05
 FULL_CHECK_INTERVAL = 1.0
-MARKER_PAGE = 100
 # A spill leaves this much of the end of a file being written in the cache (a writer may still seek back
-# a little, e.g. to patch a header), and takes parts of SPILL_PART_SIZE (the store's part size for S3).
+# a little, e.g. to patch a header), and takes parts of the engine's part size.
 SPILL_LOOKAHEAD = 16 << 20
-SPILL_PART_SIZE = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ class Drain:
         self,
         journal: Journal,
         cache: CacheDir,
-        store: ObjectStore,
+        engine: Transfers,
         *,
         transfers: int = 4,
         upload_delay: float = 2.0,
@@ -92,8 +90,8 @@ class Drain:
     ) -> None:
         self.journal = journal
         self.cache = cache
-        self.store = store
-        self.transfers = transfers
+        self.engine = engine
+        self.store = engine.store
         self.upload_delay = upload_delay
         self.commit_markers = commit_markers
         self._marker_pattern = (
@@ -101,7 +99,6 @@ class Drain:
         )
         self.clock = clock
         self.stats = DrainStats()
-        self._limiter = trio.CapacityLimiter(transfers * 2)
         self._upload_slots = trio.Semaphore(transfers)
         self._other_slots = trio.Semaphore(transfers * 2)
         self._new_work = trio.Event()
@@ -112,10 +109,9 @@ class Drain:
         self._attempts: dict[tuple[str, int], int] = {}
         self._expedite = 0
         self._flush_waiters: list[set[tuple[str, int]]] = []
-        self._token: trio.lowlevel.TrioToken | None = None
         self._permanent_reported: set[str] = set()
         self._pressure = False
-        self.spill_part_size = int(getattr(store, "part_size", SPILL_PART_SIZE))
+        self.spill_part_size = engine.part_size
         self.spill_lookahead = SPILL_LOOKAHEAD
         # Called with an inode id once a spilled file is uploaded: its local copy has holes, evict it.
         self.on_spilled: Callable[[int], None] = lambda inode_id: None
@@ -144,7 +140,6 @@ class Drain:
         return len(self._running)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:
@@ -296,16 +291,10 @@ class Drain:
         return jobs, next_due
 
     def _marker_blocked(self, inode: Inode) -> bool:
-        """A commit marker waits for every non-marker that became work before it (a file still open for
-        writing was not closed before the marker, so it does not count). Its completion rescans."""
-        if not self.is_commit_marker(inode.name):
-            return False
-        after = (-1, -1)
-        while page := self.journal.work_before(inode.seq, MARKER_PAGE, after):
-            if any(not self.is_commit_marker(i.name) for i in page):
-                return True
-            after = (page[-1].seq, page[-1].id)
-        return False
+        """A commit marker waits for all work that became work before it, earlier markers included (a
+        tracker naming a step must not reach the store before that step's own marker). A file still open
+        for writing was not closed before the marker, so it does not count. Its completion rescans."""
+        return self.is_commit_marker(inode.name) and bool(self.journal.work_before(inode.seq, 1))
 
     def _target_taken(self, inode: Inode, key: str) -> bool:
         """Another inode's object still sits at `key`, waiting to be moved away (a rename after upload,
@@ -385,10 +374,12 @@ class Drain:
     def _meta(self, inode: Inode) -> ObjectMeta:
         return ObjectMeta(mtime_ns=inode.mtime_ns, mode=inode.mode & 0o7777)
 
-    async def _thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # Abandoned on cancel so that shutdown never waits for a long transfer; whatever the thread leaves
-        # half done is either invisible (staged) or harmless (a committed object the journal will redo).
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A store call that moves no file data (a directory marker, a copy, a delete), via the engine."""
+        return await self.engine.call(fn, *args)
+
+    def _priority(self, inode: Inode) -> Priority:
+        return Priority.MARKER if self.is_commit_marker(inode.name) else Priority.UPLOAD
 
     async def _upload(self, inode_id: int) -> None:
         inode = self.journal.get(inode_id)
@@ -415,12 +406,12 @@ class Drain:
                 self.journal.begin_upload(inode_id)
             started = trio.current_time()
             resume = await self._resumable_state(inode, key)
-            stage = functools.partial(
-                self.store.stage_upload, key, self.cache.data_path(inode_id), self._meta(inode),
-                resume=resume, progress=self._progress_saver(inode_id),
-            )
+            priority = self._priority(inode)
             try:
-                staged: StagedUpload = await self._thread(stage)
+                staged: StagedUpload = await self.engine.stage_upload(
+                    key, self.cache.data_path(inode_id), self._meta(inode), resume=resume,
+                    progress=functools.partial(self._save_upload_state, inode_id), priority=priority,
+                )
             except BaseException as exc:
                 with self.journal.transaction():
                     self.journal.abort_upload(inode_id)
@@ -429,11 +420,11 @@ class Drain:
                     return  # removed (and its cache file with it) while we read it: nothing to upload
                 raise
             # The journal will call the local copy clean: it must survive power loss as it is.
-            await self._thread(_fsync_path, self.cache.data_path(inode_id))
+            await trio.to_thread.run_sync(_fsync_path, self.cache.data_path(inode_id))
             # Re-check after the awaits: abandon the upload if the file changed, moved or went away.
             current = self.journal.get(inode_id)
             if current is None or current.key != key or current.version != version:
-                await self._thread(self.store.abort_upload, staged)
+                await self.engine.abort_upload(staged)
                 if current is not None:
                     with self.journal.transaction():
                         self.journal.abort_upload(inode_id)
@@ -442,7 +433,7 @@ class Drain:
                 return
             self._write_ahead(key)
             try:
-                await self._thread(self.store.commit_upload, staged)
+                await self.engine.commit_upload(staged, priority=priority)
             except BaseException:
                 with self.journal.transaction():
                     self.journal.abort_upload(inode_id)
@@ -454,12 +445,12 @@ class Drain:
             log.debug("uploaded %s (%d bytes, %s)", key, staged.size, staged.checksum)
         elif inode.kind == DIR:
             self._write_ahead(key)
-            await self._thread(self.store.put_dir, key, self._meta(inode))
+            await self._call(self.store.put_dir, key, self._meta(inode))
             self._record_upload(inode_id, key, version, None, 0)
         elif inode.kind == SYMLINK:
             assert inode.target is not None
             self._write_ahead(key)
-            await self._thread(self.store.put_symlink, key, inode.target, self._meta(inode))
+            await self._call(self.store.put_symlink, key, inode.target, self._meta(inode))
             self._record_upload(inode_id, key, version, None, 0)
 
     # -- spills: the start of a file still being written leaves the cache (see backends/base.py) ----------
@@ -486,7 +477,7 @@ class Drain:
         if entry is not None and entry.freed == state.punched:
             return state
         log.info("%s was rewritten after part of it was spilled; discarding the spill", inode.path)
-        await self._thread(self.store.spill_abort, state)
+        await self.engine.abort_state(state)
         with self.journal.transaction():
             self.journal.save_upload_state(inode.id, None)
         return None
@@ -499,7 +490,7 @@ class Drain:
             return
         state = await self._spill_state(inode)
         if state is None:
-            state = await self._thread(self.store.spill_begin, self.spill_part_size)
+            state = await self.engine.spill_begin(self.spill_part_size)
             with self.journal.transaction():
                 self.journal.save_upload_state(inode_id, state.to_json())
             log.info("cache full: uploading the start of %s while it is still being written", inode.path)
@@ -513,13 +504,13 @@ class Drain:
                 return
             # Seal the part first: a write into it from now on fails instead of going unnoticed.
             entry.sealed = state.size + part
-            state = await self._thread(self.store.spill_part, state, path, part)
+            state = await self.engine.spill_part(state, path, part)
             current = self.journal.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
                 return  # removed meanwhile; the store's start-up cleanup takes the staged parts
             if entry.sealed < state.size:
                 # Truncated while the part was uploading: what was staged is no longer the file's start.
-                await self._thread(self.store.spill_abort, state)
+                await self.engine.abort_state(state)
                 with self.journal.transaction():
                     self.journal.save_upload_state(inode_id, None)
                 return
@@ -547,7 +538,7 @@ class Drain:
             entry.sealed = entry.size
             while state.size < entry.size:
                 length = min(state.part_size, entry.size - state.size)
-                state = await self._thread(self.store.spill_part, state, path, length)
+                state = await self.engine.spill_part(state, path, length, priority=self._priority(inode))
                 with self.journal.transaction():
                     self.journal.save_upload_state(inode_id, state.to_json())
             current = self.journal.get(inode_id)
@@ -558,7 +549,7 @@ class Drain:
                 return
             meta = self._meta(current)
             self._write_ahead(current.key)  # type: ignore[arg-type]
-            await self._thread(self.store.spill_commit, state, current.key, meta)
+            await self.engine.spill_commit(state, current.key, meta)  # type: ignore[arg-type]
         except BaseException:
             with self.journal.transaction():
                 self.journal.abort_upload(inode_id)
@@ -583,27 +574,16 @@ class Drain:
             log.info("resuming upload of %s: %d parts already in the store", key, len(state.parts))
             return state
         if state is not None:
-            stale = StagedUpload(state.key, state.size, state.checksum, state)
-            with contextlib.suppress(BackendError):
-                await self._thread(self.store.abort_upload, stale)
+            await self.engine.abort_state(state)
         with self.journal.transaction():
             self.journal.save_upload_state(inode.id, None)
         return None
 
-    def _progress_saver(self, inode_id: int) -> Callable[[UploadState], None]:
-        """A callback for the store's worker threads: journal each step of a staged upload, so that a
-        crash resumes from the last finished part."""
-        token = self._token
-
-        def save(state: UploadState) -> None:
-            with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(self._save_upload_state, inode_id, state.to_json(), trio_token=token)
-
-        return save
-
-    def _save_upload_state(self, inode_id: int, text: str) -> None:
+    def _save_upload_state(self, inode_id: int, state: UploadState) -> None:
+        """Journal each step of a staged upload (the engine calls it after every part), so that a crash
+        resumes from the last finished part."""
         with self.journal.transaction():
-            self.journal.save_upload_state(inode_id, text)
+            self.journal.save_upload_state(inode_id, state.to_json())
 
     def _write_ahead(self, key: str) -> None:
         """Before an object appears at `key`, journal its deletion. If the daemon dies before recording
@@ -631,9 +611,9 @@ class Drain:
         self._write_ahead(new)
         try:
             if inode.kind == DIR:
-                await self._thread(self.store.put_dir, new, self._meta(inode))
+                await self._call(self.store.put_dir, new, self._meta(inode))
             else:
-                await self._thread(self.store.copy, old, new)
+                await self._call(self.store.copy, old, new)
         except NotFoundBackendError:
             self._lost_remote_copy(inode_id, old)
             return
@@ -652,7 +632,7 @@ class Drain:
             return
         meta = self._meta(inode)
         try:
-            await self._thread(self.store.set_meta, inode.key, meta)
+            await self._call(self.store.set_meta, inode.key, meta)
         except NotFoundBackendError:
             self._lost_remote_copy(inode_id, inode.key)
             return
@@ -686,7 +666,7 @@ class Drain:
         if verdict == "defer":
             self._retry_at[("delete", delete_id)] = trio.current_time() + 1.0
             return
-        await self._thread(self.store.delete, pending.key)
+        await self._call(self.store.delete, pending.key)
         with self.journal.transaction():
             self.journal.delete_done(delete_id)
         self.stats.deletes += 1

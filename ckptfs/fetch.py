@@ -1,7 +1,7 @@
 """Read-through: bring a file that exists only in the store ('remote') into the cache.
 
-The whole object is downloaded to CACHE_DIR/tmp in a worker thread, its checksum compared with the one the
-journal recorded at upload (when there is one), then renamed to the inode's data file and the journal
+The whole object is downloaded to CACHE_DIR/tmp by the transfer engine (ranges in parallel), its checksum
+compared with the one the journal recorded at upload (when there is one), then renamed to the data file and the journal
 marks it clean. Concurrent opens of the same file share one download. Never touches FUSE or the namespace.
 """
 
@@ -13,25 +13,23 @@ import os
 
 import trio
 
-from ckptfs.backends.base import ObjectStore
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
 from ckptfs.evict import Evictor
 from ckptfs.journal import REMOTE, Inode, Journal
+from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
 
 
 class Fetcher:
     def __init__(
-        self, journal: Journal, cache: CacheDir, store: ObjectStore, *, limiter: trio.CapacityLimiter,
-        evictor: Evictor | None = None,
+        self, journal: Journal, cache: CacheDir, engine: Transfers, *, evictor: Evictor | None = None,
     ) -> None:
         self.journal = journal
         self.cache = cache
-        self.store = store
+        self.engine = engine
         self.evictor = evictor
-        self._limiter = limiter
         self._in_flight: dict[int, trio.Event] = {}
         self._failures: dict[int, FsError] = {}
 
@@ -82,9 +80,9 @@ class Fetcher:
 
     async def _download_reserved(self, inode: Inode, key: str, tmp: str) -> None:
         try:
-            checksum = await trio.to_thread.run_sync(self.store.download, key, tmp, limiter=self._limiter)
+            checksum = await self.engine.download(key, tmp)
         except BackendError as exc:
-            log.warning("cannot fetch %s from %s: %s", key, self.store.url, exc)
+            log.warning("cannot fetch %s from %s: %s", key, self.engine.store.url, exc)
             raise FsError(errno_for_backend_error(exc), f"fetch of {key} failed: {exc}") from exc
         except OSError as exc:
             raise FsError(exc.errno or errno.EIO, f"fetch of {key} into the cache failed: {exc.strerror}") from exc

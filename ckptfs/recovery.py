@@ -25,6 +25,7 @@ from ckptfs.backends.base import DirListing, ObjectInfo, ObjectStore, UploadStat
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError
 from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, UPLOADING, Inode, Journal
+from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,7 @@ def _refresh_clean(
     return True
 
 
-async def recover(journal: Journal, cache: CacheDir, store: ObjectStore, now: float) -> RecoveryReport:
+async def recover(journal: Journal, cache: CacheDir, engine: Transfers, now: float) -> RecoveryReport:
     report = repair_journal(journal, cache, now)
     # Staged uploads the journal knows about resume; every other leftover of ours goes.
     keep = set()
@@ -334,7 +335,7 @@ async def recover(journal: Journal, cache: CacheDir, store: ObjectStore, now: fl
             keep.add(UploadState.from_json(text).upload_id)
         except (ValueError, KeyError, TypeError):
             pass
-    report.aborted_uploads = await trio.to_thread.run_sync(store.abort_stale_uploads, keep)
+    report.aborted_uploads = await engine.abort_stale_uploads(keep)
     if report.aborted_uploads:
         log.info("removed %d leftovers of uploads interrupted by the last stop", report.aborted_uploads)
     # The store's namespace is read lazily, a directory at a time, as the mount looks into it (DirLister).

@@ -15,6 +15,7 @@ Everything here runs in the trio thread except the blocking store calls and loca
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import heapq
@@ -22,7 +23,7 @@ import logging
 import os
 import secrets
 import zlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any, TypeVar
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MiB = 1 << 20
-IO_CHUNK = 4 * MiB  # local reads of the checksum scan
+IO_CHUNK = 1 * MiB  # local reads of the checksum scan, per thread
 DEFAULT_MEMORY_BUDGET = 256 * MiB
 DEFAULT_PART_SIZE = 64 * MiB
 DEFAULT_DOWNLOAD_PART_SIZE = 8 * MiB
@@ -64,6 +65,9 @@ DEFAULT_ATTEMPTS = 5  # per part or request; the drain retries whole jobs foreve
 # Store calls that carry no part data (open, complete, abort, head, list) run on their own threads, so
 # that they never queue behind big parts.
 CONTROL_THREADS = 8
+# Parts of one file in parallel that the part size aims for (boto3's default concurrency is 10).
+UPLOAD_SPREAD = 8
+RATE_WINDOW = 5.0  # seconds over which status reports bytes per second
 
 
 class Priority(IntEnum):
@@ -111,6 +115,8 @@ class TransferStats:
     parts_down: int = 0  # ranged downloads in flight now
     bytes_up: int = 0  # since start
     bytes_down: int = 0
+    up_bytes_per_second: float = 0.0  # over the last RATE_WINDOW seconds
+    down_bytes_per_second: float = 0.0
     retries: int = 0
     memory_in_use: int = 0
     memory_budget: int = 0
@@ -184,6 +190,27 @@ class MemoryBudget:
             waiter.event.set()
 
 
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _parallel() -> AsyncIterator[trio.Nursery]:
+    """A nursery for the parts of one transfer that fails with the first real error of its tasks, as one
+    call would: callers handle a BackendError, not a group of them (a cancellation passes unchanged)."""
+    try:
+        async with trio.open_nursery() as nursery:
+            yield nursery
+    except BaseExceptionGroup as group:
+        first = next((exc for exc in _leaves(group) if not isinstance(exc, trio.Cancelled)), None)
+        if first is None:
+            raise
+        raise first from None
+
+
 def plan_part_size(size: int, part_size: int, spread: int, *, min_part: int, max_parts: int) -> int:
     """The part size for a file of `size` bytes: the configured size, smaller for mid-size files so that
     `spread` parts can go in parallel (never below the store's minimum), and larger when the file would
@@ -251,12 +278,23 @@ class Transfers:
         self._part_threads = trio.CapacityLimiter(self.parts_in_flight)
         self._control_threads = trio.CapacityLimiter(CONTROL_THREADS)
         self._stats = TransferStats()
+        self._recent: collections.deque[tuple[float, int, int]] = collections.deque()  # (time, up, down)
 
     def statistics(self) -> TransferStats:
+        now = trio.current_time()
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW:
+            self._recent.popleft()
         return replace(
             self._stats, memory_in_use=self.memory.in_use, memory_budget=self.memory.limit,
             memory_peak=self.memory.peak, memory_waiters=self.memory.waiting,
+            up_bytes_per_second=sum(up for _, up, _ in self._recent) / RATE_WINDOW,
+            down_bytes_per_second=sum(down for _, _, down in self._recent) / RATE_WINDOW,
         )
+
+    def _moved(self, up: int, down: int) -> None:
+        self._stats.bytes_up += up
+        self._stats.bytes_down += down
+        self._recent.append((trio.current_time(), up, down))
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
@@ -264,13 +302,16 @@ class Transfers:
         """One store call that carries no part data, in a worker thread, retried on transient errors."""
         return await self._retry(fn, *args, limiter=self._control_threads)
 
-    async def _retry(self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter) -> T:
+    async def _retry(
+        self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter, abandon: bool = True
+    ) -> T:
         delays = backoff_delays()
         for attempt in range(self.attempts):
             try:
-                # Abandoned on cancel so that shutdown never waits for a transfer; what the thread leaves
-                # half done is invisible (a staged part) or harmless (an object the journal redoes).
-                return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=True)
+                # Abandoned on cancel (unless it writes into a file descriptor its caller owns) so that
+                # shutdown never waits for a transfer; what the thread leaves half done is invisible (a
+                # staged part) or harmless (an object the journal redoes).
+                return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=abandon)
             except (SourceChangedError, ObjectChangedError):
                 raise
             except TransientBackendError as exc:
@@ -282,32 +323,40 @@ class Transfers:
         raise AssertionError("unreachable")
 
     def upload_part_size(self, size: int) -> int:
+        """Parts small enough that UPLOAD_SPREAD of them fit the memory budget at once (one stream per part
+        is what fills a link), and no larger than part_size."""
         limits = self.store.limits
-        spread = max(1, min(self.parts_in_flight, self.memory.limit // self.part_size))
-        return plan_part_size(size, self.part_size, spread, min_part=limits.min_part_size,
-                              max_parts=limits.max_parts)
+        part_size = min(self.part_size, max(limits.min_part_size, self.memory.limit // UPLOAD_SPREAD))
+        spread = max(1, min(self.parts_in_flight, self.memory.limit // part_size))
+        return plan_part_size(size, part_size, spread, min_part=limits.min_part_size, max_parts=limits.max_parts)
 
     async def _put_part(
-        self, ref: UploadRef, number: int, offset: int, length: int, fd: int, expected_crc: int | None,
+        self, ref: UploadRef, number: int, offset: int, length: int, src_path: str, expected_crc: int | None,
         priority: Priority,
     ) -> tuple[UploadPart, int]:
         """Read one part of the local file and stage it, under the memory budget; (part, its CRC32)."""
         granted = await self.memory.acquire(length, priority)
         self._stats.parts_up += 1
         try:
-            result = await self._retry(self._read_and_put, ref, number, offset, length, fd, expected_crc,
+            result = await self._retry(self._read_and_put, ref, number, offset, length, src_path, expected_crc,
                                        limiter=self._part_threads)
         finally:
             self._stats.parts_up -= 1
             self.memory.release(granted)
-        self._stats.bytes_up += length
+        self._moved(length, 0)
         return result
 
     def _read_and_put(
-        self, ref: UploadRef, number: int, offset: int, length: int, fd: int, expected_crc: int | None
+        self, ref: UploadRef, number: int, offset: int, length: int, src_path: str, expected_crc: int | None
     ) -> tuple[UploadPart, int]:
+        # Each part opens the file itself: a thread abandoned at shutdown never reads a descriptor that was
+        # closed and reused meanwhile.
         try:
-            data = _pread_exact(fd, length, offset)
+            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = _pread_exact(fd, length, offset)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise _source_error(exc, ref.key) from exc
         crc = zlib.crc32(data)
@@ -351,24 +400,26 @@ class Transfers:
             offset = index * part_size
             end = min(size, offset + part_size)
             crc = 0
+            buffer = bytearray(IO_CHUNK)  # one per part, reused: the scan holds IO_CHUNK per thread
+            view = memoryview(buffer)
             try:
                 while offset < end:
-                    chunk = os.pread(fd, min(IO_CHUNK, end - offset), offset)
-                    if not chunk:
+                    n = os.preadv(fd, [view[: min(IO_CHUNK, end - offset)]], offset)
+                    if not n:
                         raise SourceChangedError(f"{key}: the file shrank while it was being read")
-                    crc = zlib.crc32(chunk, crc)
-                    offset += len(chunk)
+                    crc = zlib.crc32(view[:n], crc)
+                    offset += n
             except OSError as exc:
                 raise _source_error(exc, key) from exc
             crcs[index] = crc
 
         async def worker(indexes: list[int]) -> None:
             while indexes:
-                await trio.to_thread.run_sync(scan, indexes.pop(0), limiter=self._part_threads,
-                                              abandon_on_cancel=True)
+                # Not abandoned: it reads the caller's descriptor (and a local read is quick).
+                await trio.to_thread.run_sync(scan, indexes.pop(0), limiter=self._part_threads)
 
         todo = list(range(count))
-        async with trio.open_nursery() as nursery:
+        async with _parallel() as nursery:
             for _ in range(min(self.parts_in_flight, count)):
                 nursery.start_soon(worker, todo)
         return crcs
@@ -405,15 +456,15 @@ class Transfers:
             while todo:
                 number = todo.pop(0)
                 offset = (number - 1) * part_size
-                part, _ = await self._put_part(current[0].ref, number, offset, min(part_size, size - offset), fd,
-                                               crcs[number - 1], priority)
+                part, _ = await self._put_part(current[0].ref, number, offset, min(part_size, size - offset),
+                                               src_path, crcs[number - 1], priority)
                 parts = tuple(sorted((*current[0].parts, part), key=lambda p: p.number))
                 current[0] = replace(current[0], parts=parts)
                 if progress is not None:
                     progress(current[0])
 
         try:
-            async with trio.open_nursery() as nursery:
+            async with _parallel() as nursery:
                 for _ in range(min(self.parts_in_flight, len(todo))):
                     nursery.start_soon(worker)
         except BaseException:
@@ -476,7 +527,7 @@ class Transfers:
         finally:
             self._stats.parts_up -= 1
             self.memory.release(granted)
-        self._stats.bytes_up += staged.size
+        self._moved(staged.size, 0)
 
     def _read_and_put_object(self, staged: StagedUpload) -> None:
         try:
@@ -533,14 +584,7 @@ class Transfers:
         if number > self.store.limits.max_parts:
             raise PermanentBackendError(f"a spilled file needs more than {self.store.limits.max_parts} parts;"
                                         " raise part_size")
-        try:
-            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise _source_error(exc, state.key) from exc
-        try:
-            part, crc = await self._put_part(state.ref, number, state.size, length, fd, None, priority)
-        finally:
-            os.close(fd)
+        part, crc = await self._put_part(state.ref, number, state.size, length, src_path, None, priority)
         whole = crc32_combine(crc_of(state.checksum), crc, length) if state.size else crc
         return replace(state, size=state.size + length, checksum=crc_text(whole), parts=(*state.parts, part))
 
@@ -561,8 +605,25 @@ class Transfers:
         await self.call(self.store.delete, state.key)
 
     async def _holds(self, key: str, state: UploadState) -> bool:
+        """Is the object at `key` the one this spill made (a commit retried after it got through)?"""
         info = await self.call(self.store.head, key)
-        return info is not None and info.size == state.size and info.checksum == state.checksum
+        if info is None or info.size != state.size:
+            return False
+        if info.checksum is not None:
+            return info.checksum == state.checksum
+        # A store without checksums in its metadata (file://): read it. Rare: only a retried commit.
+        return await self.call(self._checksum_of, key, info.size) == state.checksum
+
+    def _checksum_of(self, key: str, size: int) -> str:
+        crc = 0
+        offset = 0
+        while offset < size:
+            data = self.store.get_range(key, offset, min(self.download_part_size, size - offset)).data
+            if not data:
+                break
+            crc = zlib.crc32(data, crc)
+            offset += len(data)
+        return crc_text(crc)
 
     # -- downloads --------------------------------------------------------------------------------------
 
@@ -574,12 +635,13 @@ class Transfers:
         granted = await self.memory.acquire(length, priority)
         self._stats.parts_down += 1
         try:
+            # Not abandoned: it writes into the caller's descriptor, which must outlive the thread.
             fetched = await self._retry(self._get_and_write, key, fd, offset, length, if_match,
-                                        limiter=self._part_threads)
+                                        limiter=self._part_threads, abandon=False)
         finally:
             self._stats.parts_down -= 1
             self.memory.release(granted)
-        self._stats.bytes_down += fetched.length
+        self._moved(0, fetched.length)
         return fetched
 
     def _get_and_write(self, key: str, fd: int, offset: int, length: int, if_match: str | None) -> FetchedRange:
@@ -608,7 +670,7 @@ class Transfers:
                                                  if_match=first.etag, priority=priority)
                     crcs[offset] = (got.crc, got.length)
 
-            async with trio.open_nursery() as nursery:
+            async with _parallel() as nursery:
                 for _ in range(min(self.parts_in_flight, len(todo))):
                     nursery.start_soon(worker)
         finally:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from ckptfs.backends.base import DirListing, ObjectInfo, ObjectMeta, StagedUpload, UploadState
+from ckptfs.backends.base import TEMP_PREFIX, DirListing, ObjectInfo, ObjectMeta, RangeRead, UploadPart, UploadRef
 from ckptfs.backends.local import LocalStore
 from ckptfs.cache import CacheDir
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
@@ -22,25 +22,28 @@ from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, Journal
 from ckptfs.recovery import DirLister
+from ckptfs.transfer import StagedUpload, Transfers
 
 UID = os.getuid()
 GID = os.getgid()
 
 
 class RecordingStore:
-    """LocalStore plus: a log of completed mutations, a gate that holds stage_upload, injected failures."""
+    """LocalStore's primitives plus: a log of completed mutations, gates that hold an upload after it is
+    staged (see GatedTransfers) or a spilled part after it is in the store, and injected failures."""
 
     def __init__(self, inner: LocalStore) -> None:
         self.inner = inner
         self.url = inner.url
         self.owner = inner.owner
         self.listing_has_metadata = inner.listing_has_metadata
+        self.limits = inner.limits
         self.calls: list[tuple[str, str]] = []
         self.committed: list[tuple[str, bytes]] = []
         self.stage_gate: threading.Event | None = None
         self.gated_keys: set[str] | None = None  # hold only these keys' stages (None: all)
         self.staging = threading.Event()
-        # Holds spill_part (once set) until the test sets it; `spilling` says a part reached the gate.
+        # Holds a spilled part (once set) until the test sets it; `spilling` says a part reached the gate.
         self.spill_gate: threading.Event | None = None
         self.spill_commit_failures: list[Exception] = []
         self.spilling = threading.Event()
@@ -52,64 +55,81 @@ class RecordingStore:
             if self.failures:
                 raise self.failures.pop(0)
 
+    def _record(self, op: str, key: str, content: bytes | None = None) -> None:
+        with self._lock:
+            self.calls.append((op, key))
+            if content is not None:
+                self.committed.append((key, content))
+
     def check(self) -> None:
         self.inner.check()
 
-    def stage_upload(self, key: str, src_path: str, meta: ObjectMeta, **kwargs: Any) -> StagedUpload:
+    def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
         self._maybe_fail()
-        staged = self.inner.stage_upload(key, src_path, meta, **kwargs)
-        if self.stage_gate is not None and (self.gated_keys is None or key in self.gated_keys):
-            self.staging.set()
-            self.stage_gate.wait(30)
-        return staged
+        self.inner.put_object(key, data, meta, checksum)
+        self._record("commit", key, data)
 
-    def commit_upload(self, staged: StagedUpload) -> None:
+    def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
         self._maybe_fail()
-        with open(staged.handle, "rb") as f:
-            content = f.read()
-        self.inner.commit_upload(staged)
-        with self._lock:
-            self.committed.append((staged.key, content))
-            self.calls.append(("commit", staged.key))
+        return self.inner.open_upload(key, meta, checksum)
 
-    def abort_upload(self, staged: StagedUpload) -> None:
-        self.inner.abort_upload(staged)
-        with self._lock:
-            self.calls.append(("abort", staged.key))
-
-    def download(self, key: str, dst_path: str) -> str:
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
         self._maybe_fail()
-        return self.inner.download(key, dst_path)
+        part = self.inner.put_part(upload, number, offset, data, crc)
+        if self.spill_gate is not None and _is_spill(upload.key):  # the part is in the store; its answer waits
+            self.spilling.set()
+            self.spill_gate.wait(30)
+        return part
 
-    def copy(self, src_key: str, dst_key: str) -> None:
+    def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
+        return self.inner.list_parts(upload)
+
+    def complete_upload(self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None) -> None:
         self._maybe_fail()
-        self.inner.copy(src_key, dst_key)
-        with self._lock:
-            self.calls.append(("copy", f"{src_key}->{dst_key}"))
+        staged = self.inner.root / upload.upload_id
+        content = staged.read_bytes() if staged.exists() else None
+        self.inner.complete_upload(upload, parts, size, checksum)
+        if not _is_spill(upload.key):
+            self._record("commit", upload.key, content)
+
+    def abort_upload(self, upload: UploadRef) -> None:
+        self.inner.abort_upload(upload)
+        self._record("abort", upload.key)
+
+    def list_leftovers(self) -> list[UploadRef]:
+        return self.inner.list_leftovers()
+
+    def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
+        self._maybe_fail()
+        return self.inner.get_range(key, offset, length, if_match=if_match)
+
+    def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
+        self._maybe_fail()
+        if _is_spill(src_key) and self.spill_commit_failures:
+            raise self.spill_commit_failures.pop(0)
+        self.inner.copy(src_key, dst_key, meta, checksum)
+        self._record("spill_commit" if _is_spill(src_key) else "copy", dst_key if _is_spill(src_key)
+                     else f"{src_key}->{dst_key}")
 
     def delete(self, key: str) -> None:
         self._maybe_fail()
         self.inner.delete(key)
-        with self._lock:
-            self.calls.append(("delete", key))
+        self._record("delete", key)
 
     def put_dir(self, key: str, meta: ObjectMeta) -> None:
         self._maybe_fail()
         self.inner.put_dir(key, meta)
-        with self._lock:
-            self.calls.append(("put_dir", key))
+        self._record("put_dir", key)
 
     def set_meta(self, key: str, meta: ObjectMeta) -> None:
         self._maybe_fail()
         self.inner.set_meta(key, meta)
-        with self._lock:
-            self.calls.append(("set_meta", key))
+        self._record("set_meta", key)
 
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
         self._maybe_fail()
         self.inner.put_symlink(key, target, meta)
-        with self._lock:
-            self.calls.append(("put_symlink", key))
+        self._record("put_symlink", key)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return self.inner.list(prefix)
@@ -120,31 +140,24 @@ class RecordingStore:
     def list_dir(self, prefix: str = "") -> DirListing:
         return self.inner.list_dir(prefix)
 
-    def abort_stale_uploads(self, keep: Any = ()) -> int:
-        return self.inner.abort_stale_uploads(keep)
 
-    def spill_begin(self, part_size: int) -> UploadState:
-        self._maybe_fail()
-        return self.inner.spill_begin(part_size)
+def _is_spill(key: str) -> bool:
+    return key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill.")
 
-    def spill_part(self, state: UploadState, src_path: str, length: int) -> UploadState:
-        self._maybe_fail()
-        staged = self.inner.spill_part(state, src_path, length)
-        if self.spill_gate is not None:  # the part is in the store; its answer is held back
-            self.spilling.set()
-            self.spill_gate.wait(30)
+
+class GatedTransfers(Transfers):
+    """The engine, holding a staged upload before it returns while the store's stage_gate is set: the
+    window in which a test renames, rewrites or removes the file under an upload."""
+
+    store: RecordingStore
+
+    async def stage_upload(self, key: str, src_path: str, meta: ObjectMeta, **kwargs: Any) -> StagedUpload:
+        staged = await super().stage_upload(key, src_path, meta, **kwargs)
+        gate = self.store.stage_gate
+        if gate is not None and (self.store.gated_keys is None or key in self.store.gated_keys):
+            self.store.staging.set()
+            await trio.to_thread.run_sync(gate.wait, 30)
         return staged
-
-    def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
-        self._maybe_fail()
-        if self.spill_commit_failures:
-            raise self.spill_commit_failures.pop(0)
-        self.inner.spill_commit(state, key, meta)
-        with self._lock:
-            self.calls.append(("spill_commit", key))
-
-    def spill_abort(self, state: UploadState) -> None:
-        self.inner.spill_abort(state)
 
 
 async def list_tree(fs: Filesystem, inode_id: int = ROOT_ID) -> None:
@@ -212,12 +225,13 @@ def make_stack(
     journal = Journal(cache.journal_path)
     (root / "store").mkdir(exist_ok=True)
     store = RecordingStore(LocalStore(root / "store"))
-    drain = Drain(journal, cache, store, transfers=2, upload_delay=upload_delay, commit_markers=markers)  # type: ignore[arg-type]
+    engine = GatedTransfers(store, parts_in_flight=4)  # type: ignore[arg-type]
+    drain = Drain(journal, cache, engine, transfers=2, upload_delay=upload_delay, commit_markers=markers)
     in_use: list[Filesystem] = []
     evictor = Evictor(
         journal, cache, in_use=lambda i: in_use[0].in_use(i), dirty_wait=dirty_wait, on_pressure=drain.set_pressure
     )
-    fetcher = Fetcher(journal, cache, store, limiter=trio.CapacityLimiter(2), evictor=evictor)  # type: ignore[arg-type]
+    fetcher = Fetcher(journal, cache, engine, evictor=evictor)
     lister = DirLister(journal, cache, store, refresh_interval=0.0)  # type: ignore[arg-type]
     fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor, lister)
     lister.vanished = fs.vanished

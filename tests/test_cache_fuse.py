@@ -82,13 +82,13 @@ def test_checkpoints_beyond_the_cache_are_evicted_and_read_back(mount_factory) -
 
 
 @pytest.fixture
-def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:  # noqa: F811
+def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:
     with s3_bucket(seaweedfs_s3) as name:
         yield name
 
 
 @pytest.fixture
-def proxy(seaweedfs_s3: S3Server) -> Iterator[FaultProxy]:  # noqa: F811
+def proxy(seaweedfs_s3: S3Server) -> Iterator[FaultProxy]:
     with FaultProxy(seaweedfs_s3.endpoint, seed=int.from_bytes(os.urandom(4), "big")) as fp:
         yield fp
 
@@ -118,7 +118,7 @@ print(digest.hexdigest())
 
 
 def test_torch_save_of_2gib_through_a_256mib_cache_into_a_throttled_bucket(
-    mount_factory: Any, proxy: FaultProxy, bucket: str, seaweedfs_s3: S3Server  # noqa: F811
+    mount_factory: Any, proxy: FaultProxy, bucket: str, seaweedfs_s3: S3Server
 ) -> None:
     mount: Mount = mount_factory(
         source=f"s3://{bucket}/{PREFIX}",

@@ -19,7 +19,7 @@ PREFIX = "run-1/"
 
 
 @pytest.fixture
-def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:  # noqa: F811
+def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:
     with s3_bucket(seaweedfs_s3) as name:
         yield name
 
@@ -34,7 +34,7 @@ def _warnings(mount: Mount, word: str) -> list[str]:
     return [line for line in mount.log.read_text(errors="replace").splitlines() if " WARNING " in line and word in line]
 
 
-def test_fresh_node_lists_10000_files_in_seconds(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:  # noqa: F811
+def test_fresh_node_lists_10000_files_in_seconds(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
     client = seaweedfs_s3.client(max_pool_connections=32)
     files = 10_000
 
@@ -62,7 +62,7 @@ def test_fresh_node_lists_10000_files_in_seconds(mount_factory, seaweedfs_s3: S3
     assert os.stat(m.mnt / "many" / "file_09999").st_size == 16
 
 
-def test_objects_of_others_appear_after_refresh_interval(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:  # noqa: F811
+def test_objects_of_others_appear_after_refresh_interval(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
     client = seaweedfs_s3.client()
     client.put_object(Bucket=bucket, Key=f"{PREFIX}ckpt/a", Body=b"a")
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--refresh-interval", "2")
@@ -83,7 +83,7 @@ def test_objects_of_others_appear_after_refresh_interval(mount_factory, seaweedf
         time.sleep(0.2)
 
 
-def test_refresh_shows_new_and_replaced_objects_at_once(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:  # noqa: F811
+def test_refresh_shows_new_and_replaced_objects_at_once(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
     client = seaweedfs_s3.client()
     client.put_object(Bucket=bucket, Key=f"{PREFIX}latest", Body=b"step_1")
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--refresh-interval", "3600")
@@ -100,7 +100,7 @@ def test_refresh_shows_new_and_replaced_objects_at_once(mount_factory, seaweedfs
     assert (m.mnt / "latest").read_bytes() == b"step_2!"
 
 
-def test_keys_that_cannot_be_paths_warn_once_each(mount_factory, moto_s3: S3Server) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_keys_that_cannot_be_paths_warn_once_each(mount_factory, moto_s3: S3Server) -> None:  # type: ignore[no-untyped-def]
     # moto keeps any key (SeaweedFS refuses '.' and '..' components and normalises '//').
     client = moto_s3.client()
     bad = [f"{PREFIX}d/../escape", f"{PREFIX}d/" + "n" * 300, f"{PREFIX}d/./dot", f"{PREFIX}d//double"]

@@ -68,7 +68,9 @@ def test_a_mount_serves_its_metrics(mount_factory) -> None:  # type: ignore[no-u
     assert values["ckptfs_uploaded_bytes_total"] == 100_000
     assert values['ckptfs_fuse_requests_total{op="write"}'] >= 1
     assert values['ckptfs_fuse_errors_total{op="lookup"}'] >= 1  # the create's lookup of a new name
-    assert values['ckptfs_store_requests_total{op="stage_upload"}'] == 1
+    assert values['ckptfs_store_requests_total{op="put_object"}'] == 1  # a small file: one request
+    assert values['ckptfs_transfer_bytes_total{direction="up"}'] == 100_000
+    assert values["ckptfs_transfer_memory_budget_bytes"] == 256 << 20
     assert values['ckptfs_bytes{state="clean"}'] == 100_000
     assert values["ckptfs_oldest_dirty_age_seconds"] == 0
 

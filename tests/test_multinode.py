@@ -67,13 +67,13 @@ def _check_whole_checkpoint(mounts: list[Mount], name: str) -> None:
 
 
 @pytest.fixture
-def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:  # noqa: F811
+def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:
     with s3_bucket(seaweedfs_s3) as name:
         yield name
 
 
 def test_two_nodes_save_one_dcp_checkpoint_into_one_bucket(
-    mount_factory, seaweedfs_s3: S3Server, bucket: str  # type: ignore[no-untyped-def]  # noqa: F811
+    mount_factory, seaweedfs_s3: S3Server, bucket: str  # type: ignore[no-untyped-def]
 ) -> None:
     nodes = [
         mount_factory(f"node{i}", source=f"s3://{bucket}/run-1", extra_args=("--endpoint-url", seaweedfs_s3.endpoint))

@@ -20,7 +20,7 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:  # noqa: F811
+def bucket(seaweedfs_s3: S3Server) -> Iterator[str]:
     with s3_bucket(seaweedfs_s3) as name:
         yield name
 
@@ -42,7 +42,7 @@ def _s3_mount(mount_factory, server: S3Server, bucket: str, *extra: str, name: s
     )
 
 
-def test_checkpoints_land_in_the_bucket(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:  # noqa: F811
+def test_checkpoints_land_in_the_bucket(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
     torch = pytest.importorskip("torch")
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket)
     state = {"w": torch.arange(3 * MiB, dtype=torch.float32), "b": torch.ones(10)}
@@ -79,7 +79,7 @@ def _finished_parts(journal: Path) -> int:
     return max((len(json.loads(text)["parts"]) for (text,) in rows), default=0)
 
 
-def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:  # noqa: F811
+def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--part-size", "16M", "--transfers", "1")
     block = os.urandom(MiB)
     with open(m.mnt / "big.bin", "wb") as f:  # 1 GiB, 64 parts
@@ -109,7 +109,7 @@ def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Serve
     assert uploads == [], "an abandoned multipart upload was left behind"
 
 
-def test_mount_time_store_errors_are_one_clear_line(seaweedfs_s3: S3Server, tmp_path: Path) -> None:  # noqa: F811
+def test_mount_time_store_errors_are_one_clear_line(seaweedfs_s3: S3Server, tmp_path: Path) -> None:
     from conftest import ckptfs_cli
 
     (tmp_path / "mnt").mkdir()
@@ -140,18 +140,26 @@ def _vm_hwm(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
-def test_draining_a_4gib_file_keeps_the_daemon_small(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:  # noqa: F811
-    """Memory is bounded by parts in flight x part size (4 x 16 MiB here), not by the file: the daemon's
-    peak RSS while it drains a 4 GiB file stays far below the file's size."""
-    m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--part-size", "16M", "--transfers", "1")
-    with open(m.mnt / "big.bin", "wb") as f:  # sparse in the cache: quick to write, 4 GiB to upload
-        f.truncate(4 << 30)
-        f.seek((4 << 30) - 5)
-        f.write(b"tail!")
-    m.flush(timeout=600)
+def test_draining_four_1gib_files_at_once_keeps_the_daemon_within_its_memory_budget(
+    mount_factory, seaweedfs_s3: S3Server, bucket: str
+) -> None:
+    """Memory is bounded by the transfer engine's budget, not by the number or size of files: four 1 GiB
+    files draining at once (default part size, 64 MiB) with --memory-budget 128M."""
+    m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--memory-budget", "128M")
     assert m.proc is not None
+    baseline = _vm_hwm(m.proc.pid)  # the interpreter, pyfuse3, trio, boto3: before any transfer
+    for i in range(4):
+        with open(m.mnt / f"shard-{i}.bin", "wb") as f:  # sparse in the cache: quick to write, 1 GiB to upload
+            f.truncate(1 << 30)
+            f.seek((1 << 30) - 5)
+            f.write(b"tail!")
+    m.flush(timeout=600)
+    status = m.status()
     peak = _vm_hwm(m.proc.pid)
-    print(f"daemon peak RSS while draining 4 GiB: {peak / MiB:.0f} MiB")
-    assert peak < 512 * MiB, f"daemon peak RSS {peak / MiB:.0f} MiB"
-    head = seaweedfs_s3.client().head_object(Bucket=bucket, Key="run-1/big.bin")
-    assert head["ContentLength"] == 4 << 30
+    print(f"daemon RSS {baseline / MiB:.0f} MiB before, peak {peak / MiB:.0f} MiB while draining 4 x 1 GiB;"
+          f" engine peak {status['transfers']['memory_peak_bytes'] / MiB:.0f} MiB of part data")
+    assert status["transfers"]["memory_peak_bytes"] <= 128 * MiB
+    assert peak - baseline < 128 * MiB + 64 * MiB, f"daemon peak RSS {peak / MiB:.0f} MiB"
+    for i in range(4):
+        head = seaweedfs_s3.client().head_object(Bucket=bucket, Key=f"run-1/shard-{i}.bin")
+        assert head["ContentLength"] == 1 << 30

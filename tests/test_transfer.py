@@ -1,0 +1,292 @@
+"""The transfer engine's suite, run on every store of tests/store_targets.py: staged uploads (parts in
+parallel, progress for the journal, resume after a crash, clean-up of leftovers), spills, ranged
+downloads, and the memory budget shared by all of them."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from emulators import moto_s3, seaweedfs_s3  # noqa: F401
+from store_targets import BIG, META, PART, Target, engine, fetch, s3_target, target, write  # noqa: F401
+
+from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, ObjectStore, UploadPart, UploadRef, UploadState
+from ckptfs.errors import NotFoundBackendError, TransientBackendError
+from ckptfs.transfer import MemoryBudget, Priority, plan_part_size
+
+MiB = 1 << 20
+
+
+def _crc(data: bytes) -> str:
+    return f"crc32:{zlib.crc32(data):08x}"
+
+
+class Crash(Exception):
+    """What a kill -9 looks like to the code that was running."""
+
+
+async def _interrupted_upload(store: ObjectStore, key: str, src: Path, after_parts: int = 2) -> UploadState:
+    """Stage until `after_parts` parts are reported, then stop as a crash would; return the last state the
+    caller could have journaled."""
+    persisted: list[str] = []
+
+    def progress(state: UploadState) -> None:
+        persisted.append(state.to_json())
+        if len(state.parts) >= after_parts:
+            raise Crash
+
+    with pytest.raises(Crash):
+        await engine(store, parts_in_flight=1).stage_upload(key, str(src), META, progress=progress)
+    return UploadState.from_json(persisted[-1])
+
+
+@pytest.mark.parametrize("size", [0, 1000, BIG], ids=["empty", "small", "multipart"])
+async def test_stage_then_commit_makes_the_object_appear_byte_identical(
+    target: Target, tmp_path: Path, size: int
+) -> None:
+    store = target.store
+    data = write(tmp_path / "src", size)
+    transfers = engine(store)
+    staged = await transfers.stage_upload("ckpt/step-1/model.pt", str(tmp_path / "src"), META)
+    assert (staged.size, staged.checksum) == (size, _crc(data))
+    # Nothing at the key, nothing in listings, between stage and commit.
+    assert store.head("ckpt/step-1/model.pt") is None
+    assert not any(TEMP_PREFIX in info.key for info in store.list())
+    await transfers.commit_upload(staged)
+    info = store.head("ckpt/step-1/model.pt")
+    assert info is not None
+    assert (info.size, info.mtime_ns, info.mode) == (size, META.mtime_ns, META.mode)
+    assert info.checksum in (None, staged.checksum)
+    assert await transfers.download("ckpt/step-1/model.pt", str(tmp_path / "dl")) == staged.checksum
+    assert (tmp_path / "dl").read_bytes() == data
+    assert target.leftovers() == []
+    assert transfers.memory.in_use == 0
+
+
+async def test_parts_go_in_parallel_and_report_progress(target: Target, tmp_path: Path) -> None:
+    data = write(tmp_path / "src", BIG)
+    states: list[UploadState] = []
+    transfers = engine(target.store)
+    staged = await transfers.stage_upload("big", str(tmp_path / "src"), META, progress=states.append)
+    assert staged.state is not None
+    assert [p.number for p in staged.state.parts] == [1, 2, 3]
+    assert staged.state.part_size == PART
+    assert len(states) == 4 and states[0].parts == ()  # opened, then one call per finished part
+    assert {s.upload_id for s in states} == {staged.state.upload_id}
+    assert UploadState.from_json(states[-1].to_json()) == states[-1]
+    await transfers.commit_upload(staged)
+    assert (await fetch(target.store, "big", tmp_path))[0] == data
+    assert transfers.statistics().bytes_up == BIG
+
+
+async def test_abort_leaves_nothing(target: Target, tmp_path: Path) -> None:
+    transfers = engine(target.store)
+    for key, size in (("a/big", BIG), ("a/small", 10)):
+        write(tmp_path / "src", size)
+        staged = await transfers.stage_upload(key, str(tmp_path / "src"), META)
+        await transfers.abort_upload(staged)
+        await transfers.abort_upload(staged)  # twice is fine
+        assert target.store.head(key) is None
+    assert target.leftovers() == []
+
+
+async def test_a_vanished_source_raises_not_found(target: Target, tmp_path: Path) -> None:
+    with pytest.raises(NotFoundBackendError):
+        await engine(target.store).stage_upload("k", str(tmp_path / "missing"), META)
+
+
+async def test_abort_stale_uploads_removes_only_this_owners_leftovers(target: Target, tmp_path: Path) -> None:
+    mine, theirs = target.make(owner="mine"), target.make(owner="theirs")
+    write(tmp_path / "src", BIG)
+    for key in ("a/one", "shared"):
+        await _interrupted_upload(mine, key, tmp_path / "src", after_parts=1)
+    their_state = await _interrupted_upload(theirs, "shared", tmp_path / "src", after_parts=1)
+    assert await engine(mine).abort_stale_uploads(set()) >= 2
+    assert await engine(mine).abort_stale_uploads(set()) == 0
+    # The other owner's upload to the same key survives and resumes.
+    staged = await engine(theirs).stage_upload("shared", str(tmp_path / "src"), META, resume=their_state)
+    assert staged.state is not None
+    if target.is_s3:  # file:// cannot resume (its temp file does not record parts) but must not lose it either
+        assert staged.state.upload_id == their_state.upload_id
+    await engine(theirs).commit_upload(staged)
+    assert mine.head("a/one") is None and mine.head("shared") is not None
+    assert target.leftovers() == []
+
+
+async def test_resume_continues_from_the_finished_parts(s3_target: Target, tmp_path: Path) -> None:
+    data = write(tmp_path / "src", BIG)
+    state = await _interrupted_upload(s3_target.store, "ckpt/big", tmp_path / "src")
+    assert len(state.parts) >= 2
+    restarted = engine(s3_target.make())  # a new process: same owner, new client
+    assert await restarted.abort_stale_uploads({state.upload_id}) == 0
+    seen: list[UploadState] = []
+    staged = await restarted.stage_upload("ckpt/big", str(tmp_path / "src"), META, resume=state,
+                                          progress=seen.append)
+    assert seen[0].upload_id == state.upload_id
+    assert {p.number for p in seen[0].parts} == {p.number for p in state.parts}  # kept, not uploaded again
+    assert len(seen) == 1 + 3 - len(state.parts)
+    await restarted.commit_upload(staged)
+    assert await fetch(s3_target.store, "ckpt/big", tmp_path) == (data, _crc(data))
+    assert s3_target.leftovers() == []
+
+
+async def test_resume_of_a_changed_file_starts_afresh(target: Target, tmp_path: Path) -> None:
+    write(tmp_path / "src", BIG, seed=1)
+    state = await _interrupted_upload(target.store, "big", tmp_path / "src")
+    data = write(tmp_path / "src", BIG, seed=2)  # same size, other bytes
+    transfers = engine(target.store)
+    staged = await transfers.stage_upload("big", str(tmp_path / "src"), META, resume=state)
+    assert staged.state is not None and staged.state.upload_id != state.upload_id
+    await transfers.commit_upload(staged)
+    assert (await fetch(target.store, "big", tmp_path))[0] == data
+    assert target.leftovers() == []  # the old upload was aborted
+
+
+async def test_resume_after_the_upload_was_aborted_starts_afresh(target: Target, tmp_path: Path) -> None:
+    data = write(tmp_path / "src", BIG)
+    state = await _interrupted_upload(target.store, "big", tmp_path / "src")
+    transfers = engine(target.store)
+    assert await transfers.abort_stale_uploads(set()) == 1  # not kept: aborted
+    staged = await transfers.stage_upload("big", str(tmp_path / "src"), META, resume=state)
+    assert staged.state is not None and staged.state.upload_id != state.upload_id
+    await transfers.commit_upload(staged)
+    assert (await fetch(target.store, "big", tmp_path))[0] == data
+    assert target.leftovers() == []
+
+
+class _FailingPart2:
+    """A store whose part 2 always fails transiently; everything else goes to the real store."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self._inner = inner
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+        if number == 2:
+            self.calls += 1
+            raise TransientBackendError("injected failure of part 2")
+        return self._inner.put_part(upload, number, offset, data, crc)
+
+
+async def test_a_failed_stage_aborts_its_upload_unless_the_caller_can_resume_it(
+    target: Target, tmp_path: Path
+) -> None:
+    write(tmp_path / "src", BIG)
+    failing = _FailingPart2(target.store)
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    transfers = engine(failing, sleep=sleep, attempts=3)  # type: ignore[arg-type]
+    with pytest.raises(TransientBackendError, match="injected"):
+        await transfers.stage_upload("big", str(tmp_path / "src"), META)
+    assert failing.calls == 3 and len(slept) == 2  # retried with backoff, then given up
+    assert target.leftovers() == []  # nobody could resume it: aborted
+    with pytest.raises(TransientBackendError, match="injected"):
+        await transfers.stage_upload("big", str(tmp_path / "src"), META, progress=lambda state: None)
+    assert target.leftovers() != []  # the caller may resume it: it stays
+    assert await transfers.abort_stale_uploads(set()) == 1
+    assert target.leftovers() == []
+
+
+async def test_commit_after_a_lost_complete_answer_succeeds(s3_target: Target, tmp_path: Path) -> None:
+    """A complete whose answer was lost, retried, finds no upload: the object is there, so it succeeded."""
+    data = write(tmp_path / "src", BIG)
+    transfers = engine(s3_target.store)
+    staged = await transfers.stage_upload("big", str(tmp_path / "src"), META)
+    assert staged.state is not None
+    s3_target.store.complete_upload(staged.state.ref, staged.state.parts, staged.size, staged.checksum)
+    if s3_target.name == "moto":
+        pytest.skip("moto answers a complete of a completed upload with a 500, not NoSuchUpload")
+    await transfers.commit_upload(staged)
+    assert (await fetch(s3_target.store, "big", tmp_path))[0] == data
+
+
+async def test_a_spill_stages_the_start_of_a_file_and_lands_whole_at_its_key(target: Target, tmp_path: Path) -> None:
+    data = write(tmp_path / "src", 2 * PART + 777)
+    transfers = engine(target.store)
+    state = await transfers.spill_begin(PART)
+    state = await transfers.spill_part(state, str(tmp_path / "src"), PART)
+    state = await transfers.spill_part(state, str(tmp_path / "src"), PART)
+    state = UploadState.from_json(state.to_json())  # as a restarted daemon reads it from the journal
+    state = await transfers.spill_part(state, str(tmp_path / "src"), 777)
+    assert (state.size, state.checksum) == (len(data), _crc(data))
+    assert target.store.head("final/key") is None
+    meta = ObjectMeta(mtime_ns=1_750_000_000_000_000_000, mode=0o600)
+    await transfers.spill_commit(state, "final/key", meta)
+    await transfers.spill_commit(state, "final/key", meta)  # a retry after a lost answer succeeds
+    info = target.store.head("final/key")
+    assert info is not None and (info.size, info.mtime_ns, info.mode) == (len(data), meta.mtime_ns, meta.mode)
+    assert await fetch(target.store, "final/key", tmp_path) == (data, _crc(data))
+    assert target.leftovers() == []
+
+
+async def test_an_aborted_spill_leaves_nothing(target: Target, tmp_path: Path) -> None:
+    write(tmp_path / "src", PART)
+    transfers = engine(target.store)
+    state = await transfers.spill_part(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
+    await transfers.abort_state(state)
+    assert target.leftovers() == []
+
+
+async def test_download_of_a_missing_key_raises_not_found(target: Target, tmp_path: Path) -> None:
+    with pytest.raises(NotFoundBackendError):
+        await engine(target.store).download("no/such/key", str(tmp_path / "dst"))
+
+
+async def test_memory_stays_within_the_budget_with_many_files_at_once(target: Target, tmp_path: Path) -> None:
+    transfers = engine(target.store, memory_budget=2 * PART, parts_in_flight=8)
+    sources = {f"f{i}": write(tmp_path / f"f{i}", BIG, seed=i) for i in range(4)}
+
+    async def one(key: str) -> None:
+        await transfers.commit_upload(await transfers.stage_upload(key, str(tmp_path / key), META))
+
+    async with trio.open_nursery() as nursery:
+        for key in sources:
+            nursery.start_soon(one, key)
+    assert 0 < transfers.memory.peak <= 2 * PART
+    for key, data in sources.items():
+        assert (await fetch(target.store, key, tmp_path))[0] == data
+
+
+async def test_the_budget_grants_by_priority_and_survives_cancellation() -> None:
+    budget = MemoryBudget(100)
+    order: list[str] = []
+    assert await budget.acquire(100, Priority.UPLOAD) == 100
+
+    async def wants(name: str, nbytes: int, priority: Priority) -> None:
+        granted = await budget.acquire(nbytes, priority)
+        order.append(name)
+        budget.release(granted)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wants, "upload", 60, Priority.UPLOAD)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(wants, "marker", 60, Priority.MARKER)
+        nursery.start_soon(wants, "read", 60, Priority.READ)
+        with trio.move_on_after(0.01):
+            await budget.acquire(50, Priority.READAHEAD)  # gives up waiting: its place must not block others
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == []
+        budget.release(100)
+    assert order == ["read", "upload", "marker"]
+    assert budget.in_use == 0 and budget.peak == 100
+    assert await budget.acquire(1000, Priority.READ) == 100  # larger than the budget: all of it, alone
+
+
+def test_plan_part_size() -> None:
+    s3 = {"min_part": 5 * MiB, "max_parts": 10_000}
+    assert plan_part_size(2 << 30, 64 * MiB, 4, **s3) == 64 * MiB
+    assert plan_part_size(20 * MiB, 64 * MiB, 4, **s3) == 5 * MiB  # mid-size files still go in parallel
+    assert plan_part_size(100 * MiB, 64 * MiB, 4, **s3) == 25 * MiB
+    assert plan_part_size(12 * MiB, 1 * MiB, 4, **s3) == 5 * MiB  # never below the store's minimum
+    huge = 1 << 42  # 4 TiB: parts grow so there are at most 10,000
+    assert -(-huge // plan_part_size(huge, 64 * MiB, 4, **s3)) <= 10_000
