@@ -325,7 +325,7 @@ def test_a_store_on_the_whole_bucket(target: Target) -> None:
 # -- server-side verification -----------------------------------------------------------------------------
 
 
-def test_gcs_server_rejects_a_part_with_a_wrong_crc32c(fake_gcs: GcsServer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_gcs_server_rejects_a_part_with_a_wrong_crc32c(fake_gcs: GcsServer, monkeypatch: pytest.MonkeyPatch) -> None:
     import ckptfs.backends.gcs as gcs
 
     store = _gcs_target(fake_gcs).store
@@ -337,7 +337,7 @@ def test_gcs_server_rejects_a_part_with_a_wrong_crc32c(fake_gcs: GcsServer, monk
         store.put_part(upload, 1, 0, b"some bytes", zlib.crc32(b"some bytes"))
 
 
-def test_azure_server_rejects_a_block_with_a_wrong_md5(azurite: AzuriteServer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_azure_server_rejects_a_block_with_a_wrong_md5(azurite: AzuriteServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """put_part sends the block's MD5 (validate_content); the server refuses bytes that do not match it."""
     import base64
     import hashlib
@@ -366,7 +366,7 @@ def test_check_accepts_a_usable_store(target: Target) -> None:
     target.store.check()
 
 
-def test_gcs_check_names_the_problem_and_the_fix(fake_gcs: GcsServer, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+def test_gcs_check_names_the_problem_and_the_fix(fake_gcs: GcsServer, monkeypatch: pytest.MonkeyPatch,
                                                  tmp_path: Any) -> None:
     from ckptfs.backends.gcs import GcsStore
 
@@ -383,7 +383,7 @@ def test_gcs_check_names_the_problem_and_the_fix(fake_gcs: GcsServer, monkeypatc
         GcsStore("b", endpoint_url=f"https://127.0.0.1:{port}").check()
 
 
-def test_gcs_emulator_host_is_the_standard_way(fake_gcs: GcsServer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_gcs_emulator_host_is_the_standard_way(fake_gcs: GcsServer, monkeypatch: pytest.MonkeyPatch) -> None:
     bucket = fake_gcs.new_bucket()
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", fake_gcs.endpoint)
     store = open_store(f"gs://{bucket}/p")
@@ -392,7 +392,7 @@ def test_gcs_emulator_host_is_the_standard_way(fake_gcs: GcsServer, monkeypatch:
     assert store.head("x") is not None
 
 
-def test_azure_check_names_the_problem_and_the_fix(azurite: AzuriteServer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_azure_check_names_the_problem_and_the_fix(azurite: AzuriteServer, monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptfs.backends.azure import AzureBlobStore
 
     _azure_target(azurite, monkeypatch)
@@ -412,7 +412,7 @@ def test_azure_check_names_the_problem_and_the_fix(azurite: AzuriteServer, monke
         AzureBlobStore("c").check()
 
 
-def test_azure_account_and_key_from_the_environment(azurite: AzuriteServer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_azure_account_and_key_from_the_environment(azurite: AzuriteServer, monkeypatch: pytest.MonkeyPatch) -> None:
     from emulators import AZURITE_ACCOUNT, AZURITE_KEY
 
     container = _azure_target(azurite, monkeypatch).store.container  # type: ignore[attr-defined]

@@ -21,7 +21,8 @@ resumable session): open_upload writes a manifest `<prefix>/.ckptfs-tmp.parts/<o
 rejects a part whose bytes do not match), list_parts lists them, complete_upload composes them (at most
 32 sources per call, so above 32 parts in a tree of intermediate objects `.../c<level>-<n>`), every source
 pinned to the generation its put_part wrote (ifGenerationMatch on each source), into the key with the
-metadata, in one atomic step, then deletes the upload's directory, manifest last. Everything an upload
+metadata, in one atomic step, then deletes the upload's directory, manifest first (a part that lands after
+an abort sees its manifest gone and removes itself). Everything an upload
 leaves behind is under its owner's directory, so `list_leftovers` lists only `<owner>/` and never touches
 another node's uploads. The final key has no create-only precondition: overwriting is the semantics.
 
@@ -379,8 +380,16 @@ class GcsStore:
         return f"{self._upload_dir(upload)}p{number:05d}"
 
     def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+        what = f"upload part {number} of {upload.key}"
         blob = self._new_blob(self._part_name(upload, number))
-        self._upload_bytes(blob, data, f"upload part {number} of {upload.key}")
+        self._upload_bytes(blob, data, what)
+        # An abort that ran meanwhile (it removes the manifest first) must not leave this part behind.
+        manifest = self._bucket().blob(self._upload_dir(upload) + MANIFEST)
+        with _mapped(what):
+            gone = not manifest.exists(retry=None, timeout=self.timeout)
+        if gone:
+            self._delete_name(blob.name, what)
+            raise TransientBackendError(f"{what}: the staged upload is gone")
         return UploadPart(number, str(blob.generation), crc_text(crc))
 
     def _read_manifest(self, upload: UploadRef) -> dict[str, Any] | None:
@@ -473,10 +482,10 @@ class GcsStore:
 
     def _delete_upload_dir(self, upload: UploadRef) -> None:
         directory = self._upload_dir(upload)
-        blobs = self._list_names(directory)
-        # The manifest last: while any part is left, list_leftovers still finds the upload by its key.
-        blobs.sort(key=lambda b: b.name == directory + MANIFEST)
-        for blob in blobs:
+        # The manifest first: a put_part finishing after this sees it gone and removes its own part, and
+        # the parts listed next are all there are (list_leftovers still finds a crash's remains by the id).
+        self._delete_name(directory + MANIFEST, f"abort upload of {upload.key}")
+        for blob in self._list_names(directory):
             self._delete_name(blob.name, f"remove a part of the upload of {upload.key}")
 
     def _delete_name(self, name: str, what: str) -> None:
