@@ -70,3 +70,31 @@ def test_checkpoints_land_in_the_bucket_and_a_fresh_node_reads_them(
     assert torch.equal(torch.load(fresh.mnt / "step_1" / "model.pt")["w"], state["w"])
     assert (fresh.mnt / "latest").read_text() == "step_1"
     assert fresh.umount().returncode == 0
+
+
+def test_mount_time_store_errors_are_one_clear_line(fake_gcs: GcsServer, azurite: AzuriteServer,
+                                                    tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import ckptfs_cli
+
+    (tmp_path / "mnt").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AZURE_", "GOOGLE_", "STORAGE_EMULATOR"))}
+    env["CKPTFS_RUNTIME_DIR"] = str(tmp_path / "run")
+    cache = ("--cache-dir", str(tmp_path / "cache"))
+    mnt = str(tmp_path / "mnt")
+    gs_missing = ckptfs_cli("mount", *cache, "--endpoint-url", fake_gcs.endpoint, "gs://no-such-bucket/x", mnt,
+                            env=env)
+    az_missing = ckptfs_cli("mount", *cache, "az://no-such-container/x", mnt,
+                            env=dict(env, AZURE_STORAGE_CONNECTION_STRING=azurite.connection_string))
+    az_nothing = ckptfs_cli("mount", *cache, "az://c/x", mnt, env=env)
+    gs_in_url = ckptfs_cli("mount", *cache, "gs://user:secret@bucket/x", mnt, env=env)
+    for result, code, words in ((gs_missing, 1, ("no-such-bucket", "gcloud storage buckets create")),
+                                (az_missing, 1, ("no-such-container", "az storage container create")),
+                                (az_nothing, 1, ("AZURE_STORAGE_ACCOUNT",)),
+                                (gs_in_url, 2, ("credentials",))):
+        assert result.returncode == code, result.stderr
+        assert "Traceback" not in result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.startswith("ckptfs:")]
+        assert len(lines) == 1, result.stderr
+        assert all(word in lines[0] for word in words), lines[0]
+        assert "secret" not in result.stderr and "Eby8vdM02" not in result.stderr
+    assert not os.path.ismount(tmp_path / "mnt")

@@ -55,7 +55,9 @@ def _open_s3(url: str, bucket: str, path: str, endpoint_url: str | None) -> Obje
 
 def _reject_credentials(url: str, netloc: str, what: str, chain: str) -> None:
     if "@" in netloc or ":" in netloc:
-        raise UsageError(f"store URL {url!r}: credentials and ports do not belong in the URL; use {chain}"
+        # Never echo what may be a secret: the URL is shown with its user part replaced.
+        shown = url.replace(netloc, "<credentials>@" + netloc.rsplit("@", 1)[-1]) if "@" in netloc else url
+        raise UsageError(f"store URL {shown!r}: credentials and ports do not belong in the URL; use {chain}"
                          " and --endpoint-url")
     if not netloc:
         raise UsageError(f"store URL {url!r}: name the {what}, like {url.split(':', 1)[0]}://my-{what}/run-42")
