@@ -531,3 +531,40 @@ def test_no_credential_in_messages(monkeypatch: pytest.MonkeyPatch) -> None:
         store.check()
     assert "U0VDUkVU" not in str(caught.value) and "U0VDUkVU" not in repr(store)
     assert os.environ["AZURE_STORAGE_CONNECTION_STRING"]  # untouched
+
+
+def test_azure_errors_never_carry_a_sas_or_key() -> None:
+    from azure.core.exceptions import ServiceRequestError
+
+    from ckptfs.backends.azure import translate_error
+
+    url = "https://acct.blob.core.windows.net/c/k?sv=2024-01-01&sp=racwdl&sig=c2VjcmV0c2lnbmF0dXJl%3D&se=2030"
+    got = translate_error(ServiceRequestError(f"Max retries exceeded with url: {url}"), "op")
+    assert "c2VjcmV0" not in str(got) and "sig=REDACTED" in str(got) and "sp=racwdl" in str(got)
+    got = translate_error(ValueError("bad AccountKey=U0VDUkVU;"), "op")
+    assert "U0VDUkVU" not in str(got)
+
+
+def test_check_messages_for_denied_access() -> None:
+    """Neither emulator has IAM: the messages for a 403 are checked on the translated errors themselves."""
+    import google.api_core.exceptions as gexc
+    from azure.core.exceptions import HttpResponseError
+
+    from ckptfs.backends import azure, gcs
+
+    def raised(translate: Callable[[BaseException, str], BackendError], exc: BaseException) -> BackendError:
+        error = translate(exc, "list")
+        error.__cause__ = exc  # as `raise ... from` in the store does
+        return error
+
+    gcs_store = gcs.GcsStore("b", "p", endpoint_url="http://127.0.0.1:1")
+    message = gcs_store._check_message(raised(gcs.translate_error, gexc.Forbidden("no storage.objects.list")))
+    assert "access denied" in message and "roles/storage.object" in message
+    message = gcs_store._check_message(raised(gcs.translate_error, gexc.Unauthorized("bad token")))
+    assert "rejected" in message and "gcloud auth application-default login" in message
+    denied = HttpResponseError(message="denied")
+    denied.status_code = 403
+    denied.error_code = "AuthorizationPermissionMismatch"  # type: ignore[attr-defined]
+    az_store = azure.AzureBlobStore("c", endpoint_url="http://127.0.0.1:1/a")
+    message = az_store._check_message(raised(azure.translate_error, denied))
+    assert "access denied (AuthorizationPermissionMismatch)" in message and "Storage Blob Data Contributor" in message

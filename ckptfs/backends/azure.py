@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import threading
@@ -161,8 +162,24 @@ def _status_class(status: int) -> type[BackendError]:
     return PermanentBackendError
 
 
+_SAS_SIGNATURE = re.compile(r"(?i)\b(sig|AccountKey|SharedAccessSignature)=[^&;\s'\")]+")
+
+
+def redact(text: str) -> str:
+    """`text` without SAS signatures or account keys (transport errors quote the request URL, which
+    carries the SAS when one is used)."""
+    return _SAS_SIGNATURE.sub(lambda m: f"{m.group(1)}=REDACTED", text)
+
+
 def translate_error(exc: BaseException, what: str) -> BackendError:
     """The BackendError that an azure-core / azure-storage-blob / azure-identity failure of `what` stands for."""
+    translated = _translate(exc, what)
+    if translated is not exc:
+        translated.args = tuple(redact(str(a)) for a in translated.args)
+    return translated
+
+
+def _translate(exc: BaseException, what: str) -> BackendError:
     if isinstance(exc, BackendError):
         return exc
     if isinstance(exc, HttpResponseError) and exc.status_code:
