@@ -229,6 +229,9 @@ class GcsStore:
         self._client_obj: storage.Client | None = None
         self._bucket_obj: storage.Bucket | None = None
         self._versions: OrderedDict[tuple[str, int], tuple[int, str | None]] = OrderedDict()
+        # put_part calls in progress per upload id: an abort waits for this process's to settle.
+        self._parts_busy: dict[str, int] = {}
+        self._parts_idle = threading.Condition(threading.Lock())
 
     def __repr__(self) -> str:
         return f"GcsStore({self.url!r}, endpoint={self._endpoint()!r})"
@@ -380,6 +383,20 @@ class GcsStore:
         return f"{self._upload_dir(upload)}p{number:05d}"
 
     def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+        with self._parts_idle:
+            self._parts_busy[upload.upload_id] = self._parts_busy.get(upload.upload_id, 0) + 1
+        try:
+            return self._put_part(upload, number, data, crc)
+        finally:
+            with self._parts_idle:
+                left = self._parts_busy[upload.upload_id] - 1
+                if left:
+                    self._parts_busy[upload.upload_id] = left
+                else:
+                    del self._parts_busy[upload.upload_id]
+                self._parts_idle.notify_all()
+
+    def _put_part(self, upload: UploadRef, number: int, data: bytes, crc: int) -> UploadPart:
         what = f"upload part {number} of {upload.key}"
         blob = self._new_blob(self._part_name(upload, number))
         self._upload_bytes(blob, data, what)
@@ -496,6 +513,13 @@ class GcsStore:
             pass
 
     def abort_upload(self, upload: UploadRef) -> None:
+        """Remove the upload's directory. Unlike an S3 abort, nothing stops a part still being written (by
+        a thread the engine gave up on) from landing after the listing: such a part sees the manifest gone
+        and removes itself, and this process's parts are waited for (up to one request's timeout), so the
+        directory is empty when this returns."""
+        self._delete_name(self._upload_dir(upload) + MANIFEST, f"abort upload of {upload.key}")
+        with self._parts_idle:
+            self._parts_idle.wait_for(lambda: upload.upload_id not in self._parts_busy, timeout=sum(self.timeout))
         self._delete_upload_dir(upload)
 
     def list_leftovers(self) -> list[UploadRef]:
