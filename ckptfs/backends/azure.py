@@ -380,10 +380,10 @@ class AzureBlobStore:
     # -- staged uploads: blocks on the blob itself, bracketed by this owner's marker -------------------------
 
     def _upload_blob(self, name: str, data: bytes, metadata: dict[str, str] | None, what: str,
-                     **kwargs: Any) -> dict[str, Any]:
+                     overwrite: bool = True, **kwargs: Any) -> dict[str, Any]:
         with _mapped(what):
             result: dict[str, Any] = self._blob(name).upload_blob(
-                data, length=len(data), overwrite=True, metadata=metadata, validate_content=True,
+                data, length=len(data), overwrite=overwrite, metadata=metadata, validate_content=True,
                 content_settings=ContentSettings(content_type=CONTENT_TYPE), **kwargs)
         return result
 
@@ -406,7 +406,13 @@ class AzureBlobStore:
         upload_id = secrets.token_hex(8)
         upload = UploadRef(key, upload_id, f"{self.owner}/{upload_id}")
         body = json.dumps({"key": key, "metadata": metadata, "owner": self.owner}).encode()
-        self._upload_blob(self._marker_name(upload), body, None, f"start upload of {key}")
+        # Create-only (If-None-Match: *): a random id never meets an existing marker, and a retry after a
+        # lost answer finds its own (409), which is as good as written.
+        try:
+            self._upload_blob(self._marker_name(upload), body, None, f"start upload of {key}", overwrite=False)
+        except TransientBackendError as exc:
+            if error_code_of(exc)[0] != "BlobAlreadyExists":
+                raise
         return upload
 
     @staticmethod
