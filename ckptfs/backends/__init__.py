@@ -39,8 +39,8 @@ def _open_s3(url: str, bucket: str, path: str, endpoint_url: str | None) -> Obje
     if not bucket:
         raise UsageError(f"store URL {url!r}: name the bucket, like s3://my-bucket/run-42")
     if "@" in bucket or ":" in bucket:
-        raise UsageError(f"store URL {url!r}: credentials and ports do not belong in the URL; use the AWS"
-                         " credential chain and --endpoint-url")
+        raise UsageError(f"store URL {_shown(url, bucket)!r}: credentials and ports do not belong in the URL;"
+                         " use the AWS credential chain and --endpoint-url")
     try:
         from ckptfs.backends.s3 import S3Store
     except ImportError as exc:
@@ -53,12 +53,15 @@ def _open_s3(url: str, bucket: str, path: str, endpoint_url: str | None) -> Obje
     return S3Store(bucket, path.strip("/"), endpoint_url=endpoint_url)
 
 
+def _shown(url: str, netloc: str) -> str:
+    """The URL as an error message may show it: a user part (which may hold a secret) replaced."""
+    return url.replace(netloc, "<credentials>@" + netloc.rsplit("@", 1)[-1]) if "@" in netloc else url
+
+
 def _reject_credentials(url: str, netloc: str, what: str, chain: str) -> None:
     if "@" in netloc or ":" in netloc:
-        # Never echo what may be a secret: the URL is shown with its user part replaced.
-        shown = url.replace(netloc, "<credentials>@" + netloc.rsplit("@", 1)[-1]) if "@" in netloc else url
-        raise UsageError(f"store URL {shown!r}: credentials and ports do not belong in the URL; use {chain}"
-                         " and --endpoint-url")
+        raise UsageError(f"store URL {_shown(url, netloc)!r}: credentials and ports do not belong in the URL;"
+                         f" use {chain} and --endpoint-url")
     if not netloc:
         raise UsageError(f"store URL {url!r}: name the {what}, like {url.split(':', 1)[0]}://my-{what}/run-42")
 
