@@ -26,3 +26,12 @@ spec="."
 # torch==2.13.0 (in the test extra) resolves to the CPU wheel on this machine's disk.
 .venv/bin/pip install -q -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import ckptfs, pyfuse3, trio" || { echo "error: install failed" >&2; exit 1; }
+
+# The az:// tests run Azurite (Microsoft's Blob emulator, from npm) from .azurite/ (tests/emulators.py).
+# 3.35.0: later releases need node >= 21.
+if [[ ",$extras," == *",test,"* ]] && [ ! -e .azurite/node_modules/azurite/dist/src/blob/main.js ]; then
+  command -v npm >/dev/null || { echo "error: the tests need node and npm for Azurite (apt-get install nodejs npm)" >&2; exit 1; }
+  echo "installing Azurite 3.35.0 into .azurite/"
+  mkdir -p .azurite
+  (cd .azurite && npm install --silent --no-audit --no-fund azurite@3.35.0 >/dev/null)
+fi

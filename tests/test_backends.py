@@ -12,7 +12,7 @@ from pathlib import Path
 
 import botocore.exceptions
 import pytest
-from emulators import moto_s3, seaweedfs_s3  # noqa: F401
+from emulators import azurite, fake_gcs, moto_s3, seaweedfs_s3  # noqa: F401
 from store_targets import BIG, META, PART, Target, download, put, s3_target, s3_target_on, target, write  # noqa: F401
 
 from ckptfs.backends import open_store
@@ -100,12 +100,12 @@ def test_list_parts_reports_what_the_server_holds(target: Target) -> None:
     upload = store.open_upload("p", META, None)
     part = store.put_part(upload, 1, 0, b"y" * PART, zlib.crc32(b"y" * PART))
     held = store.list_parts(upload)
-    if target.is_s3:
+    if target.is_object_store:
         assert held == {1: (part.etag.strip('"'), PART)}
     else:
         assert held is None  # file:// cannot tell: an interrupted upload starts afresh
     store.abort_upload(upload)
-    if target.is_s3:
+    if target.is_object_store:
         assert store.list_parts(upload) is None
 
 
@@ -144,7 +144,7 @@ def test_get_range_reads_ranges_of_one_version(target: Target) -> None:
 
 
 def test_open_upload_refuses_reserved_names(target: Target) -> None:
-    if not target.is_s3:
+    if not target.is_object_store:
         pytest.skip("file:// keeps its own temp files; the fs refuses reserved names before any store sees them")
     with pytest.raises(PermanentBackendError):
         target.store.open_upload(f"x/{TEMP_PREFIX}y", META, None)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from emulators import moto_s3, seaweedfs_s3  # noqa: F401
+from emulators import azurite, fake_gcs, moto_s3, seaweedfs_s3  # noqa: F401
 from store_targets import BIG, META, PART, Target, engine, fetch, s3_target, target, write  # noqa: F401
 
 from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, ObjectStore, UploadPart, UploadRef, UploadState
@@ -110,7 +110,7 @@ async def test_abort_stale_uploads_removes_only_this_owners_leftovers(target: Ta
     # The other owner's upload to the same key survives and resumes.
     staged = await engine(theirs).stage_upload("shared", str(tmp_path / "src"), META, resume=their_state)
     assert staged.state is not None
-    if target.is_s3:  # file:// cannot resume (its temp file does not record parts) but must not lose it either
+    if target.is_object_store:  # file:// cannot resume (no parts recorded), must not lose it
         assert staged.state.upload_id == their_state.upload_id
     await engine(theirs).commit_upload(staged)
     assert mine.head("a/one") is None and mine.head("shared") is not None

@@ -30,18 +30,17 @@ def open_store(url: str, *, endpoint_url: str | None = None) -> ObjectStore:
         return LocalStore(Path(parts.path).resolve())
     if parts.scheme == "s3":
         return _open_s3(url, parts.netloc, parts.path, endpoint_url)
-    raise UsageError(
-        f"store URL {url!r}: the {parts.scheme}:// backend is not available in this build yet;"
-        " use file:///DIR"
-    )
+    if parts.scheme == "gs":
+        return _open_gcs(url, parts.netloc, parts.path, endpoint_url)
+    return _open_azure(url, parts.netloc, parts.path, endpoint_url)
 
 
 def _open_s3(url: str, bucket: str, path: str, endpoint_url: str | None) -> ObjectStore:
     if not bucket:
         raise UsageError(f"store URL {url!r}: name the bucket, like s3://my-bucket/run-42")
     if "@" in bucket or ":" in bucket:
-        raise UsageError(f"store URL {url!r}: credentials and ports do not belong in the URL; use the AWS"
-                         " credential chain and --endpoint-url")
+        raise UsageError(f"store URL {_shown(url, bucket)!r}: credentials and ports do not belong in the URL;"
+                         " use the AWS credential chain and --endpoint-url")
     try:
         from ckptfs.backends.s3 import S3Store
     except ImportError as exc:
@@ -52,3 +51,42 @@ def _open_s3(url: str, bucket: str, path: str, endpoint_url: str | None) -> Obje
             " (pip install 'ckptfs[s3]')"
         ) from None
     return S3Store(bucket, path.strip("/"), endpoint_url=endpoint_url)
+
+
+def _shown(url: str, netloc: str) -> str:
+    """The URL as an error message may show it: a user part (which may hold a secret) replaced."""
+    return url.replace(netloc, "<credentials>@" + netloc.rsplit("@", 1)[-1]) if "@" in netloc else url
+
+
+def _reject_credentials(url: str, netloc: str, what: str, chain: str) -> None:
+    if "@" in netloc or ":" in netloc:
+        raise UsageError(f"store URL {_shown(url, netloc)!r}: credentials and ports do not belong in the URL;"
+                         f" use {chain} and --endpoint-url")
+    if not netloc:
+        raise UsageError(f"store URL {url!r}: name the {what}, like {url.split(':', 1)[0]}://my-{what}/run-42")
+
+
+def _sdk_missing(exc: ImportError, packages: tuple[str, ...], scheme: str, extra: str, sdk: str) -> CkptfsError:
+    if (exc.name or "").split(".")[0] not in packages:
+        raise exc
+    return CkptfsError(f"the {scheme}:// backend needs {sdk}, which is not installed: install ckptfs[{extra}]"
+                       f" (pip install 'ckptfs[{extra}]')")
+
+
+def _open_gcs(url: str, bucket: str, path: str, endpoint_url: str | None) -> ObjectStore:
+    _reject_credentials(url, bucket, "bucket", "Application Default Credentials (GOOGLE_APPLICATION_CREDENTIALS)")
+    try:
+        from ckptfs.backends.gcs import GcsStore
+    except ImportError as exc:
+        raise _sdk_missing(exc, ("google", "google_crc32c", "requests"), "gs", "gcs", "google-cloud-storage") from None
+    return GcsStore(bucket, path.strip("/"), endpoint_url=endpoint_url)
+
+
+def _open_azure(url: str, container: str, path: str, endpoint_url: str | None) -> ObjectStore:
+    _reject_credentials(url, container, "container",
+                        "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT with a key, SAS or identity")
+    try:
+        from ckptfs.backends.azure import AzureBlobStore
+    except ImportError as exc:
+        raise _sdk_missing(exc, ("azure", "requests"), "az", "azure", "azure-storage-blob") from None
+    return AzureBlobStore(container, path.strip("/"), endpoint_url=endpoint_url)
