@@ -250,6 +250,10 @@ class LocalStore:
                     os.chmod(temp, meta.mode & 0o7777)
                 os.utime(temp, ns=(meta.mtime_ns, meta.mtime_ns), follow_symlinks=False)
             os.replace(temp, dst)
+            # rename(2) of a hard link over another link of the same file does nothing and succeeds: a copy
+            # redone after a crash (dst already links the source) would leave the temp name in the store.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
             _fsync_dir(os.path.dirname(dst))
         except OSError as exc:
             raise _translate(exc, src_key) from exc
