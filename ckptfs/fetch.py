@@ -194,6 +194,12 @@ class Fetcher:
         stream = self._stream(inode)
         reader = Reader(stream)
         stream.readers.add(reader)
+        if stream.size == 0 and not stream.complete:
+            # Nothing to fetch, and no read will come for it (the kernel knows the size): an empty file is
+            # whole at its open, as any other file is once its last chunk arrives.
+            stream.present.add(0)
+            stream.crcs[0] = 0
+            self._complete(stream)
         return reader
 
     def close_reader(self, reader: Reader) -> None:

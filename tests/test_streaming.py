@@ -109,6 +109,17 @@ async def test_sequential_reader_gets_chunks_ahead_in_parallel(stack: Stack) -> 
     stack.fs.release(fh)
 
 
+async def test_an_empty_remote_file_is_whole_at_its_open(stack: Stack) -> None:
+    """The kernel sends no read for a file of size 0: its open alone makes it a clean cached file (found by
+    the crash harness: a fresh node that had read every file still held an empty one as 'remote')."""
+    ino, _ = await remote_file(stack, "empty", 0)
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert await stack.fs.read(fh, 0, 4096) == b""
+    stack.fs.release(fh)
+    assert chunk_offsets(stack, "empty") == []  # nothing to download
+
+
 async def test_two_readers_share_one_download(stack: Stack) -> None:
     ino, content = await remote_file(stack, "two.bin", 30 * CHUNK + 7)
     fh1 = await stack.fs.open(ino, os.O_RDONLY)
