@@ -558,7 +558,8 @@ def check_journal_against_store(journal_path: Path, store: Tree) -> None:
     for path, kind, state, remote_key, size, checksum in sorted(rows):
         key = path + "/" if kind == "dir" else path
         if state != "clean" or remote_key != key:
-            raise RoundFailed(f"journal after flush: {path} is {state} at key {remote_key!r}, expected clean at {key!r}")
+            raise RoundFailed(f"journal after flush: {path} is {state} at key {remote_key!r}, "
+                              f"expected clean at {key!r}")
         if kind == "dir":
             if path not in store.dirs:
                 raise RoundFailed(f"journal after flush: directory {path} is clean but not in the store")
@@ -792,6 +793,7 @@ class Harness:
             if cfg.prephase == "fresh-cache":
                 node = round_dir / "node-b"
 
+        pre_ops = len(model.applied)
         plan_builder = PlanBuilder(rng, f"{index}b", names, dirs, scale)
         big = rng.randint(36 * MiB, 44 * MiB) if cfg.kill == "spill" else 0
         n_steps = rng.randint(1, 3)
@@ -839,7 +841,7 @@ class Harness:
         if code not in (0, EXIT_MOUNT_GONE):
             raise RoundFailed(f"writer exited {code}: {(round_dir / 'main.stderr').read_text()[-300:]}")
         in_flight, failures = model.apply_log(plan, log)
-        result.ops_done = len(model.applied)
+        result.ops_done = len(model.applied) - pre_ops
         result.errors = failures
         bad = [f for f in failures if not (cfg.full_cache and "ENOSPC" in f)]
         if bad:

@@ -66,10 +66,9 @@ def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
                 flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if op["trunc"] else 0)
                 fds[str(op["path"])] = os.open(full(op["path"]), flags, 0o644)
             elif kind in ("write", "write_bytes"):
-                if kind == "write":
-                    data = data_for(int(op["seed"]), int(op["size"]))  # type: ignore[call-overload]
-                else:  # fixed bytes (a commit marker's content)
-                    data = bytes.fromhex(str(op["hex"]))
+                # write_bytes: fixed bytes (a commit marker's content)
+                data = (data_for(int(op["seed"]), int(op["size"])) if kind == "write"  # type: ignore[call-overload]
+                        else bytes.fromhex(str(op["hex"])))
                 offset = int(op["offset"])  # type: ignore[call-overload]
                 fd = fds[str(op["path"])]
                 while written < len(data):
