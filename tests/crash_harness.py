@@ -43,6 +43,7 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -89,8 +90,11 @@ class PlanBuilder:
     is renamed or deleted)."""
 
     def __init__(self, rng: random.Random, tag: str, files: dict[str, int], dirs: set[str],
-                 size_scale: str = "small") -> None:
+                 size_scale: str = "small", bare_rmdir: bool = False) -> None:
         self.rng = rng
+        # False: remove trees as shutil.rmtree does (list, then remove). True: rmdir without listing first,
+        # which hits the open bug of test_fresh_node_rmdir_of_a_never_listed_directory_deletes_it_in_the_store.
+        self.bare_rmdir = bare_rmdir
         self.tag = tag
         self.files = files  # path -> size
         self.dirs = dirs
@@ -184,6 +188,9 @@ class PlanBuilder:
             self.files[dst] = self.files.pop(path)
 
     def remove_tree(self, top: str) -> None:
+        if not self.bare_rmdir:  # like shutil.rmtree and rm -r: list each directory before removing it
+            for d in sorted(d for d in self.dirs if d == top or d.startswith(top + "/")):
+                self.add({"op": "listdir", "path": d})
         for path in sorted((p for p in self.files if p.startswith(top + "/")), reverse=True):
             self.add({"op": "unlink", "path": path})
             del self.files[path]
@@ -521,6 +528,8 @@ def check_kill_point(store: Tree, model: Model, in_flight: Op | None) -> None:
     later = model.applied[snapshot.position + 1:] + ([in_flight] if in_flight else [])
     touched: list[str] = []
     for op in later:
+        if op["op"] in ("listdir", "read", "fsync"):
+            continue  # they change nothing
         touched += [op[k] for k in ("path", "src", "dst") if k in op]
     for path, want in sorted(snapshot.files.items()):
         if path == MARKER or any(path == t or path.startswith(t + "/") for t in touched):
@@ -719,6 +728,20 @@ class Harness:
         m.start()
         return m
 
+    def stop(self, m: Mount, what: str) -> None:
+        """SIGTERM, as systemd stops the daemon: drain (with drain_timeout), unmount, exit 0. No CLI
+        process to start, which keeps rounds short."""
+        assert m.proc is not None
+        m.proc.send_signal(signal.SIGTERM)
+        try:
+            code = m.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            raise RoundFailed(f"{what}: the daemon did not stop on SIGTERM") from None
+        m.proc = None
+        self.live.remove(m)
+        if code != 0:
+            raise RoundFailed(f"{what}: the daemon exited {code} on SIGTERM")
+
     def run_writer(self, plan: list[Op], dir_: Path, mnt: Path, name: str) -> tuple[subprocess.Popen[bytes], Path]:
         plan_path = dir_ / f"{name}.plan.json"
         log_path = dir_ / f"{name}.log.jsonl"
@@ -775,7 +798,7 @@ class Harness:
         rules = list(self.proxy.rules) if self.proxy is not None else []
 
         if cfg.prephase != "none":  # an earlier life of the job: the store already holds checkpoints
-            pre = PlanBuilder(rng, f"{index}a", names, dirs, scale)
+            pre = PlanBuilder(rng, f"{index}a", names, dirs, scale, self.args.bare_rmdir)
             for _ in range(rng.randint(1, 2)):
                 step_no += 1
                 pre.checkpoint(step_no)
@@ -786,15 +809,12 @@ class Harness:
             in_flight, failures = model.apply_log(pre.ops, log)
             if in_flight is not None or (failures and not cfg.full_cache):
                 raise RoundFailed(f"pre-phase: {failures[:1] or ['writer stopped early']}")
-            m.flush(timeout=180)
-            if m.umount(timeout=180).returncode != 0:
-                raise RoundFailed("pre-phase: umount failed")
-            self.live.remove(m)
+            self.stop(m, "pre-phase")  # SIGTERM drains everything before it unmounts
             if cfg.prephase == "fresh-cache":
                 node = round_dir / "node-b"
 
         pre_ops = len(model.applied)
-        plan_builder = PlanBuilder(rng, f"{index}b", names, dirs, scale)
+        plan_builder = PlanBuilder(rng, f"{index}b", names, dirs, scale, self.args.bare_rmdir)
         big = rng.randint(36 * MiB, 44 * MiB) if cfg.kill == "spill" else 0
         n_steps = rng.randint(1, 3)
         for n in range(n_steps):
@@ -867,9 +887,7 @@ class Harness:
             silent = [r.action for r in rules if r.count == 1 and r.fired == 0]
             if silent:
                 raise RoundFailed(f"faults {silent} never fired (proxy saw {self.proxy.requests} requests)")
-        if m.umount(timeout=180).returncode != 0:
-            raise RoundFailed("umount after flush failed")
-        self.live.remove(m)
+        self.stop(m, "after flush")
 
         # A fresh node on the same store; in "fetch" rounds it is killed while reading and restarted.
         fresh = self.mount(round_dir / "node-fresh", store, dataclasses.replace(cfg, full_cache=False))
@@ -884,9 +902,7 @@ class Harness:
         problem = first_difference(read_mount(fresh.mnt), model.files, model.dirs, "fresh node")  # type: ignore[arg-type]
         if problem:
             raise RoundFailed(problem)
-        if fresh.umount(timeout=180).returncode != 0:
-            raise RoundFailed("fresh node: umount failed")
-        self.live.remove(fresh)
+        self.stop(fresh, "fresh node")
         if cfg.kill == "fetch":
             check_store_matches(store.snapshot(), Tree({p: bytes(d) for p, d in model.files.items()}, model.dirs), [])
 
@@ -919,6 +935,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[R
             if not r.ok:
                 flags = " --faults" if args.faults else ""
                 flags += " --full-cache" if args.full_cache else ""
+                flags += " --bare-rmdir" if args.bare_rmdir else ""
                 emit(f"  first difference: {r.message}")
                 emit(f"  replay: python -m tests.crash_harness --seed {args.seed} --store {args.store}{flags} "
                      f"--round {index} --rounds 1 --keep   (kept: {harness.workdir / f'round-{index}'})")
@@ -948,6 +965,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="default /tmp/ckptfs-crash-SEED")
     parser.add_argument("--keep", action="store_true", help="keep the directories of rounds that passed")
     parser.add_argument("--stop-on-failure", action="store_true")
+    parser.add_argument("--bare-rmdir", action="store_true",
+                        help="remove old steps without listing them first (reproduces an open rmdir bug)")
     args = parser.parse_args(argv)
     if args.faults and args.store != "seaweedfs":
         parser.error("--faults needs --store seaweedfs (the fault proxy speaks HTTP)")

@@ -14,6 +14,7 @@ The plan is a JSON list of operations; each is one system call on the mount (a w
   {"op": "fsync", "path": p}                  {"op": "close", "path": p}
   {"op": "truncate", "path": p, "size": n}    {"op": "unlink", "path": p}
   {"op": "rename", "src": a, "dst": b}        {"op": "read", "path": p}  (reads the whole file)
+  {"op": "listdir", "path": p}
 
 Log lines: {"i": index} when operation i returned; {"i": index, "upto": k} after each pwrite that wrote the
 op's bytes [.., k); {"i": index, "err": errno, "upto": k} when it failed with an errno other than the ones a
@@ -88,6 +89,8 @@ def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
                 os.unlink(full(op["path"]))
             elif kind == "rename":
                 os.rename(full(op["src"]), full(op["dst"]))
+            elif kind == "listdir":
+                os.listdir(full(op["path"]))
             elif kind == "read":
                 with open(full(op["path"]), "rb") as f:
                     while f.read(1 << 20):
