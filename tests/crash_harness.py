@@ -728,6 +728,23 @@ class Harness:
         m.start()
         return m
 
+    def kill9(self, m: Mount, client: subprocess.Popen[bytes] | None) -> int:
+        """SIGKILL the daemon, let its client see the dead mount (ENOTCONN) and exit, and only then detach
+        the mount: detached first, the client's next call would land in the bare mountpoint directory."""
+        assert m.proc is not None
+        m.proc.send_signal(signal.SIGKILL)
+        m.proc.wait(timeout=30)
+        m.proc = None
+        code = 0
+        if client is not None:
+            try:
+                code = client.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                client.kill()
+                raise RoundFailed("the writer hung on the dead mount") from None
+        subprocess.run(["fusermount3", "-u", "-z", "-q", str(m.mnt)], check=False)
+        return code
+
     def stop(self, m: Mount, what: str) -> None:
         """SIGTERM, as systemd stops the daemon: drain (with drain_timeout), unmount, exit 0. No CLI
         process to start, which keeps rounds short."""
@@ -844,20 +861,16 @@ class Harness:
                     raise RoundFailed(f"writer stuck at op {count_lines(log)} of {len(plan)}")
                 time.sleep(0.003)
             time.sleep(cfg.kill_sleep)
-            m.kill9()
+            code = self.kill9(m, proc)
             killed_node = m
         else:
-            if proc.wait(timeout=300) not in (0,):
-                raise RoundFailed(f"writer exited {proc.returncode}")
+            code = proc.wait(timeout=300)
+            if code != 0:
+                raise RoundFailed(f"writer exited {code}")
             if cfg.kill == "drain":
                 time.sleep(rng.uniform(0, cfg.upload_delay + 0.3))
-                m.kill9()
+                self.kill9(m, None)
                 killed_node = m
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise RoundFailed("writer hung after the kill") from None
         if code not in (0, EXIT_MOUNT_GONE):
             raise RoundFailed(f"writer exited {code}: {(round_dir / 'main.stderr').read_text()[-300:]}")
         in_flight, failures = model.apply_log(plan, log)
@@ -896,8 +909,7 @@ class Harness:
             rng.shuffle(reads)
             reader, _ = self.run_writer(reads, round_dir, fresh.mnt, "reader")
             time.sleep(rng.uniform(0, 0.4))
-            fresh.kill9()
-            reader.wait(timeout=60)
+            self.kill9(fresh, reader)
             fresh.start()
         problem = first_difference(read_mount(fresh.mnt), model.files, model.dirs, "fresh node")  # type: ignore[arg-type]
         if problem:
