@@ -985,8 +985,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # so that a SIGTERM, like Ctrl-C, kills this run's daemons and undoes its mounts
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     results = run(args)
     return 0 if all(r.ok for r in results) else 1
 
