@@ -613,6 +613,8 @@ class RoundResult:
     bytes_written: int = 0
     errors: list[str] = field(default_factory=list)
     fired: dict[str, int] = field(default_factory=dict)
+    waits: int = 0  # back-pressure episodes the daemons logged ("cache full ...")
+    spills: int = 0  # files uploaded while they were written
 
 
 FAULT_KINDS = ("storm503", "resets", "lost", "stalls", "internal500")
@@ -787,13 +789,13 @@ class Harness:
             if self.proxy is not None:
                 self.proxy.heal()
             self.reap()
-        if result.ok:
-            for log in round_dir.rglob("daemon.log"):
-                text = log.read_text(errors="replace")
-                if "Traceback" in text:
-                    line = next(x for x in text.splitlines() if "Traceback" in x)
-                    result.ok, result.message = False, f"{log.parent.name}: daemon logged a traceback: {line[:200]}"
-                    break
+        for log in round_dir.rglob("daemon.log"):
+            text = log.read_text(errors="replace")
+            result.waits += text.count("writes wait for the drain")
+            result.spills += text.count("spilled while it was written")
+            if result.ok and "Traceback" in text:
+                line = next(x for x in text.splitlines() if "Traceback" in x)
+                result.ok, result.message = False, f"{log.parent.name}: daemon logged a traceback: {line[:200]}"
         if result.ok and not self.args.keep:
             shutil.rmtree(round_dir, ignore_errors=True)
         result.seconds = time.monotonic() - started
@@ -935,7 +937,9 @@ def describe_round(index: int, r: RoundResult) -> str:
     if cfg.faults:
         parts.append("faults=" + ",".join(cfg.faults) + " fired=" + ",".join(f"{k}:{v}" for k, v in r.fired.items()))
     if cfg.full_cache:
-        parts.append(f"filler={cfg.filler_mib}MiB enospc={sum('ENOSPC' in e for e in r.errors)}")
+        parts.append(f"filler={cfg.filler_mib}MiB enospc={sum('ENOSPC' in e for e in r.errors)} waits={r.waits}")
+    if cfg.kill == "spill":
+        parts.append(f"spilled_files={r.spills}")
     return "  ".join(parts)
 
 
