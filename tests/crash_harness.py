@@ -90,11 +90,13 @@ class PlanBuilder:
     is renamed or deleted)."""
 
     def __init__(self, rng: random.Random, tag: str, files: dict[str, int], dirs: set[str],
-                 size_scale: str = "small", bare_rmdir: bool = False) -> None:
+                 size_scale: str = "small", unlisted_dir_ops: bool = False) -> None:
         self.rng = rng
-        # False: remove trees as shutil.rmtree does (list, then remove). True: rmdir without listing first,
-        # which hits the open bug of test_fresh_node_rmdir_of_a_never_listed_directory_deletes_it_in_the_store.
-        self.bare_rmdir = bare_rmdir
+        # False: list a tree before removing it (as shutil.rmtree does) or renaming it (as a job that looks
+        # at a checkpoint before archiving it does). True: rmdir and rename without listing first, which
+        # hits two open bugs on a fresh node (test_fresh_node_rmdir_of_a_never_listed_directory_..., and
+        # test_fresh_node_rename_of_a_never_listed_directory_keeps_its_files in test_crash_harness.py).
+        self.unlisted_dir_ops = unlisted_dir_ops
         self.tag = tag
         self.files = files  # path -> size
         self.dirs = dirs
@@ -187,10 +189,13 @@ class PlanBuilder:
             self.add({"op": "rename", "src": path, "dst": dst})
             self.files[dst] = self.files.pop(path)
 
-    def remove_tree(self, top: str) -> None:
-        if not self.bare_rmdir:  # like shutil.rmtree and rm -r: list each directory before removing it
+    def list_tree(self, top: str) -> None:
+        if not self.unlisted_dir_ops:
             for d in sorted(d for d in self.dirs if d == top or d.startswith(top + "/")):
                 self.add({"op": "listdir", "path": d})
+
+    def remove_tree(self, top: str) -> None:
+        self.list_tree(top)
         for path in sorted((p for p in self.files if p.startswith(top + "/")), reverse=True):
             self.add({"op": "unlink", "path": path})
             del self.files[path]
@@ -199,6 +204,7 @@ class PlanBuilder:
             self.dirs.discard(d)
 
     def rename_tree(self, src: str, dst: str) -> None:
+        self.list_tree(src)
         self.add({"op": "rename", "src": src, "dst": dst})
         for path in [p for p in self.files if p.startswith(src + "/")]:
             self.files[dst + path[len(src):]] = self.files.pop(path)
@@ -240,7 +246,7 @@ class PlanBuilder:
             self.rename_tree(top, step)
         old = self.steps()[:-KEEP_STEPS]
         for victim in old:
-            if self.rng.random() < 0.25 and f"archive/{victim}" not in self.dirs:
+            if self.rng.random() < 0.5 and f"archive/{victim}" not in self.dirs:
                 if "archive" not in self.dirs:
                     self.mkdir("archive")
                 self.rename_tree(victim, f"archive/{victim}")
@@ -818,7 +824,7 @@ class Harness:
         injected_before = dict(self.proxy.injected) if self.proxy is not None else {}
 
         if cfg.prephase != "none":  # an earlier life of the job: the store already holds checkpoints
-            pre = PlanBuilder(rng, f"{index}a", names, dirs, scale, self.args.bare_rmdir)
+            pre = PlanBuilder(rng, f"{index}a", names, dirs, scale, self.args.unlisted_dir_ops)
             for _ in range(rng.randint(1, 2)):
                 step_no += 1
                 pre.checkpoint(step_no)
@@ -834,7 +840,10 @@ class Harness:
                 node = round_dir / "node-b"
 
         pre_ops = len(model.applied)
-        plan_builder = PlanBuilder(rng, f"{index}b", names, dirs, scale, self.args.bare_rmdir)
+        plan_builder = PlanBuilder(rng, f"{index}b", names, dirs, scale, self.args.unlisted_dir_ops)
+        if cfg.prephase != "none":  # renames, deletes and changes of files already in the store
+            for _ in range(rng.randint(1, 3)):
+                plan_builder.mutate()
         big = rng.randint(36 * MiB, 44 * MiB) if cfg.kill == "spill" else 0
         n_steps = rng.randint(1, 3)
         for n in range(n_steps):
@@ -953,7 +962,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[R
             if not r.ok:
                 flags = " --faults" if args.faults else ""
                 flags += " --full-cache" if args.full_cache else ""
-                flags += " --bare-rmdir" if args.bare_rmdir else ""
+                flags += " --unlisted-dir-ops" if args.unlisted_dir_ops else ""
                 emit(f"  first difference: {r.message}")
                 emit(f"  replay: python -m tests.crash_harness --seed {args.seed} --store {args.store}{flags} "
                      f"--round {index} --rounds 1 --keep   (kept: {harness.workdir / f'round-{index}'})")
@@ -983,8 +992,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="default /tmp/ckptfs-crash-SEED")
     parser.add_argument("--keep", action="store_true", help="keep the directories of rounds that passed")
     parser.add_argument("--stop-on-failure", action="store_true")
-    parser.add_argument("--bare-rmdir", action="store_true",
-                        help="remove old steps without listing them first (reproduces an open rmdir bug)")
+    parser.add_argument("--unlisted-dir-ops", action="store_true",
+                        help="remove and rename directories without listing them first (reproduces two open "
+                        "bugs of directories a fresh node never listed)")
     args = parser.parse_args(argv)
     if args.faults and args.store != "seaweedfs":
         parser.error("--faults needs --store seaweedfs (the fault proxy speaks HTTP)")
