@@ -49,6 +49,13 @@ class Log:
         os.fdatasync(self.fd)  # the log must outlive anything the harness does next (it may read it at once)
 
 
+def descriptor(fds: dict[str, int], path: object) -> int:
+    """The fd the plan opened for `path`; EBADF if that open failed (a full cache answers ENOSPC)."""
+    if str(path) not in fds:
+        raise OSError(errno.EBADF, f"{path} is not open (its open failed)")
+    return fds[str(path)]
+
+
 def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
     fds: dict[str, int] = {}
 
@@ -71,7 +78,7 @@ def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
                 data = (data_for(int(op["seed"]), int(op["size"])) if kind == "write"  # type: ignore[call-overload]
                         else bytes.fromhex(str(op["hex"])))
                 offset = int(op["offset"])  # type: ignore[call-overload]
-                fd = fds[str(op["path"])]
+                fd = descriptor(fds, op["path"])
                 while written < len(data):
                     n = os.pwrite(fd, data[written:], offset + written)
                     if n <= 0:
@@ -80,9 +87,10 @@ def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
                     if written < len(data):  # a short write: record what is in the mount already
                         log.record({"i": index, "upto": written})
             elif kind == "fsync":
-                os.fsync(fds[str(op["path"])])
+                os.fsync(descriptor(fds, op["path"]))
             elif kind == "close":
-                os.close(fds.pop(str(op["path"])))
+                os.close(descriptor(fds, op["path"]))
+                del fds[str(op["path"])]
             elif kind == "truncate":
                 os.truncate(full(op["path"]), int(op["size"]))  # type: ignore[call-overload]
             elif kind == "unlink":
