@@ -4,6 +4,7 @@ product bugs the harness found (xfail(strict=True) while they are open, each wit
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -105,3 +106,17 @@ def test_fresh_node_rename_of_a_never_listed_directory_keeps_its_files(mount_fac
     assert (reader.mnt / "archive" / "step_2" / "model").read_bytes() == b"weights"
     assert (reader.mnt / "archive" / "step_2" / "optim" / "shard").read_bytes() == b"optimizer state"
     assert not (reader.store.resolve() / "step_2").exists()
+
+
+@pytest.mark.xfail(strict=True, reason="same root cause as the rmdir test above: a directory a fresh node never "
+                   "listed looks empty to rmdir (its children in the store are not in the journal yet), so rmdir "
+                   "succeeds instead of ENOTEMPTY and the store keeps its files, orphaned")
+def test_fresh_node_rmdir_of_a_never_listed_non_empty_directory_is_enotempty(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    writer: Mount = mount_factory("writer")
+    (writer.mnt / "a" / "b").mkdir(parents=True)
+    (writer.mnt / "a" / "b" / "f").write_bytes(b"x")
+    assert writer.umount().returncode == 0
+    reader = _fresh_node_on(mount_factory, writer, "reader")
+    with pytest.raises(OSError) as raised:
+        os.rmdir(reader.mnt / "a" / "b")  # a is listed by this lookup; b is not
+    assert raised.value.errno == errno.ENOTEMPTY
