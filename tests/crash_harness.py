@@ -77,6 +77,15 @@ class RoundFailed(Exception):
     """A checked invariant does not hold; the message is the first difference."""
 
 
+class KnownBug(RoundFailed):
+    """A failure with the exact signature of an open bug that has its xfail(strict=True) regression test:
+    reported as such, and not counted as a new failure (unless --strict)."""
+
+    def __init__(self, test: str, message: str) -> None:
+        super().__init__(f"{message} [known bug: tests/test_crash_harness.py::{test}]")
+        self.test = test
+
+
 def digest(data: bytes | bytearray) -> str:
     return hashlib.sha1(data).hexdigest()
 
@@ -402,6 +411,8 @@ class Tree:
     files: dict[str, bytes]
     dirs: set[str]
     temps: list[str] = field(default_factory=list)
+    # file:// only: temps that are hard links of the object at their final name (see KnownBug uses)
+    linked_temps: list[str] = field(default_factory=list)
 
 
 def read_mount(root: Path) -> Tree:
@@ -481,6 +492,10 @@ class FileStore:
                 rel = os.path.normpath(os.path.join(rel_top, name))
                 if name.startswith(TEMP_PREFIX):
                     tree.temps.append(rel)
+                    final = os.path.join(top, name[len(TEMP_PREFIX):].split(".", 2)[-1])
+                    with contextlib.suppress(OSError):
+                        if os.path.samefile(os.path.join(top, name), final):
+                            tree.linked_temps.append(rel)
                     continue
                 with contextlib.suppress(FileNotFoundError), open(os.path.join(top, name), "rb") as f:
                     tree.files[rel] = f.read()
@@ -556,7 +571,10 @@ def check_kill_point(store: Tree, model: Model, in_flight: Op | None) -> None:
 
 def check_store_matches(store: Tree, mount: Tree, leftovers: list[str]) -> None:
     if store.temps:
-        raise RoundFailed(f"store after flush: temp objects left: {sorted(store.temps)[:5]}")
+        message = f"store after flush: temp objects left: {sorted(store.temps)[:5]}"
+        if sorted(store.temps) == sorted(store.linked_temps):
+            raise KnownBug("test_local_store_copy_redone_leaves_no_temp", message + " (hard links of the objects)")
+        raise RoundFailed(message)
     problem = first_difference(store, mount.files, mount.dirs, "store after flush")  # type: ignore[arg-type]
     if problem:
         raise RoundFailed(problem)
@@ -625,6 +643,7 @@ class RoundResult:
     bytes_written: int = 0
     errors: list[str] = field(default_factory=list)
     fired: dict[str, int] = field(default_factory=dict)
+    known: str = ""  # the regression test of the known bug this round hit
     waits: int = 0  # back-pressure episodes the daemons logged ("cache full ...")
     spills: int = 0  # files uploaded while they were written
 
@@ -794,6 +813,8 @@ class Harness:
         try:
             self._round(index, rng, cfg, round_dir, result)
             result.ok = True
+        except KnownBug as exc:
+            result.message, result.known = str(exc), exc.test
         except RoundFailed as exc:
             result.message = str(exc)
         except Exception as exc:  # a daemon that would not start, a flush that failed: the round fails
@@ -951,7 +972,8 @@ def count_lines(path: Path) -> int:
 def describe_round(index: int, r: RoundResult) -> str:
     cfg = r.config
     assert cfg is not None
-    parts = [f"round {index:4d}", "ok  " if r.ok else "FAIL", f"kill={cfg.kill:8s}", f"pre={cfg.prephase:11s}",
+    verdict = "ok  " if r.ok else "KNOWN" if r.known else "FAIL"
+    parts = [f"round {index:4d}", verdict, f"kill={cfg.kill:8s}", f"pre={cfg.prephase:11s}",
              f"delay={cfg.upload_delay:<4}", f"ops={r.ops_done}/{r.ops_planned}",
              f"bytes={r.bytes_written / MiB:.1f}MiB", f"{r.seconds:.1f}s"]
     if cfg.faults:
@@ -979,13 +1001,15 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[R
                      f"--round {index} --rounds 1 --keep   (kept: {harness.workdir / f'round-{index}'})")
                 if args.stop_on_failure:
                     break
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if not r.ok and not r.known]
+    known = [r for r in results if r.known]
     seconds = [r.seconds for r in results]
     kills: dict[str, int] = {}
     for r in results:
         assert r.config is not None
         kills[r.config.kill] = kills.get(r.config.kill, 0) + 1
-    emit(f"summary: {len(results)} rounds, {len(results) - len(failed)} ok, {len(failed)} failed; store={args.store}"
+    emit(f"summary: {len(results)} rounds, {len(results) - len(failed) - len(known)} ok, {len(failed)} failed, "
+         f"{len(known)} known bugs; store={args.store}"
          f"{' faults' if args.faults else ''}{' full-cache' if args.full_cache else ''} seed={args.seed}; "
          f"kills {kills}; {sum(seconds):.0f}s total, {sum(seconds) / max(1, len(seconds)):.1f}s/round, "
          f"max {max(seconds, default=0):.1f}s")
@@ -1003,6 +1027,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="default /tmp/ckptfs-crash-SEED")
     parser.add_argument("--keep", action="store_true", help="keep the directories of rounds that passed")
     parser.add_argument("--stop-on-failure", action="store_true")
+    parser.add_argument("--strict", action="store_true", help="rounds that hit a known bug fail the run too")
     parser.add_argument("--unlisted-dir-ops", action="store_true",
                         help="remove and rename directories without listing them first (reproduces two open "
                         "bugs of directories a fresh node never listed)")
@@ -1020,7 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
     results = run(args)
-    return 0 if all(r.ok for r in results) else 1
+    return 0 if all(r.ok or (r.known and not args.strict) for r in results) else 1
 
 
 if __name__ == "__main__":
