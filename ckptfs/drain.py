@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import re
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -348,10 +349,15 @@ class Drain:
         except BackendError as exc:
             self._failed(job_id, op, exc)
         except Exception as exc:
-            # A bug must not take the mount down with it: report it loudly, keep the work journaled,
-            # and retry with backoff like a store error.
-            log.exception("unexpected error in %s job %s; it will be retried", op, job.ident)
-            self._failed(job_id, op, TransientBackendError(f"internal error: {exc!r}"), logged=True)
+            if isinstance(exc, sqlite3.OperationalError) and exc.sqlite_errorcode == sqlite3.SQLITE_FULL:
+                # The cache filesystem is full (others filled it): the journal cannot record this job's
+                # result now. Nothing is lost: the job is retried as a store error would be.
+                self._failed(job_id, op, TransientBackendError(f"the journal cannot grow: {exc}"))
+            else:
+                # A bug must not take the mount down with it: report it loudly, keep the work journaled,
+                # and retry with backoff like a store error.
+                log.exception("unexpected error in %s job %s; it will be retried", op, job.ident)
+                self._failed(job_id, op, TransientBackendError(f"internal error: {exc!r}"), logged=True)
         else:
             self._retry_at.pop(job_id, None)
             self._attempts.pop(job_id, None)

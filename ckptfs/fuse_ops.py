@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -88,6 +89,11 @@ def _fuse_error(exc: BaseException, op: str) -> pyfuse3.FUSEError:
         level = logging.WARNING if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EIO) else logging.DEBUG
         log.log(level, "%s failed: %s", op, exc)
         return pyfuse3.FUSEError(exc.errno)
+    if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        # The cache filesystem is full and the journal cannot grow: a full disk, not a bug. What is already
+        # committed stays; this request changes nothing.
+        log.warning("%s failed: the journal cannot grow, the cache filesystem is full (%s)", op, exc)
+        return pyfuse3.FUSEError(errno.ENOSPC)
     log.error("%s failed unexpectedly; answering EIO", op, exc_info=exc)
     return pyfuse3.FUSEError(errno.EIO)
 

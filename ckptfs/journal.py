@@ -206,10 +206,13 @@ class Journal:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             yield
+            # A COMMIT that fails (SQLITE_FULL: the cache filesystem is full) leaves the transaction open;
+            # roll it back too, or every later BEGIN fails as well.
+            self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
             raise
-        self.db.execute("COMMIT")
 
     def sync(self) -> None:
         """Make every committed transaction survive power loss (fsync the WAL): a write transaction
