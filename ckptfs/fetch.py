@@ -45,7 +45,7 @@ import trio
 
 from ckptfs.backends.base import crc32_combine, crc_text
 from ckptfs.cache import CacheDir, punch_hole_fd
-from ckptfs.errors import BackendError, FsError, ObjectChangedError, errno_for_backend_error
+from ckptfs.errors import BackendError, FsError, NotFoundBackendError, ObjectChangedError, errno_for_backend_error
 from ckptfs.evict import HIGH_WATER, Evictor
 from ckptfs.journal import REMOTE, Inode, Journal
 from ckptfs.transfer import Priority, Transfers
@@ -62,6 +62,8 @@ MAX_READAHEAD_CHUNKS = 16
 SEQUENTIAL_SLACK = 512 * 1024
 # Chunks this far behind a reader's position are not punched: a reader that re-reads a little is common.
 KEEP_BEHIND_CHUNKS = 1
+# A rename of a remote-only file moves its object while it may be read: a read follows it this many times.
+MOVES_FOLLOWED = 4
 
 
 @dataclass
@@ -393,6 +395,7 @@ class Fetcher:
         stream.errors.pop(index, None)
         offset, length = stream.chunk_range(index)
         pinning = pinner
+        repin = False
         try:
             # The first answer fixes the version: the others wait for it, then ask for that etag. If
             # the pinning read fails, another read's chunk pins; read-ahead gives up (a read that needs
@@ -412,11 +415,21 @@ class Fetcher:
             if not reserved:
                 self.cache.reserve(length)
                 reserved = length
-            got = await self.engine.fetch_range(stream.key, stream.fd, offset, length, if_match=stream.etag,
-                                                priority=priority)
+            for _ in range(MOVES_FOLLOWED):
+                key = stream.key
+                try:
+                    got = await self.engine.fetch_range(key, stream.fd, offset, length, if_match=stream.etag,
+                                                        priority=priority)
+                    break
+                except (NotFoundBackendError, ObjectChangedError):
+                    if not self._follow_move(stream, key):
+                        raise
+                    repin = True  # the copy has an etag of its own: this answer pins it
+            else:
+                raise NotFoundBackendError(f"{stream.key}: moved in the store more often than it could be read")
             if stream.dropped:
                 return
-            if pinning:
+            if pinning or repin:
                 self._pin(stream, got.size, got.etag, got.checksum)
                 if stream.failure is not None:
                     return
@@ -456,6 +469,24 @@ class Fetcher:
                 _close(stream)
             elif stream.detached and stream.idle():
                 self._drop(stream)
+
+    def _follow_move(self, stream: Stream, key: str) -> bool:
+        """A read found nothing (or another object) at `key`: if the drain has meanwhile moved this very
+        object to a new key (a rename of a remote-only file, copied then deleted in the store), switch the
+        Stream to the new key and say so. The copy is the same version: only the key may differ."""
+        if stream.key != key:
+            return True  # another chunk of this Stream followed it already
+        current = self.journal.get(stream.inode_id)
+        if current is None or current.remote_key in (None, key):
+            return False
+        moved = _identity(current)
+        if moved[:1] + moved[2:] != stream.identity[:1] + stream.identity[2:]:
+            return False  # rewritten or replaced: not a move
+        log.debug("%s moved to %s while it was read: reading on from there", key, current.remote_key)
+        stream.key = current.remote_key
+        stream.identity = moved
+        stream.etag = None
+        return True
 
     def _pin(self, stream: Stream, size: int, etag: str | None, checksum: str | None) -> None:
         expected = stream.expected_checksum

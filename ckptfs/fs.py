@@ -29,7 +29,7 @@ import trio
 from ckptfs.cache import CacheDir, CacheFile
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
 from ckptfs.evict import Evictor
-from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal
+from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,7 @@ class Filesystem:
         evictor: Evictor | None = None,
         lister: Lister | None = None,
         streams: ReadStreams[Any] | None = None,
+        wait_uploaded: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.journal = journal
         self.cache = cache
@@ -181,6 +182,8 @@ class Filesystem:
         # Streaming reads of remote files; None: an open fetches the whole file first.
         self.streams = streams
         self._notify_drain = notify_drain
+        # Returns once the file at a path is in the store (the drain's wait_durable); None: never waits.
+        self._wait_uploaded = wait_uploaded
         self.evictor = evictor if evictor is not None else Evictor(journal, cache, in_use=self.in_use)
         self.lister: Lister = lister if lister is not None else _NothingToList()
         self.handles: dict[int, OpenFile] = {}
@@ -621,6 +624,9 @@ class Filesystem:
         while inode.state == REMOTE:
             await self._make_local(inode, keep_content=not truncate)
             inode = self._get(inode_id)
+        if (not truncate and self.cache.file(inode_id).freed and inode_id not in self._writer_count
+                and await self._reopen_after_spill(inode)):
+            return await self.open(inode_id, flags)
         if writable and not truncate and self.cache.file(inode_id).sealed:
             raise FsError(errno.EBUSY, "the start of this file was uploaded to make room in the cache while it"
                                        " was written; it can be rewritten (O_TRUNC) or changed once uploaded")
@@ -641,6 +647,22 @@ class Filesystem:
                 raise FsError(exc.errno or errno.EIO, f"truncate of cache file: {exc.strerror}") from None
             self.cache.resize(inode_id, 0)
         return self._new_handle(inode_id, fd, flags, dirtied)
+
+    async def _reopen_after_spill(self, inode: Inode) -> bool:
+        """A closed file whose start was spilled (uploaded and punched out of the cache to make room, then
+        the writer closed it, or the daemon restarted): its only whole copy will be the store's. Wait for
+        its upload, then evict the punched data file, so that the open reads the store's copy. True if
+        the caller should open again; False if it stays as it is (a handle keeps it, no drain to wait on)."""
+        if self._wait_uploaded is None or inode.path is None:
+            return False
+        with trio.move_on_after(self.evictor.dirty_wait):
+            await self._wait_uploaded(inode.path)
+        current = self.journal.get(inode.id)
+        if current is None:
+            raise FsError(errno.ENOENT, "file was removed")
+        if current.state == CLEAN and self.cache.has_data(inode.id):
+            self.evictor.evict_if_clean(inode.id)
+        return not self.cache.has_data(inode.id)
 
     def _open_stream(self, inode: Inode, flags: int) -> int:
         """A read-only open of a remote file: nothing is fetched until it is read."""

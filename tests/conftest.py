@@ -102,7 +102,7 @@ class Mount:
         """Every regular file in the store (no temp files), by relative path."""
         out = {}
         for path in sorted(self.store.rglob("*")):
-            if path.is_file() and not path.is_symlink() and not path.name.startswith(".ckptfs-tmp."):
+            if path.is_file() and not path.is_symlink() and ".ckptfs-tmp." not in str(path.relative_to(self.store)):
                 out[str(path.relative_to(self.store))] = path.read_bytes()
         return out
 

@@ -48,6 +48,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.parse
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -484,18 +485,21 @@ class FileStore:
 
     def snapshot(self) -> Tree:
         tree = Tree({}, set())
+        staging = self.root / f"{TEMP_PREFIX}staging"  # LocalStore's temp files: <owner>.<token>.<quoted key>
+        for name in sorted(os.listdir(staging)) if staging.is_dir() else []:
+            tree.temps.append(f"{staging.name}/{name}")
+            with contextlib.suppress(OSError):
+                if os.path.samefile(staging / name, self.root / urllib.parse.unquote(name.split(".", 2)[-1])):
+                    tree.linked_temps.append(f"{staging.name}/{name}")
         for top, dirnames, filenames in os.walk(self.root):
             rel_top = os.path.relpath(top, self.root)
+            dirnames[:] = [d for d in dirnames if d != staging.name]
             for d in dirnames:
                 tree.dirs.add(os.path.normpath(os.path.join(rel_top, d)))
             for name in filenames:
                 rel = os.path.normpath(os.path.join(rel_top, name))
                 if name.startswith(TEMP_PREFIX):
                     tree.temps.append(rel)
-                    final = os.path.join(top, name[len(TEMP_PREFIX):].split(".", 2)[-1])
-                    with contextlib.suppress(OSError):
-                        if os.path.samefile(os.path.join(top, name), final):
-                            tree.linked_temps.append(rel)
                     continue
                 with contextlib.suppress(FileNotFoundError), open(os.path.join(top, name), "rb") as f:
                     tree.files[rel] = f.read()

@@ -215,13 +215,14 @@ class Stack:
         root = self.store.inner.root
         out = {}
         for p in sorted(root.rglob("*")):
-            if p.is_file() and not p.is_symlink() and not p.name.startswith(".ckptfs-tmp."):
+            if p.is_file() and not p.is_symlink() and TEMP_PREFIX not in str(p.relative_to(root)):
                 out[str(p.relative_to(root))] = p.read_bytes()
         return out
 
     def store_dirs(self) -> set[str]:
         root = self.store.inner.root
-        return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir() and not p.is_symlink()}
+        return {str(p.relative_to(root)) for p in root.rglob("*")
+                if p.is_dir() and not p.is_symlink() and TEMP_PREFIX not in str(p.relative_to(root))}
 
     async def flush(self, seconds: float = 20) -> None:
         result = await self.drain.flush(None, trio.current_time() + seconds)
@@ -247,7 +248,8 @@ def make_stack(
     )
     fetcher = Fetcher(journal, cache, engine, evictor=evictor)
     lister = DirLister(journal, cache, store, refresh_interval=0.0)  # type: ignore[arg-type]
-    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor, lister, streams=fetcher)
+    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor, lister, streams=fetcher,
+                    wait_uploaded=lambda path: drain.wait_durable([path]))
     lister.vanished = fs.vanished
     in_use.append(fs)
     drain.on_spilled = evictor.evict_if_clean

@@ -57,7 +57,7 @@ def local_target(root: Path) -> Target:
         return LocalStore(root, owner=owner)
 
     def leftovers() -> list[str]:
-        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.startswith(TEMP_PREFIX))
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if TEMP_PREFIX in str(p) and not p.is_dir())
 
     return Target("local", make(), make, leftovers)
 

@@ -90,8 +90,25 @@ def test_abort_leaves_nothing(target: Target) -> None:
     store.abort_upload(upload)
     store.abort_upload(upload)  # twice is fine
     assert store.head("a/big") is None
-    assert _keys(store) <= {"a/"}  # file:// keeps the directory it staged in
+    assert _keys(store) == set()  # not even the directory of the key: nothing was ever written there
     assert store.list_leftovers() == []
+    assert target.leftovers() == []
+
+
+def test_an_upload_in_flight_keeps_no_directory_alive(target: Target) -> None:
+    """A directory renamed away while one of its files is still uploading: the drain deletes the old
+    directory's marker, the daemon is killed, the upload is aborted at the next start. The old directory
+    must not come back (file:// staged uploads next to their key and left it behind, empty, for good)."""
+    store = target.store
+    store.put_dir("step.tmp/", META)
+    upload = store.open_upload("step.tmp/shard-1", META, None)
+    store.put_part(upload, 1, 0, b"x" * PART, zlib.crc32(b"x" * PART))
+    store.delete("step.tmp/")
+    assert store.list_dir("").subdirs == []
+    for ref in store.list_leftovers():
+        store.abort_upload(ref)
+    assert _keys(store) == set()
+    assert store.list_dir("").subdirs == []
     assert target.leftovers() == []
 
 

@@ -86,7 +86,7 @@ def _file_store(root: Path) -> Callable[[], dict[str, bytes]]:
     def read() -> dict[str, bytes]:
         return {
             str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.name.startswith(".ckptfs-tmp.")
+            if p.is_file() and ".ckptfs-tmp." not in str(p.relative_to(root))
         }
     return read
 

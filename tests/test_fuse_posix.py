@@ -47,7 +47,8 @@ def uploaded_order(m: Mount) -> list[str]:
 
 
 def store_dirs(m: Mount) -> set[str]:
-    return {str(p.relative_to(m.store)) for p in m.store.rglob("*") if p.is_dir() and not p.is_symlink()}
+    return {str(p.relative_to(m.store)) for p in m.store.rglob("*") if p.is_dir() and not p.is_symlink()
+            and ".ckptfs-tmp." not in str(p)}
 
 
 def wait_until(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]

@@ -31,7 +31,7 @@ def two_nodes(request: pytest.FixtureRequest, mount_factory, tmp_path: Path) -> 
             return {
                 str(p.relative_to(shared)): p.read_bytes()
                 for p in sorted(shared.rglob("*"))
-                if p.is_file() and not p.name.startswith(".ckptfs-tmp.")
+                if p.is_file() and ".ckptfs-tmp." not in str(p.relative_to(shared))
             }
 
         yield make("a", True), make("b", False), store

@@ -18,7 +18,7 @@ import trio
 from fsharness import Stack, check_consistency, make_stack
 
 from ckptfs.errors import FsError
-from ckptfs.journal import CLEAN, REMOTE
+from ckptfs.journal import CLEAN, REMOTE, ROOT_ID
 from ckptfs.recovery import repair_journal
 
 KIB = 1 << 10
@@ -215,6 +215,23 @@ async def test_an_object_replaced_during_a_read_fails_with_estale_then_a_new_ope
     assert await read_all(stack, fh, len(content)) == content
     stack.fs.release(fh)
     assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+
+
+async def test_a_read_follows_a_remote_file_the_drain_moves_meanwhile(stack: Stack) -> None:
+    """A remote-only file renamed while it is read: the drain copies its object to the new key and
+    deletes the old one. Reads of chunks not fetched yet go on at the new key (found by the crash
+    harness: they failed with ENOENT, a NoSuchKey per chunk, on a fresh node resuming a checkpoint)."""
+    ino, content = await remote_file(stack, "old.bin", 8 * CHUNK)
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    assert await stack.fs.read(fh, 0, 100) == content[:100]
+    stack.fs.rename(ROOT_ID, b"old.bin", ROOT_ID, b"new.bin", 0)
+    await stack.flush()
+    assert "old.bin" not in stack.store_files() and stack.store_files()["new.bin"] == content
+    with trio.fail_after(10):
+        assert await read_all(stack, fh, len(content)) == content
+    stack.fs.release(fh)
+    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert stack.cache.reserved == 0
 
 
 async def test_open_for_writing_waits_for_the_whole_verified_file(stack: Stack) -> None:

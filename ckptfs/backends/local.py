@@ -1,8 +1,11 @@
 """LocalStore: the `file:///DIR` backend, a local or shared (NFS, Lustre) directory as the object store.
 
 Objects are plain files at DIR/<key>; directory markers are directories; symlinks are symlinks (never
-followed). An upload is written to a hidden temp file in the target directory, fsynced, then renamed over
-the final name, so a reader of DIR never sees a partial file. It knows nothing of inodes or the journal.
+followed). An upload is written to a temp file in DIR/.ckptfs-tmp.staging/, fsynced, then renamed over the
+final name, so a reader of DIR never sees a partial file. Staging outside the key's directory matters: a
+temp file there would create that directory before the object exists and keep it alive after the drain
+deleted it (a directory renamed away while one of its files was uploading came back, empty, after a crash).
+It knows nothing of inodes or the journal.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import secrets
 import stat
 import time
+import urllib.parse
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -42,6 +46,8 @@ from ckptfs.errors import (
 
 COPY_CHUNK = 8 << 20
 STALE_TEMP_SECONDS = 24 * 3600
+STAGING_DIR = f"{TEMP_PREFIX}staging"
+MAX_NAME = 255
 
 
 def _translate(exc: OSError, key: str) -> Exception:
@@ -92,27 +98,44 @@ class LocalStore:
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise CkptfsError(f"store directory {self.root} is not writable by this user")
 
-    def _temp_name(self, final: str) -> str:
-        directory, base = os.path.split(final)
-        return os.path.join(directory, f"{TEMP_PREFIX}{self.owner}.{secrets.token_hex(4)}.{base[:100]}")
+    def _temp_name(self, key: str) -> str:
+        """A fresh path in the staging directory; its name carries the owner and (if it fits) the key."""
+        staging = os.path.join(self.root, STAGING_DIR)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(staging, 0o700)
+        head = f"{self.owner}.{secrets.token_hex(4)}."
+        quoted = urllib.parse.quote(key.rstrip("/"), safe="")
+        return os.path.join(staging, head + quoted[:MAX_NAME - len(head)])
 
-    # -- staged uploads: a hidden temp file in the target directory, renamed over the key -------------
+    # -- staged uploads: a temp file in the staging directory, renamed over the key -------------------
 
     def list_leftovers(self) -> list[UploadRef]:
-        mine = f"{TEMP_PREFIX}{self.owner}."
+        """This owner's temp files. Other owners' are removed here once a day old: a node that died for
+        good never comes back for them."""
+        mine = f"{self.owner}."
         found = []
-        for directory, _dirs, files in os.walk(self.root):
-            for name in files:
-                if name.startswith(mine):
-                    temp = os.path.relpath(os.path.join(directory, name), self.root)
-                    found.append(UploadRef(key=_final_of(temp), upload_id=temp))
+        now = time.time()
+        try:
+            entries = list(os.scandir(os.path.join(self.root, STAGING_DIR)))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise _translate(exc, STAGING_DIR) from exc
+        for entry in entries:
+            temp = f"{STAGING_DIR}/{entry.name}"
+            if entry.name.startswith(mine):
+                found.append(UploadRef(key=_key_of(entry.name), upload_id=temp))
+            else:
+                # ctime, not mtime: a staged temp file carries its source's (possibly old) mtime
+                with contextlib.suppress(OSError):
+                    if now - entry.stat(follow_symlinks=False).st_ctime > STALE_TEMP_SECONDS:
+                        os.unlink(entry.path)
         return found
 
     def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
         final = self._path(key)
-        temp = self._temp_name(final)
         try:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
+            temp = self._temp_name(key)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 view = memoryview(data)
@@ -124,18 +147,17 @@ class LocalStore:
                 os.fsync(fd)  # one sync per small object: the small-file path pays for each
             finally:
                 os.close(fd)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(temp, final)
             _fsync_dir(os.path.dirname(final))
         except OSError as exc:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, UnboundLocalError):
                 os.unlink(temp)
             raise _translate(exc, key) from exc
 
     def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
-        final = self._path(key)
         try:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            temp = self._temp_name(final)
+            temp = self._temp_name(key)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 if meta is not None:
@@ -230,8 +252,7 @@ class LocalStore:
     def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
         src, dst = self._path(src_key), self._path(dst_key)
         try:
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            temp = self._temp_name(dst)
+            temp = self._temp_name(dst_key)
             if os.path.islink(src):
                 os.symlink(os.readlink(src), temp)
             else:
@@ -249,6 +270,7 @@ class LocalStore:
                         self._copy_file(src, temp)
                     os.chmod(temp, meta.mode & 0o7777)
                 os.utime(temp, ns=(meta.mtime_ns, meta.mtime_ns), follow_symlinks=False)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
             os.replace(temp, dst)
             # rename(2) of a hard link over another link of the same file does nothing and succeeds: a copy
             # redone after a crash (dst already links the source) would leave the temp name in the store.
@@ -306,9 +328,9 @@ class LocalStore:
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
         final = self._path(key)
         try:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            temp = self._temp_name(final)
+            temp = self._temp_name(key)
             os.symlink(target, temp)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(temp, final)
         except OSError as exc:
             raise _translate(exc, key) from exc
@@ -381,12 +403,9 @@ class LocalStore:
                     stack.append(entry.path)
 
 
-def _final_of(temp: str) -> str:
-    """The key a temp file of `_temp_name` stands for (best effort: names are cut at 100 characters)."""
-    directory, name = os.path.split(temp)
-    parts = name.split(".", 4)  # '', 'ckptfs-tmp', owner, token, base
-    base = parts[4] if len(parts) == 5 else name
-    return os.path.join(directory, base) if directory else base
+def _key_of(name: str) -> str:
+    """The key a staged temp file stands for (best effort: a long key is cut to fit a file name)."""
+    return urllib.parse.unquote(name.split(".", 2)[2])
 
 
 def _etag(st: os.stat_result) -> str:
