@@ -212,6 +212,9 @@ class Evictor:
                 self.kick()
                 while not self._fits(needed):
                     await self._room.wait()
+                    # The evictor's own rounds evict only above the high-water mark; a waiter that needs
+                    # more (a chunk of a read) evicts for itself once files it waits for became clean.
+                    self.evict(self.cache.used + needed - int(self.cache.limit * LOW_WATER))
                 return
             self.stats.enospc += 1
             log.error(

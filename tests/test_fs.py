@@ -446,6 +446,40 @@ async def test_object_committed_by_a_dying_daemon_does_not_outlive_its_file(tmp_
     check_consistency(restarted)
 
 
+async def test_a_directory_renamed_while_a_file_below_it_commits_leaves_no_empty_directory(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """`mv D D2` lands while D/x is being committed, before D's own marker was written: the commit creates
+    D/ in a store with real directories (file://, SeaweedFS), the object then moves to D2/x, and D/ stayed
+    behind, empty, for good, shown by every fresh node (the crash harness found it on SeaweedFS)."""
+    stack = make_stack(tmp_path)
+    renamed = threading.Event()
+    put_dir, put_object = stack.store.put_dir, stack.store.put_object
+
+    def marker_after_the_rename(key: str, meta: object) -> None:
+        if key == "D/" and not renamed.is_set():
+            raise PermanentBackendError("access denied")  # the marker of D waits until after the rename
+        put_dir(key, meta)  # type: ignore[arg-type]
+
+    def rename_during_commit(key: str, data: bytes, meta: object, checksum: str) -> None:
+        if key == "D/x" and not renamed.is_set():
+            trio.from_thread.run_sync(stack.fs.rename, ROOT_ID, b"D", ROOT_ID, b"D2", 0)
+            renamed.set()
+        put_object(key, data, meta, checksum)  # type: ignore[arg-type]
+
+    stack.store.put_dir = marker_after_the_rename  # type: ignore[method-assign]
+    stack.store.put_object = rename_during_commit  # type: ignore[method-assign]
+    d = stack.fs.mkdir(ROOT_ID, b"D", 0o755, UID, GID)
+    stack.write_file("x", b"weights", parent=d.ino)
+    await nursery.start(stack.drain.run)
+    with trio.fail_after(30):
+        await stack.flush()
+    assert renamed.is_set()
+    assert stack.store_files() == {"D2/x": b"weights"}
+    assert stack.store_dirs() == {"D2"}
+    check_consistency(stack)
+
+
 async def test_file_deleted_from_store_by_another_node_goes_here_too(stack: Stack) -> None:
     stack.write_file("shared.pt", b"x")
     stack.write_file("mine-dirty.pt", b"y")

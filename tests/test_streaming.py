@@ -171,6 +171,31 @@ async def test_a_file_larger_than_the_cache_is_read_through_it(tmp_path: Path, n
     check_consistency(s)
 
 
+async def test_a_read_waiting_for_room_gets_it_once_a_file_is_uploaded(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """The cache is full of data not yet uploaded, below the evictor's high-water mark, and a read needs a
+    whole chunk more: once that data is uploaded the read must go on, not sleep out dirty_wait and fail
+    with ENOSPC (the evictor's rounds only evicted above the high-water mark, whatever waiters needed;
+    found by the crash harness with a 24 MiB cache)."""
+    s = make_stack(tmp_path, cache_size=1000 * KIB, upload_delay=3600, dirty_wait=30)
+    s.fetcher.chunk_size = 256 * KIB
+    await nursery.start(s.drain.run)
+    await nursery.start(s.fetcher.run)
+    await nursery.start(s.fs.evictor.run)
+    ino, content = await remote_file(s, "r.bin", 512 * KIB)
+    s.write_file("d.bin", b"d" * (800 * KIB))  # dirty for an hour: not evictable
+    fh = await s.fs.open(ino, os.O_RDONLY)
+
+    async def upload_soon() -> None:
+        await trio.sleep(0.3)
+        await s.drain.wait_durable(["d.bin"])
+
+    nursery.start_soon(upload_soon)
+    with trio.fail_after(10):
+        assert await s.fs.read(fh, 0, 4 * KIB) == content[:4 * KIB]
+    s.fs.release(fh)
+    assert s.cache.used <= s.cache.limit
+
+
 async def test_a_checksum_mismatch_fails_reads_and_never_marks_the_file_clean(
     stack: Stack, caplog: pytest.LogCaptureFixture
 ) -> None:
