@@ -345,6 +345,22 @@ def test_check_of_a_missing_local_directory(tmp_path: Path) -> None:
         LocalStore(tmp_path / "nope").check()
 
 
+def test_a_drained_local_store_holds_only_its_objects(tmp_path: Path) -> None:
+    """file:// stages uploads in a hidden directory of the store; once no upload is in flight it is gone,
+    so a listing of the store directory shows exactly the files written (CI saw it left behind)."""
+    store = LocalStore(tmp_path)
+    store.put_object("a", b"small", META, "crc32:00000000")
+    upload = store.open_upload("d/big", META, None)
+    store.put_part(upload, 1, 0, b"x" * PART, zlib.crc32(b"x" * PART))
+    assert len(os.listdir(tmp_path)) == 2  # the staging directory is there while an upload is
+    store.complete_upload(upload, [], PART, None)
+    store.copy("a", "b", META)
+    store.put_symlink("l", "a", META)
+    aborted = store.open_upload("c", META, None)
+    store.abort_upload(aborted)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "d", "l"]
+
+
 def test_open_store_maps_s3_urls() -> None:
     store = open_store("s3://bucket/run-42/", endpoint_url="http://127.0.0.1:9")
     assert isinstance(store, S3Store)

@@ -5,6 +5,8 @@ followed). An upload is written to a temp file in DIR/.ckptfs-tmp.staging/, fsyn
 final name, so a reader of DIR never sees a partial file. Staging outside the key's directory matters: a
 temp file there would create that directory before the object exists and keep it alive after the drain
 deleted it (a directory renamed away while one of its files was uploading came back, empty, after a crash).
+The staging directory is removed whenever it is left empty, so a drained store holds only its objects;
+whoever creates a temp file recreates it, and tries again if another upload removed it meanwhile.
 It knows nothing of inodes or the journal.
 """
 
@@ -18,8 +20,9 @@ import stat
 import time
 import urllib.parse
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from ckptfs.backends.base import (
     DIR,
@@ -48,6 +51,9 @@ COPY_CHUNK = 8 << 20
 STALE_TEMP_SECONDS = 24 * 3600
 STAGING_DIR = f"{TEMP_PREFIX}staging"
 MAX_NAME = 255
+STAGING_ATTEMPTS = 8
+
+T = TypeVar("T")
 
 
 def _translate(exc: OSError, key: str) -> Exception:
@@ -98,14 +104,29 @@ class LocalStore:
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise CkptfsError(f"store directory {self.root} is not writable by this user")
 
-    def _temp_name(self, key: str) -> str:
-        """A fresh path in the staging directory; its name carries the owner and (if it fits) the key."""
+    def _staged(self, key: str, create: Callable[[str], T]) -> tuple[str, T]:
+        """Run create(temp) on a fresh path in the staging directory; the name carries the owner and (if it
+        fits) the key. The directory is (re)made first; if another upload removed it before create ran,
+        try again rather than fail."""
         staging = os.path.join(self.root, STAGING_DIR)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(staging, 0o700)
-        head = f"{self.owner}.{secrets.token_hex(4)}."
+        head = f"{self.owner}."
         quoted = urllib.parse.quote(key.rstrip("/"), safe="")
-        return os.path.join(staging, head + quoted[:MAX_NAME - len(head)])
+        for _ in range(STAGING_ATTEMPTS):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(staging, 0o700)
+            name = f"{head}{secrets.token_hex(4)}."
+            temp = os.path.join(staging, name + quoted[:MAX_NAME - len(name)])
+            try:
+                return temp, create(temp)
+            except FileNotFoundError:
+                if os.path.isdir(staging):
+                    raise  # something else is missing (a copy's source)
+        raise TransientBackendError(f"{key}: the staging directory {staging} keeps disappearing")
+
+    def _tidy_staging(self) -> None:
+        """Remove the staging directory if no upload is using it (rmdir fails if one is)."""
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(self.root, STAGING_DIR))
 
     # -- staged uploads: a temp file in the staging directory, renamed over the key -------------------
 
@@ -130,13 +151,14 @@ class LocalStore:
                 with contextlib.suppress(OSError):
                     if now - entry.stat(follow_symlinks=False).st_ctime > STALE_TEMP_SECONDS:
                         os.unlink(entry.path)
+        if not found:
+            self._tidy_staging()
         return found
 
     def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
         final = self._path(key)
         try:
-            temp = self._temp_name(key)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            temp, fd = self._staged(key, _create_file)
             try:
                 view = memoryview(data)
                 written = 0
@@ -154,11 +176,12 @@ class LocalStore:
             with contextlib.suppress(OSError, UnboundLocalError):
                 os.unlink(temp)
             raise _translate(exc, key) from exc
+        finally:
+            self._tidy_staging()
 
     def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
         try:
-            temp = self._temp_name(key)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            temp, fd = self._staged(key, _create_file)
             try:
                 if meta is not None:
                     os.fchmod(fd, meta.mode & 0o7777)
@@ -221,6 +244,7 @@ class LocalStore:
             _fsync_dir(os.path.dirname(final))
         except OSError as exc:
             raise _translate(exc, upload.key) from exc
+        self._tidy_staging()
 
     def abort_upload(self, upload: UploadRef) -> None:
         try:
@@ -229,6 +253,7 @@ class LocalStore:
             pass
         except OSError as exc:
             raise _translate(exc, upload.key) from exc
+        self._tidy_staging()
 
     def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
         try:
@@ -251,8 +276,8 @@ class LocalStore:
 
     def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
         src, dst = self._path(src_key), self._path(dst_key)
-        try:
-            temp = self._temp_name(dst_key)
+
+        def stage_copy(temp: str) -> None:
             if os.path.islink(src):
                 os.symlink(os.readlink(src), temp)
             else:
@@ -270,6 +295,9 @@ class LocalStore:
                         self._copy_file(src, temp)
                     os.chmod(temp, meta.mode & 0o7777)
                 os.utime(temp, ns=(meta.mtime_ns, meta.mtime_ns), follow_symlinks=False)
+
+        try:
+            temp, _ = self._staged(dst_key, stage_copy)
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             os.replace(temp, dst)
             # rename(2) of a hard link over another link of the same file does nothing and succeeds: a copy
@@ -278,7 +306,11 @@ class LocalStore:
                 os.unlink(temp)
             _fsync_dir(os.path.dirname(dst))
         except OSError as exc:
+            with contextlib.suppress(OSError, UnboundLocalError):
+                os.unlink(temp)
             raise _translate(exc, src_key) from exc
+        finally:
+            self._tidy_staging()
 
     def _copy_file(self, src: str, temp: str) -> None:
         sfd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
@@ -328,12 +360,15 @@ class LocalStore:
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
         final = self._path(key)
         try:
-            temp = self._temp_name(key)
-            os.symlink(target, temp)
+            temp, _ = self._staged(key, lambda temp: os.symlink(target, temp))
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(temp, final)
         except OSError as exc:
+            with contextlib.suppress(OSError, UnboundLocalError):
+                os.unlink(temp)
             raise _translate(exc, key) from exc
+        finally:
+            self._tidy_staging()
 
     def _info(self, key: str, path: str, st: os.stat_result) -> ObjectInfo:
         if stat.S_ISLNK(st.st_mode):
@@ -401,6 +436,10 @@ class LocalStore:
                 yield info
                 if info.kind == DIR:
                     stack.append(entry.path)
+
+
+def _create_file(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
 
 def _key_of(name: str) -> str:
