@@ -480,6 +480,45 @@ async def test_a_directory_renamed_while_a_file_below_it_commits_leaves_no_empty
     check_consistency(stack)
 
 
+async def test_a_directory_removed_before_its_marker_was_written_leaves_no_empty_directory(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """D/x is in the store but D's own marker is not yet (its upload failed and waits for a retry) when
+    `rm D/x; rmdir D` land: nothing owns D/ any more, and a store with real or implicit directories
+    (file://, SeaweedFS) kept D, empty, for good, shown by every fresh node (the crash harness found it on
+    SeaweedFS: "fresh node: directory step_00002 should not exist")."""
+    stack = make_stack(tmp_path)
+    put_dir = stack.store.put_dir
+    removed = threading.Event()
+
+    def marker_after_the_rmdir(key: str, meta: object) -> None:
+        if key == "D/" and not removed.is_set():
+            raise PermanentBackendError("access denied")
+        put_dir(key, meta)  # type: ignore[arg-type]
+
+    put_object, committed = stack.store.put_object, threading.Event()
+
+    def note_commit(key: str, data: bytes, meta: object, checksum: str) -> None:
+        put_object(key, data, meta, checksum)  # type: ignore[arg-type]
+        committed.set()
+
+    stack.store.put_dir = marker_after_the_rmdir  # type: ignore[method-assign]
+    stack.store.put_object = note_commit  # type: ignore[method-assign]
+    d = stack.fs.mkdir(ROOT_ID, b"D", 0o755, UID, GID)
+    stack.write_file("x", b"weights", parent=d.ino)
+    await nursery.start(stack.drain.run)
+    assert await trio.to_thread.run_sync(committed.wait, 30)
+    assert stack.store_files() == {"D/x": b"weights"} and ("put_dir", "D/") not in stack.store.calls
+    stack.fs.unlink(d.ino, b"x")
+    stack.fs.rmdir(ROOT_ID, b"D")
+    removed.set()
+    with trio.fail_after(30):
+        await stack.flush()
+    assert stack.store_files() == {}
+    assert stack.store_dirs() == set()
+    check_consistency(stack)
+
+
 async def test_file_deleted_from_store_by_another_node_goes_here_too(stack: Stack) -> None:
     stack.write_file("shared.pt", b"x")
     stack.write_file("mine-dirty.pt", b"y")
