@@ -32,6 +32,8 @@ StrPath = str | os.PathLike[str]
 # How long after its own deadline a waiting call still listens for the daemon's answer: the daemon
 # replies when its deadline passes, so this covers only a slow reply, never a second wait.
 REPLY_GRACE_SECONDS = 30.0
+# How long umount waits for the daemon to exit after it replied (closing the journal is all that is left).
+EXIT_WAIT_SECONDS = 30.0
 
 
 def runtime_dir() -> Path:
@@ -159,15 +161,32 @@ def prune(mountpoint: StrPath, keep_last: int, keep: Iterable[str] = (), *, dry_
     return PruneResult(deleted=list(reply["delete"]), kept=dict(reply["reasons"]))
 
 
+def _wait_for_exit(pid: int, deadline: float) -> None:
+    """Until process `pid` has exited (a zombie has: it holds no files or sockets) or the deadline passed."""
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
+                if stat.read().rpartition(b")")[2].split()[0] == b"Z":
+                    return
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return
+        time.sleep(0.02)
+
+
 def unmount(mountpoint: StrPath, *, timeout: float | None = None) -> None:
     """Drain (up to `timeout` seconds; None: no limit), then unmount. Raises NotDrainedError if it unmounted
     with entries not yet in the store (they stay journaled and upload at the next mount)."""
     mountpoint = canonical_mountpoint(mountpoint)
     reply = call(mountpoint, {"op": "umount", "timeout": timeout}, timeout=None)
-    # The daemon replies after unmounting; wait for the kernel to show it gone.
+    # The daemon replies after unmounting, then closes its journal and lets go of its cache dir lock and
+    # metrics port: wait for the kernel to show the mount gone and for the process to exit, so that a
+    # mount started right after this returns finds both free.
     deadline = time.monotonic() + 10
     while os.path.ismount(mountpoint) and time.monotonic() < deadline:
         time.sleep(0.05)
+    if isinstance(reply.get("pid"), int):
+        _wait_for_exit(reply["pid"], deadline=time.monotonic() + EXIT_WAIT_SECONDS)
     if "error" in reply:
         raise DaemonError(reply["error"])
     if not reply.get("ok"):

@@ -392,6 +392,7 @@ class Daemon:
                 "remaining": self.result.remaining[:100],
                 "remaining_count": len(self.result.remaining),
                 "cache_dir": str(self.cache.root),
+                "pid": os.getpid(),
             }
         return {"ok": False, "error": f"unknown op {op!r}"}
 

@@ -5,6 +5,7 @@ work on top of them (parts, resume, spills, downloads) has its own suite, tests/
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import os
 import stat
 import zlib
@@ -359,6 +360,22 @@ def test_a_drained_local_store_holds_only_its_objects(tmp_path: Path) -> None:
     aborted = store.open_upload("c", META, None)
     store.abort_upload(aborted)
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "d", "l"]
+
+
+def test_concurrent_copies_never_mistake_a_tidied_staging_directory_for_a_missing_source(tmp_path: Path) -> None:
+    """Each staged write removes the staging directory when it is left empty. A copy whose link(2) into it
+    failed because another copy had just removed it, while a third had already recreated it, was reported
+    as "source not found": the drain then dropped a renamed file as vanished (CI lost 13 of 1,200)."""
+    store = LocalStore(tmp_path)
+    sources = [f"src/f{i:04d}" for i in range(400)]
+    for key in sources:
+        (tmp_path / key).parent.mkdir(exist_ok=True)
+        (tmp_path / key).write_bytes(key.encode())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        done = list(pool.map(lambda key: store.copy(key, key.replace("src/", "dst/")), sources))
+    assert len(done) == len(sources)
+    assert sorted(os.listdir(tmp_path / "dst")) == sorted(key[4:] for key in sources)
+    assert sorted(os.listdir(tmp_path)) == ["dst", "src"]
 
 
 def test_open_store_maps_s3_urls() -> None:

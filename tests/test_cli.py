@@ -134,6 +134,35 @@ def test_daemon_mode_status_flush_umount(dirs: dict[str, Path]) -> None:
     assert not os.path.ismount(dirs["mnt"])
 
 
+def test_umount_returns_once_the_daemon_let_go_of_its_cache_dir_and_metrics_port(dirs: dict[str, Path]) -> None:
+    """`ckptfs umount && ckptfs mount` (a restart script, a systemd ExecStop/ExecStart) must not find the
+    cache dir locked or the metrics port taken by the daemon that is still exiting (CI saw the port taken)."""
+    import fcntl
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(dirs["run"]))
+    for _ in range(3):
+        result = _mount(dirs, "--daemon", "--metrics-addr", f"127.0.0.1:{port}")
+        assert result.returncode == 0, result.stderr
+        (dirs["mnt"] / "f").write_bytes(b"abc")
+        umount = ckptfs_cli("umount", str(dirs["mnt"]), env=env)
+        assert umount.returncode == 0, umount.stderr
+        with socket.socket() as s:  # what the next daemon's metrics server does first
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        fd = os.open(dirs["cache"] / "lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what the next daemon's cache lock does
+        finally:
+            os.close(fd)
+    assert (dirs["store"] / "f").read_bytes() == b"abc"
+
+
 def test_flush_timeout_exit_code(mount: Mount) -> None:
     handle = open(mount.mnt / "held-open", "wb")  # noqa: SIM115
     handle.write(b"x")

@@ -17,6 +17,7 @@ import errno
 import os
 import secrets
 import stat
+import threading
 import time
 import urllib.parse
 import zlib
@@ -92,6 +93,10 @@ class LocalStore:
         self.root = root
         self.url = f"file://{root}"
         self.owner = owner
+        # Temp files being created right now; while there are any, this process does not remove the
+        # staging directory (it would pull it from under a create between its mkdir and its open).
+        self._creating = 0
+        self._staging_lock = threading.Lock()
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key.rstrip("/"))
@@ -106,27 +111,37 @@ class LocalStore:
 
     def _staged(self, key: str, create: Callable[[str], T]) -> tuple[str, T]:
         """Run create(temp) on a fresh path in the staging directory; the name carries the owner and (if it
-        fits) the key. The directory is (re)made first; if another upload removed it before create ran,
+        fits) the key. The directory is (re)made first; if another process removed it before create ran,
         try again rather than fail."""
         staging = os.path.join(self.root, STAGING_DIR)
         head = f"{self.owner}."
         quoted = urllib.parse.quote(key.rstrip("/"), safe="")
-        for _ in range(STAGING_ATTEMPTS):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(staging, 0o700)
-            name = f"{head}{secrets.token_hex(4)}."
-            temp = os.path.join(staging, name + quoted[:MAX_NAME - len(name)])
-            try:
-                return temp, create(temp)
-            except FileNotFoundError:
-                if os.path.isdir(staging):
-                    raise  # something else is missing (a copy's source)
+        with self._staging_lock:
+            self._creating += 1
+        try:
+            for _ in range(STAGING_ATTEMPTS):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(staging, 0o700)
+                name = f"{head}{secrets.token_hex(4)}."
+                temp = os.path.join(staging, name + quoted[:MAX_NAME - len(name)])
+                try:
+                    return temp, create(temp)
+                except FileNotFoundError:
+                    if os.path.isdir(staging):
+                        raise  # something else is missing (a copy's source)
+        finally:
+            with self._staging_lock:
+                self._creating -= 1
         raise TransientBackendError(f"{key}: the staging directory {staging} keeps disappearing")
 
     def _tidy_staging(self) -> None:
-        """Remove the staging directory if no upload is using it (rmdir fails if one is)."""
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.join(self.root, STAGING_DIR))
+        """Remove the staging directory if no upload is using it: rmdir fails if a temp file is in it, and
+        a create of this process about to put one there makes the next tidy do it instead."""
+        with self._staging_lock:
+            if self._creating:
+                return
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(self.root, STAGING_DIR))
 
     # -- staged uploads: a temp file in the staging directory, renamed over the key -------------------
 
@@ -188,6 +203,7 @@ class LocalStore:
             finally:
                 os.close(fd)
         except OSError as exc:
+            self._tidy_staging()
             raise _translate(exc, key) from exc
         # The mtime is set at complete (writing the parts changes it); the marker carries it until then.
         return UploadRef(key=key, upload_id=os.path.relpath(temp, self.root),
@@ -308,6 +324,9 @@ class LocalStore:
         except OSError as exc:
             with contextlib.suppress(OSError, UnboundLocalError):
                 os.unlink(temp)
+            if exc.errno == errno.ENOENT and os.path.lexists(src):
+                # Only a missing source may read as NotFound: the caller drops a file whose object vanished.
+                raise TransientBackendError(f"{src_key} -> {dst_key}: {exc}") from exc
             raise _translate(exc, src_key) from exc
         finally:
             self._tidy_staging()
