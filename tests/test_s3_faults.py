@@ -524,3 +524,25 @@ def test_mount_rides_out_throttling_at_start(s3_mount, proxy: FaultProxy) -> Non
     m = s3_mount()
     (m.mnt / "a").write_bytes(b"a")
     m.flush(timeout=30)
+
+
+def test_mount_starts_when_the_cleanup_of_old_uploads_keeps_failing(s3_mount, seaweedfs_s3: S3Server,
+                                                                     proxy: FaultProxy, bucket: str) -> None:
+    """Removing the last run's interrupted uploads is housekeeping: a store failing it for longer than the
+    retries last must not keep the mount from starting (the crash harness saw a daemon exit on a 500 storm
+    right after a kill -9); the leftovers are removed at a later start."""
+    m = s3_mount("--part-size", "5M")
+    (m.mnt / "before.bin").write_bytes(b"written before the kill")
+    m.flush(timeout=60)
+    m.kill9()
+    rule = Rule("internal", match=r"^GET \S+prefix=[^ &]*ckptfs-tmp\.uploads")
+    proxy.set_rules(rule)
+    m.start()
+    m.allowed_log_words += ["cannot remove the interrupted uploads"]
+    (m.mnt / "after.bin").write_bytes(b"written after the start")
+    m.flush(timeout=60)
+    assert rule.fired > 0
+    assert "cannot remove the interrupted uploads" in m.log.read_text()
+    proxy.heal()
+    stored = _objects(seaweedfs_s3, bucket)
+    assert stored == {"before.bin": b"written before the kill", "after.bin": b"written after the start"}
