@@ -632,6 +632,7 @@ class RoundConfig:
     faults: list[str]
     full_cache: bool
     filler_mib: int
+    unlisted_dir_ops: bool = False  # rmdir and rename of directories without listing them first
 
 
 @dataclass
@@ -737,6 +738,8 @@ class Harness:
             prephase=rng.choice(["none", "none", "same-cache", "fresh-cache", "fresh-cache"]),
             kill_at=0, kill_sleep=rng.uniform(0, 0.03), faults=faults, full_cache=self.args.full_cache,
             filler_mib=rng.choice([0, 8, 16]) if self.args.full_cache else 0,
+            # `mv step_100 step_100.bak` on a fresh node lists nothing first; `rm -r` lists: both, by turns
+            unlisted_dir_ops=(rng.random() < 0.5) or self.args.unlisted_dir_ops,  # drawn either way: replays
         )
 
     def new_store(self, index: int) -> StoreView:
@@ -854,7 +857,7 @@ class Harness:
         injected_before = dict(self.proxy.injected) if self.proxy is not None else {}
 
         if cfg.prephase != "none":  # an earlier life of the job: the store already holds checkpoints
-            pre = PlanBuilder(rng, f"{index}a", names, dirs, scale, self.args.unlisted_dir_ops)
+            pre = PlanBuilder(rng, f"{index}a", names, dirs, scale, cfg.unlisted_dir_ops)
             for _ in range(rng.randint(1, 2)):
                 step_no += 1
                 pre.checkpoint(step_no)
@@ -870,7 +873,7 @@ class Harness:
                 node = round_dir / "node-b"
 
         pre_ops = len(model.applied)
-        plan_builder = PlanBuilder(rng, f"{index}b", names, dirs, scale, self.args.unlisted_dir_ops)
+        plan_builder = PlanBuilder(rng, f"{index}b", names, dirs, scale, cfg.unlisted_dir_ops)
         if cfg.prephase != "none":  # renames, deletes and changes of files already in the store
             for _ in range(rng.randint(1, 3)):
                 plan_builder.mutate()
@@ -978,6 +981,8 @@ def describe_round(index: int, r: RoundResult) -> str:
     parts = [f"round {index:4d}", verdict, f"kill={cfg.kill:8s}", f"pre={cfg.prephase:11s}",
              f"delay={cfg.upload_delay:<4}", f"ops={r.ops_done}/{r.ops_planned}",
              f"bytes={r.bytes_written / MiB:.1f}MiB", f"{r.seconds:.1f}s"]
+    if cfg.unlisted_dir_ops:
+        parts.append("unlisted")
     if cfg.faults:
         parts.append("faults=" + ",".join(cfg.faults) + " fired=" + ",".join(f"{k}:{v}" for k, v in r.fired.items()))
     if cfg.full_cache:
@@ -1031,8 +1036,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stop-on-failure", action="store_true")
     parser.add_argument("--strict", action="store_true", help="rounds that hit a known bug fail the run too")
     parser.add_argument("--unlisted-dir-ops", action="store_true",
-                        help="remove and rename directories without listing them first (reproduces two open "
-                        "bugs of directories a fresh node never listed)")
+                        help="every round removes and renames directories without listing them first "
+                        "(without it, half the rounds do, drawn from the seed)")
     args = parser.parse_args(argv)
     if args.faults and args.store != "seaweedfs":
         parser.error("--faults needs --store seaweedfs (the fault proxy speaks HTTP)")
