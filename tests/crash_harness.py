@@ -41,6 +41,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -362,19 +363,25 @@ class Model:
             self.dirs.discard(d)
             self.dirs.add(dst + d[len(src):])
 
-    def apply_log(self, plan: list[Op], log_path: Path) -> tuple[Op | None, list[str]]:
+    def apply_log(self, plan: list[Op], log_path: Path, *, eio_at_kill: bool = False) -> tuple[Op | None, list[str]]:
         """Replay the writer's log. Returns the operation in flight when the log ends (None if the writer
-        finished) and the failed operations, as text."""
+        finished) and the failed operations, as text. eio_at_kill: the last entry, if it is an EIO, is the
+        kernel's answer to a request the killed daemon never answered: in flight, not a failure."""
         failures: list[str] = []
         next_index = 0
         partial: dict[int, int] = {}
-        for line in log_path.read_text().splitlines():
+        lines = log_path.read_text().splitlines()
+        for n, line in enumerate(lines):
             try:
                 entry = json.loads(line)
             except ValueError:
                 break  # a torn last line cannot be: the writer fsyncs whole lines; stop at it anyway
             index = entry["i"]
             op = plan[index]
+            if eio_at_kill and n == len(lines) - 1 and entry.get("err") == errno.EIO:
+                if entry.get("upto"):
+                    partial[index] = entry["upto"]
+                break
             if "err" in entry:
                 failures.append(f"op #{index} {describe(op)} failed: {errno.errorcode.get(entry['err'], entry['err'])}")
                 if op["op"] in ("write", "write_bytes") and entry.get("upto"):
@@ -918,7 +925,11 @@ class Harness:
                 killed_node = m
         if code not in (0, EXIT_MOUNT_GONE):
             raise RoundFailed(f"writer exited {code}: {(round_dir / 'main.stderr').read_text()[-300:]}")
-        in_flight, failures = model.apply_log(plan, log)
+        # Linux answers EIO (not ECONNABORTED) to a write in flight when the daemon dies; the daemon logs
+        # every EIO it answers itself, so an EIO it has no record of is the kernel's.
+        eio_at_kill = (killed_node is not None and code == EXIT_MOUNT_GONE
+                       and not EIO_ANSWERED.search(killed_node.log.read_text(errors="replace")))
+        in_flight, failures = model.apply_log(plan, log, eio_at_kill=eio_at_kill)
         result.ops_done = len(model.applied) - pre_ops
         result.errors = failures
         bad = failures
@@ -972,6 +983,9 @@ class Harness:
 def count_lines(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 16), b""))
+
+
+EIO_ANSWERED = re.compile(r"failed: (\[EIO\]|\[Errno 5\])|answering EIO")
 
 
 def describe_round(index: int, r: RoundResult) -> str:

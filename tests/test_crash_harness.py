@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Mount
-from crash_harness import Model, Tree, check_kill_point, first_difference, parse_args, run
+from crash_harness import EIO_ANSWERED, Model, Tree, check_kill_point, first_difference, parse_args, run
 
 # Fixed seeds: CI replays the same rounds; a failure prints the command that replays it alone.
 CI_RUNS = [
@@ -54,6 +54,23 @@ def test_the_checks_catch_what_they_claim() -> None:
                                           model.files, model.dirs, "t") or "")  # type: ignore[arg-type]
     assert "should not exist" in (first_difference(Tree(good.files, {"s", "old"}), model.files, model.dirs,
                                                    "t") or "")  # type: ignore[arg-type]
+
+
+def test_an_eio_at_the_kill_is_in_flight_only_when_the_daemon_did_not_answer_it(tmp_path: Path) -> None:
+    """Linux answers EIO to a write the killed daemon never answered (seed 6100 round 5): that write is in
+    flight, possibly applied in part; an EIO earlier in the log, or one the daemon answered, is a failure."""
+    write = {"op": "write_bytes", "path": "a", "offset": 0, "hex": b"data".hex()}
+    plan = [{"op": "open", "path": "a", "trunc": True}, write, {"op": "close", "path": "a"}]
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"i": 0}\n{"i": 1, "err": 5, "upto": 0}\n')
+    in_flight, failures = Model().apply_log(plan, log, eio_at_kill=True)
+    assert (in_flight, failures) == (write, [])
+    in_flight, failures = Model().apply_log(plan, log)
+    assert in_flight == plan[2] and failures and "EIO" in failures[0]
+    log.write_text('{"i": 0}\n{"i": 1, "err": 5, "upto": 0}\n{"i": 2}\n')
+    assert Model().apply_log(plan, log, eio_at_kill=True)[1], "an EIO before the last entry is a failure"
+    assert EIO_ANSWERED.search("2026-11-23 DEBUG ckptfs.fuse_ops: write failed: [EIO] cache file gone")
+    assert not EIO_ANSWERED.search("2026-11-23 DEBUG ckptfs.fuse_ops: lookup failed: [ENOENT] no entry 'a'")
 
 
 # -- product bugs found by the harness --------------------------------------------------------------------
