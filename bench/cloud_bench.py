@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -43,7 +42,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from emulators import AzuriteServer, GcsServer, start_azurite, start_fake_gcs  # noqa: E402
-from s3_drain_bench import MIB, ckptfs, copy_all, make_source, parse_size, peak_rss  # noqa: E402
+from s3_drain_bench import MIB, ckptfs, copy_all, make_source, parse_size, peak_rss, write_report  # noqa: E402
 
 DEFAULT_JSON = REPO / "bench" / "results" / "cloud_bench.json"
 WORKERS = 8
@@ -237,14 +236,7 @@ def main() -> None:
             f"{n} sdk restore"]
     for name, value in ratios.items():
         print(f"  {name:<48} {value:5.2f}x")
-    report: dict[str, Any] = {
-        "size_bytes": args.size, "runs": args.runs,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
-        "seconds": results, "medians": medians, "ratios": ratios,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nresults written to {args.json}")
+    write_report(args.json, {"size_bytes": args.size, "runs": args.runs}, results, medians, ratios)
 
 
 if __name__ == "__main__":

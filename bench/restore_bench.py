@@ -19,9 +19,7 @@ Run from the repo's venv with the test extra installed:  python bench/restore_be
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,14 +28,13 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  # noqa: E402
-from s3_drain_bench import MIB, ckptfs, make_source, parse_size  # noqa: E402
+from s3_drain_bench import MIB, ckptfs, make_source, parse_size, write_report  # noqa: E402
 
 DEFAULT_JSON = REPO / "bench" / "results" / "restore_bench.json"
 BUCKET = "restore-bench"
@@ -157,14 +154,8 @@ def main() -> None:
     }
     for name, value in ratios.items():
         print(f"  {name:<34} {value:5.2f}x")
-    report: dict[str, Any] = {
-        "size_bytes": args.size, "files": args.files, "runs": args.runs,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
-        "seconds": results, "medians": medians, "ratios": ratios,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nresults written to {args.json}")
+    write_report(args.json, {"size_bytes": args.size, "files": args.files, "runs": args.runs}, results, medians,
+                 ratios)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,19 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
+def write_report(path: Path, settings: dict[str, Any], results: dict[str, Any], medians: dict[str, float],
+                 ratios: dict[str, float]) -> None:
+    """The JSON every bench leaves in bench/results/: its settings, the machine, each run, medians, ratios."""
+    report = {
+        **settings,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
+        "seconds": results, "medians": medians, "ratios": ratios,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nresults written to {path}")
+
+
 def make_source(path: Path, size: int) -> None:
     block = os.urandom(MIB)
     with open(path, "wb") as f:
@@ -197,14 +210,7 @@ def main() -> None:
                    medians[f"{w} before durable"] / medians[f"{w} local+boto3 durable"] for w in workloads}
     for name, value in ratios.items():
         print(f"  {name:<44} {value:5.2f}x")
-    report: dict[str, Any] = {
-        "size_bytes": args.size, "runs": args.runs,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
-        "seconds": results, "medians": medians, "ratios": ratios,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nresults written to {args.json}")
+    write_report(args.json, {"size_bytes": args.size, "runs": args.runs}, results, medians, ratios)
 
 
 if __name__ == "__main__":

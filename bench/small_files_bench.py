@@ -19,9 +19,7 @@ Run from the repo's venv as root:  python bench/small_files_bench.py [--files 20
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -30,12 +28,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from s3_drain_bench import ckptfs  # noqa: E402
+from s3_drain_bench import ckptfs, write_report  # noqa: E402
 
 KIB = 1 << 10
 DEFAULT_JSON = REPO / "bench" / "results" / "small_files_bench.json"
@@ -124,14 +121,7 @@ def main() -> None:
         print(f"  {name:<20} {value:8.2f} s  ({value / args.files * 1e3:.2f} ms per file)")
     for name, value in ratios.items():
         print(f"  {name:<36} {value:6.2f}x")
-    report: dict[str, Any] = {
-        "files": args.files, "runs": args.runs, "seed": args.seed,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
-        "seconds": results, "medians": medians, "ratios": ratios,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nresults written to {args.json}")
+    write_report(args.json, {"files": args.files, "runs": args.runs, "seed": args.seed}, results, medians, ratios)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ Run from the repo's venv with the test extra installed:  python bench/stream_ben
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,7 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -38,7 +35,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  # noqa: E402
 from restore_bench import drop_page_cache  # noqa: E402
-from s3_drain_bench import MIB, ckptfs, make_source, parse_size  # noqa: E402
+from s3_drain_bench import MIB, ckptfs, make_source, parse_size, write_report  # noqa: E402
 
 DEFAULT_JSON = REPO / "bench" / "results" / "stream_bench.json"
 BUCKET = "stream-bench"
@@ -173,14 +170,7 @@ def main() -> None:
     }
     for name, value in ratios.items():
         print(f"  {name:<46} {value:6.3f}x")
-    report: dict[str, Any] = {
-        "size_bytes": args.size, "runs": args.runs,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
-        "seconds": results, "medians": medians, "ratios": ratios,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nresults written to {args.json}")
+    write_report(args.json, {"size_bytes": args.size, "runs": args.runs}, results, medians, ratios)
 
 
 if __name__ == "__main__":

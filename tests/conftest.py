@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -126,6 +127,18 @@ class Mount:
             self.proc.wait()
             self.proc = None
         subprocess.run(["fusermount3", "-u", "-z", "-q", str(self.mnt)], check=False)
+
+
+def finished_parts(journal: Path) -> int:
+    """The most parts any staged upload in this journal has finished (0 before the first is recorded)."""
+    db = sqlite3.connect(f"file:{journal}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT upload_state FROM inodes WHERE upload_state IS NOT NULL").fetchall()
+    except sqlite3.OperationalError:
+        return 0
+    finally:
+        db.close()
+    return max((len(json.loads(text)["parts"]) for (text,) in rows), default=0)
 
 
 @pytest.fixture

@@ -6,16 +6,13 @@ from the last finished part."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import sqlite3
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-from conftest import Mount
+from conftest import Mount, finished_parts
 from emulators import AzuriteServer, GcsServer, azurite, fake_gcs  # noqa: F401
 
 MiB = 1 << 20
@@ -146,17 +143,6 @@ def test_dcp_and_safetensors_saved_on_one_node_load_on_a_fresh_one(
     assert fresh.umount().returncode == 0
 
 
-def _finished_parts(journal: Path) -> int:
-    db = sqlite3.connect(f"file:{journal}?mode=ro", uri=True)
-    try:
-        rows = db.execute("SELECT upload_state FROM inodes WHERE upload_state IS NOT NULL").fetchall()
-    except sqlite3.OperationalError:
-        return 0
-    finally:
-        db.close()
-    return max((len(json.loads(text)["parts"]) for (text,) in rows), default=0)
-
-
 @pytest.mark.parametrize("store", ["gs", "az"])
 def test_kill9_mid_staged_upload_resumes_from_the_last_finished_part(
     mount_factory, store: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
@@ -171,7 +157,7 @@ def test_kill9_mid_staged_upload_resumes_from_the_last_finished_part(
             f.write(chunk)
             expected.update(chunk)
     deadline = time.monotonic() + 120
-    while (done := _finished_parts(m.cache / "journal.db")) < 4:
+    while (done := finished_parts(m.cache / "journal.db")) < 4:
         assert time.monotonic() < deadline, "the staged upload never got going"
         time.sleep(0.02)
     m.kill9()

@@ -5,15 +5,13 @@ last finished part instead of starting over."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Mount
+from conftest import Mount, finished_parts
 from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
 
 MiB = 1 << 20
@@ -68,17 +66,6 @@ def test_checkpoints_land_in_the_bucket(mount_factory, seaweedfs_s3: S3Server, b
     assert torch.equal(torch.load(fresh.mnt / "step_1" / "model.pt")["w"], state["w"])
 
 
-def _finished_parts(journal: Path) -> int:
-    db = sqlite3.connect(f"file:{journal}?mode=ro", uri=True)
-    try:
-        rows = db.execute("SELECT upload_state FROM inodes WHERE upload_state IS NOT NULL").fetchall()
-    except sqlite3.OperationalError:
-        return 0
-    finally:
-        db.close()
-    return max((len(json.loads(text)["parts"]) for (text,) in rows), default=0)
-
-
 def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--part-size", "16M", "--transfers", "1")
     block = os.urandom(MiB)
@@ -89,7 +76,7 @@ def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Serve
     for i in range(1024):
         expected.update(i.to_bytes(8, "big") + block[8:])
     deadline = time.monotonic() + 120
-    while (done := _finished_parts(m.cache / "journal.db")) < 8:
+    while (done := finished_parts(m.cache / "journal.db")) < 8:
         assert time.monotonic() < deadline, "the multipart upload never got going"
         time.sleep(0.02)
     m.kill9()
