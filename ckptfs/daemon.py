@@ -105,7 +105,8 @@ class Daemon:
         self.fetcher = Fetcher(journal, cache, engine, evictor=self.evictor)
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval)
         self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor, self.lister,
-                             streams=self.fetcher, wait_uploaded=lambda path: self.drain.wait_durable([path]))
+                             streams=self.fetcher, wait_uploaded=lambda path: self.drain.wait_durable([path]),
+                             discard_upload=self.drain.discard_upload)
         self.lister.vanished = self.fs.vanished
         self._prune_wanted = trio.Event()
         if config.keep_last:

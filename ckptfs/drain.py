@@ -15,7 +15,6 @@ each await before it records anything. The protocol is written up in docs/design
 from __future__ import annotations
 
 import fnmatch
-import functools
 import logging
 import math
 import os
@@ -114,6 +113,10 @@ class Drain:
         self._flush_waiters: list[set[tuple[str, int]]] = []
         self._permanent_reported: set[str] = set()
         self._pressure = False
+        # Staged uploads and spills of files removed meanwhile: aborted here, so that their parts do not
+        # sit in the store until the next start-up's cleanup.
+        self._discarded: list[UploadState] = []
+        self._discards_running = 0
         self.spill_part_size = engine.part_size
         self.spill_lookahead = SPILL_LOOKAHEAD
         # Called with an inode id once a spilled file is uploaded: its local copy has holes, evict it.
@@ -142,12 +145,33 @@ class Drain:
     def in_flight(self) -> int:
         return len(self._running)
 
+    def discard_upload(self, state_text: str) -> None:
+        """A file with a staged upload or spill (its journaled `upload_state`) was removed: abort it."""
+        try:
+            state = UploadState.from_json(state_text)
+        except (ValueError, KeyError, TypeError):
+            return
+        self._discarded.append(state)
+        self.notify()
+
+    async def _abort_discarded(self, state: UploadState) -> None:
+        self._discards_running += 1
+        try:
+            await self.engine.abort_state(state)
+            log.debug("aborted the staged upload of a removed file (%s)", state.key)
+        finally:
+            self._discards_running -= 1
+            self._progress.set()
+            self._progress = trio.Event()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:
                 self._new_work = trio.Event()
                 scanned_at = trio.current_time()
+                while self._discarded:
+                    nursery.start_soon(self._abort_discarded, self._discarded.pop())
                 jobs, next_due = self._scan()
                 for job in jobs:
                     slots = self._upload_slots if job.kind in ("upload", "spill") else self._other_slots
@@ -187,7 +211,7 @@ class Drain:
                 else:
                     self._drop_durable(items, deletes, only=finished)
                 finished.clear()
-                if not items and not deletes:
+                if not items and not deletes and not self._discarded and not self._discards_running:
                     if collected_old_copies:
                         return
                     # Uploads and moves queue deletes of the copies they replace; wait for those too,
@@ -433,17 +457,29 @@ class Drain:
             started = trio.current_time()
             resume = await self._resumable_state(inode, key)
             priority = self._priority(inode)
+            latest: list[UploadState] = []
+
+            def progress(state: UploadState) -> None:
+                latest[:] = [state]
+                self._save_upload_state(inode_id, state)
+
             try:
                 staged: StagedUpload = await self.engine.stage_upload(
-                    key, self.cache.data_path(inode_id), self._meta(inode), resume=resume,
-                    progress=functools.partial(self._save_upload_state, inode_id), priority=priority,
+                    key, self.cache.data_path(inode_id), self._meta(inode), resume=resume, progress=progress,
+                    priority=priority,
                 )
             except BaseException as exc:
                 with self.journal.transaction():
                     self.journal.abort_upload(inode_id)
                 current = self.journal.get(inode_id)
-                if isinstance(exc, NotFoundBackendError) and (current is None or current.path is None):
-                    return  # removed (and its cache file with it) while we read it: nothing to upload
+                if current is None or current.path is None:
+                    # Removed while we staged it: nothing will resume this upload. (Removed before the
+                    # journal had its state, the purge could not hand it to discard_upload.)
+                    if latest:
+                        with trio.move_on_after(30, shield=True):
+                            await self.engine.abort_state(latest[0])
+                    if isinstance(exc, NotFoundBackendError):
+                        return  # its cache file went with it: nothing to upload
                 raise
             # The journal will call the local copy clean: it must survive power loss as it is.
             await trio.to_thread.run_sync(_fsync_path, self.cache.data_path(inode_id))
@@ -533,7 +569,8 @@ class Drain:
             state = await self.engine.spill_part(state, path, part)
             current = self.journal.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
-                return  # removed meanwhile; the store's start-up cleanup takes the staged parts
+                await self.engine.abort_state(state)  # removed meanwhile: nothing will finish this spill
+                return
             if entry.sealed < state.size:
                 # Truncated while the part was uploading: what was staged is no longer the file's start.
                 await self.engine.abort_state(state)

@@ -175,6 +175,7 @@ class Filesystem:
         lister: Lister | None = None,
         streams: ReadStreams[Any] | None = None,
         wait_uploaded: Callable[[str], Awaitable[None]] | None = None,
+        discard_upload: Callable[[str], None] = lambda state: None,
     ) -> None:
         self.journal = journal
         self.cache = cache
@@ -184,6 +185,8 @@ class Filesystem:
         self._notify_drain = notify_drain
         # Returns once the file at a path is in the store (the drain's wait_durable); None: never waits.
         self._wait_uploaded = wait_uploaded
+        # Takes the journaled upload_state of a purged file: its staged upload or spill is to be aborted.
+        self._discard_upload = discard_upload
         self.evictor = evictor if evictor is not None else Evictor(journal, cache, in_use=self.in_use)
         self.lister: Lister = lister if lister is not None else _NothingToList()
         self.handles: dict[int, OpenFile] = {}
@@ -253,6 +256,8 @@ class Filesystem:
             return
         with self.journal.transaction():
             self.journal.purge(inode_id)
+        if inode.upload_state is not None:
+            self._discard_upload(inode.upload_state)
         self._changed.discard(inode_id)
         if inode.kind == FILE:
             self.cache.remove_data(inode_id)

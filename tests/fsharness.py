@@ -47,6 +47,10 @@ class RecordingStore:
         self.spill_gate: threading.Event | None = None
         self.spill_commit_failures: list[Exception] = []
         self.spilling = threading.Event()
+        # Holds each part of a (non-spill) staged upload, once it is in the store, until the test sets it;
+        # `parting` says a part reached the gate.
+        self.part_gate: threading.Event | None = None
+        self.parting = threading.Event()
         self.failures: list[Exception] = []
         self.list_failures: list[Exception] = []  # raised by list_dir, one per call, before `failures`
         # Ranged reads: every (key, offset) asked for, and a gate that holds each range whose offset is
@@ -85,6 +89,9 @@ class RecordingStore:
         if self.spill_gate is not None and _is_spill(upload.key):  # the part is in the store; its answer waits
             self.spilling.set()
             self.spill_gate.wait(30)
+        if self.part_gate is not None and not _is_spill(upload.key):
+            self.parting.set()
+            self.part_gate.wait(30)
         return part
 
     def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
@@ -249,7 +256,7 @@ def make_stack(
     fetcher = Fetcher(journal, cache, engine, evictor=evictor)
     lister = DirLister(journal, cache, store, refresh_interval=0.0)  # type: ignore[arg-type]
     fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor, lister, streams=fetcher,
-                    wait_uploaded=lambda path: drain.wait_durable([path]))
+                    wait_uploaded=lambda path: drain.wait_durable([path]), discard_upload=drain.discard_upload)
     lister.vanished = fs.vanished
     in_use.append(fs)
     drain.on_spilled = evictor.evict_if_clean

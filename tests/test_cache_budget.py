@@ -369,3 +369,24 @@ async def test_a_failed_spill_commit_is_retried_not_replaced_by_an_upload_of_the
         await stack.flush()
     assert stack.drain.stats.spilled_bytes > 0 and not stack.store.spill_commit_failures
     assert stack.store_files() == {"big.pt": bytes(expected)}
+
+
+async def test_a_file_removed_while_its_upload_is_staged_leaves_nothing_in_the_store(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """Its staged parts were left for the next start-up's cleanup: for a daemon that runs for weeks, parts
+    of deleted checkpoints in the bucket (the crash harness saw the temp file after a flush)."""
+    stack = make_stack(tmp_path)
+    stack.drain.engine.part_size = 1 << 20
+    stack.store.part_gate = threading.Event()
+    await nursery.start(stack.drain.run)
+    data = os.urandom(12 << 20)
+    ino = stack.write_file("big.bin", data)
+    assert await trio.to_thread.run_sync(stack.store.parting.wait, 20), "no part reached the store"
+    stack.fs.unlink(ROOT_ID, b"big.bin")
+    stack.fs.forget(ino, 1)
+    stack.store.part_gate.set()
+    await stack.flush()
+    leftovers = [str(p) for p in (tmp_path / "store").rglob("*") if not p.is_dir()]
+    assert leftovers == [] and stack.store_files() == {}
+    check_consistency(stack)
