@@ -154,6 +154,20 @@ class Drain:
         self._discarded.append(state)
         self.notify()
 
+    def _forget_upload_state(self, inode_id: int, aborted: UploadState) -> None:
+        """Drop the journal's record of an upload just aborted (if it is still that one), so that a purge
+        does not hand it to discard_upload again."""
+        inode = self.journal.get(inode_id)
+        if inode is None or inode.upload_state is None:
+            return
+        try:
+            if UploadState.from_json(inode.upload_state).upload_id != aborted.upload_id:
+                return
+        except (ValueError, KeyError, TypeError):
+            pass
+        with self.journal.transaction():
+            self.journal.save_upload_state(inode_id, None)
+
     async def _abort_discarded(self, state: UploadState) -> None:
         self._discards_running += 1
         try:
@@ -478,6 +492,7 @@ class Drain:
                     if latest:
                         with trio.move_on_after(30, shield=True):
                             await self.engine.abort_state(latest[0])
+                        self._forget_upload_state(inode_id, latest[0])
                     if isinstance(exc, NotFoundBackendError):
                         return  # its cache file went with it: nothing to upload
                 raise
@@ -570,6 +585,7 @@ class Drain:
             current = self.journal.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
                 await self.engine.abort_state(state)  # removed meanwhile: nothing will finish this spill
+                self._forget_upload_state(inode_id, state)
                 return
             if entry.sealed < state.size:
                 # Truncated while the part was uploading: what was staged is no longer the file's start.
