@@ -145,6 +145,7 @@ class Daemon:
                 await nursery.start(self.drain.run)
                 await nursery.start(self.evictor.run)
                 await nursery.start(self.fetcher.run)
+                await nursery.start(self.fs.run)
                 await nursery.start(self._serve_control)
                 await trio.to_thread.run_sync(os.stat, self.mountpoint)
                 log.info("mounted %s on %s (cache %s)", self.store.url, self.mountpoint, self.cache.root)

@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import re
-import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -31,7 +30,7 @@ import trio.lowlevel
 from ckptfs.backends.base import ObjectMeta, UploadState, backoff_delays
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError, NotFoundBackendError, PermanentBackendError, TransientBackendError
-from ckptfs.journal import DIR, FILE, SYMLINK, UPLOADING, Inode, Journal, PendingDelete
+from ckptfs.journal import DIR, FILE, SYMLINK, UPLOADING, Inode, Journal, PendingDelete, journal_full
 from ckptfs.transfer import Priority, StagedUpload, Transfers
 
 log = logging.getLogger(__name__)
@@ -160,11 +159,9 @@ class Drain:
         inode = self.journal.get(inode_id)
         if inode is None or inode.upload_state is None:
             return
-        try:
-            if UploadState.from_json(inode.upload_state).upload_id != aborted.upload_id:
-                return
-        except (ValueError, KeyError, TypeError):
-            pass
+        journaled = _journaled_upload_id(inode)
+        if journaled is not None and journaled != aborted.upload_id:
+            return  # a newer upload's (an unreadable record is dropped too)
         with self.journal.transaction():
             self.journal.save_upload_state(inode_id, None)
 
@@ -375,11 +372,11 @@ class Drain:
         op = job.kind
         try:
             if job.kind == "upload":
-                await self._upload(job.ident)
+                await self._upload(job.ident, job.keys[0])
             elif job.kind == "spill":
                 await self._spill(job.ident)
             elif job.kind == "move":
-                await self._move(job.ident)
+                await self._move(job.ident, (job.keys[0], job.keys[1]))
             elif job.kind == "meta":
                 await self._update_meta(job.ident)
             else:
@@ -387,7 +384,7 @@ class Drain:
         except BackendError as exc:
             self._failed(job_id, op, exc)
         except Exception as exc:
-            if isinstance(exc, sqlite3.OperationalError) and exc.sqlite_errorcode == sqlite3.SQLITE_FULL:
+            if journal_full(exc):
                 # The cache filesystem is full (others filled it): the journal cannot record this job's
                 # result now. Nothing is lost: the job is retried as a store error would be.
                 self._failed(job_id, op, TransientBackendError(f"the journal cannot grow: {exc}"))
@@ -445,9 +442,17 @@ class Drain:
     def _priority(self, inode: Inode) -> Priority:
         return Priority.MARKER if self.is_commit_marker(inode.name) else Priority.UPLOAD
 
-    async def _upload(self, inode_id: int) -> None:
+    def _changed_since_scan(self, inode: Inode, scanned_keys: tuple[str, ...], keys: tuple[str, ...]) -> bool:
+        """A job waits for a slot after the scan that chose it: by the time it runs, its file may have been
+        renamed (`.latest.tmp` to `latest` makes it a commit marker) or rewritten (a marker with a newer
+        seq). Such a job does nothing; its completion rescans, and the scan decides afresh."""
+        return keys != scanned_keys or self._marker_blocked(inode)
+
+    async def _upload(self, inode_id: int, scanned_key: str) -> None:
         inode = self.journal.get(inode_id)
         if inode is None or inode.key is None or inode.state not in ("dirty", UPLOADING):
+            return
+        if self._changed_since_scan(inode, (scanned_key,), (inode.key,)):
             return
         key, version = inode.key, inode.version
         if inode.kind == FILE:
@@ -483,18 +488,19 @@ class Drain:
                     priority=priority,
                 )
             except BaseException as exc:
+                current = self.journal.get(inode_id)
+                removed = current is None or current.path is None
+                # Nothing will resume the staged upload if the file was removed while we staged it (removed
+                # before the journal had its state, the purge could not hand it to discard_upload), or if
+                # the journal never got its state (a full cache filesystem refused the save).
+                if latest and (removed or not _journal_holds(current, latest[0])):
+                    with trio.move_on_after(30, shield=True):
+                        await self.engine.abort_state(latest[0])
+                    self._forget_upload_state(inode_id, latest[0])
                 with self.journal.transaction():
                     self.journal.abort_upload(inode_id)
-                current = self.journal.get(inode_id)
-                if current is None or current.path is None:
-                    # Removed while we staged it: nothing will resume this upload. (Removed before the
-                    # journal had its state, the purge could not hand it to discard_upload.)
-                    if latest:
-                        with trio.move_on_after(30, shield=True):
-                            await self.engine.abort_state(latest[0])
-                        self._forget_upload_state(inode_id, latest[0])
-                    if isinstance(exc, NotFoundBackendError):
-                        return  # its cache file went with it: nothing to upload
+                if removed and isinstance(exc, NotFoundBackendError):
+                    return  # its cache file went with it: nothing to upload
                 raise
             # The journal will call the local copy clean: it must survive power loss as it is.
             await trio.to_thread.run_sync(_fsync_path, self.cache.data_path(inode_id))
@@ -682,9 +688,11 @@ class Drain:
         if self.is_commit_marker(current.name):
             self.on_marker_uploaded(current)
 
-    async def _move(self, inode_id: int) -> None:
+    async def _move(self, inode_id: int, scanned_keys: tuple[str, str]) -> None:
         inode = self.journal.get(inode_id)
         if inode is None or inode.remote_key is None or inode.key is None or inode.remote_key == inode.key:
+            return
+        if self._changed_since_scan(inode, scanned_keys, (inode.remote_key, inode.key)):
             return
         old, new = inode.remote_key, inode.key
         if self._target_taken(inode, new):
@@ -765,6 +773,21 @@ class Drain:
         if pending.key.endswith("/") and self.journal.keys_under(pending.key):
             return "defer"
         return "run"
+
+
+def _journaled_upload_id(inode: Inode | None) -> str | None:
+    """The upload id of the staged upload the journal remembers for the inode (None: none, or unreadable)."""
+    if inode is None or inode.upload_state is None:
+        return None
+    try:
+        return UploadState.from_json(inode.upload_state).upload_id
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _journal_holds(inode: Inode | None, state: UploadState) -> bool:
+    """The journal remembers this staged upload (any of its steps) for the inode: a retry resumes it."""
+    return _journaled_upload_id(inode) == state.upload_id
 
 
 def _parking_key(key: str, inode_id: int) -> str:

@@ -14,9 +14,11 @@ Everything here runs in the trio thread; eviction itself is a journal update and
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ import trio
 
 from ckptfs.cache import CacheDir
 from ckptfs.errors import FsError
-from ckptfs.journal import Journal
+from ckptfs.journal import Journal, journal_full
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,10 @@ MEASURE_INTERVAL = 1.0
 WAIT_POLL = 0.05
 # Back-pressure episodes are logged at most this often.
 LOG_INTERVAL = 30.0
+
+
+class _JournalFull(Exception):
+    """An eviction the journal could not record (see Evictor._evict_one)."""
 
 
 @dataclass
@@ -150,7 +156,10 @@ class Evictor:
                 continue
             if self.in_use(inode_id):
                 continue
-            freed += self._evict_one(inode_id)
+            try:
+                freed += self._evict_one(inode_id)
+            except _JournalFull:
+                break
         if punch and freed < wanted and self.partials is not None:
             freed += self.partials.punch(wanted - freed)
         return freed
@@ -159,7 +168,8 @@ class Evictor:
         """Evict this file now if it is clean and closed (a spilled file once its upload completed:
         its start is punched out, so only the store's copy is whole)."""
         if not self.in_use(inode_id):
-            self._evict_one(inode_id)
+            with contextlib.suppress(_JournalFull):  # the LRU rounds evict it later
+                self._evict_one(inode_id)
 
     def _evict_one(self, inode_id: int) -> int:
         entry = self.cache.files.get(inode_id)
@@ -167,9 +177,16 @@ class Evictor:
             st = os.stat(self.cache.data_path(inode_id))
         except FileNotFoundError:
             return 0
-        with self.journal.transaction():
-            if not self.journal.mark_evicted(inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns):
-                return 0
+        try:
+            with self.journal.transaction():
+                if not self.journal.mark_evicted(inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns):
+                    return 0
+        except sqlite3.OperationalError as exc:
+            if not journal_full(exc):
+                raise
+            # Evicting frees room, but the journal must record it first, and the cache filesystem is
+            # too full for that (others filled it): the file stays until something else makes room.
+            raise _JournalFull from exc
         charge = entry.charge if entry is not None else st.st_size
         self.cache.remove_data(inode_id)
         self.last_used.pop(inode_id, None)

@@ -38,6 +38,7 @@ import errno
 import itertools
 import logging
 import os
+import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ from ckptfs.backends.base import crc32_combine, crc_text
 from ckptfs.cache import CacheDir, punch_hole_fd
 from ckptfs.errors import BackendError, FsError, NotFoundBackendError, ObjectChangedError, errno_for_backend_error
 from ckptfs.evict import HIGH_WATER, Evictor
-from ckptfs.journal import REMOTE, Inode, Journal
+from ckptfs.journal import REMOTE, Inode, Journal, journal_full
 from ckptfs.transfer import Priority, Transfers
 
 log = logging.getLogger(__name__)
@@ -552,11 +553,20 @@ class Fetcher:
             del self.streams[stream.inode_id]
         stream.detached = True
         self.cache.adopt(stream.inode_id, stream.size)
-        with self.journal.transaction():
-            self.journal.finish_fetch(stream.inode_id, size=stream.size, mtime_ns=current.mtime_ns)
-        if self.evictor is not None:
-            self.evictor.touch(stream.inode_id)
-        self.stats.files_verified += 1
+        try:
+            with self.journal.transaction():
+                self.journal.finish_fetch(stream.inode_id, size=stream.size, mtime_ns=current.mtime_ns)
+        except sqlite3.OperationalError as exc:
+            if not journal_full(exc):
+                raise
+            # The journal cannot say the file is local (the cache filesystem is full): it stays remote,
+            # without a cache file, and its readers keep the bytes they have open.
+            self.cache.remove_data(stream.inode_id)
+            log.warning("cannot keep the fetched %s in the cache: the cache filesystem is full", stream.key)
+        else:
+            if self.evictor is not None:
+                self.evictor.touch(stream.inode_id)
+            self.stats.files_verified += 1
         if not stream.inflight:
             _close(stream)
         log.debug("fetched %s (%s), verified", stream.key, checksum)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sqlite3
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -29,7 +30,7 @@ import trio
 from ckptfs.cache import CacheDir, CacheFile
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
 from ckptfs.evict import Evictor
-from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal
+from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal, journal_full
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ NAME_MAX = 255
 # S3 keys are at most 1024 bytes; leave room for a prefix.
 PATH_MAX_BYTES = 1000
 STATE_XATTR = b"user.ckptfs.state"
+CLOSE_RETRY_INTERVAL = 1.0  # seconds between attempts to record closes a full journal refused
 # Stores keep their own bookkeeping (temp files, upload markers) under names with this prefix.
 RESERVED_PREFIX = b".ckptfs-tmp."
 RENAME_NOREPLACE = 1
@@ -196,6 +198,10 @@ class Filesystem:
         self._lookup_count: dict[int, int] = {}
         # Inodes written since their last close by any handle: their close queues an upload.
         self._changed: set[int] = set()
+        # Closes the journal could not record (the cache filesystem was full), with whether the content
+        # changed; retried by run() until it can. Meanwhile the drain takes such a file for one still open.
+        self._unrecorded_closes: dict[int, bool] = {}
+        self._close_retry = trio.Event()
         # Inodes written through page-cache-bypassing handles since the kernel's cached pages were dropped.
         self._uncached_writes: set[int] = set()
         self.writes_allowed = True
@@ -422,6 +428,8 @@ class Filesystem:
     def _remove(self, inode: Inode) -> None:
         with self.journal.transaction():
             self.journal.detach(inode)
+            if inode.kind == DIR:
+                self.journal.forget_folder(inode.path, inode.remote_key)
         self._maybe_purge(inode.id)
         self._notify_drain()
 
@@ -542,6 +550,48 @@ class Filesystem:
         """No writer has the file open any more: record its size, and queue it if it changed."""
         changed = inode_id in self._changed
         self._changed.discard(inode_id)
+        try:
+            self._record_close(inode_id, changed)
+        except sqlite3.OperationalError as exc:
+            if not journal_full(exc):
+                raise
+            # The kernel never repeats a release: unrecorded, the file would look open for writing for
+            # as long as the daemon runs, never uploaded, and a flush would wait for it for ever.
+            self._unrecorded_closes[inode_id] = self._unrecorded_closes.get(inode_id, False) or changed
+            self._close_retry.set()
+            raise
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Record the closes a full cache filesystem kept out of the journal, once it has room again."""
+        task_status.started()
+        while True:
+            await self._close_retry.wait()
+            await trio.sleep(CLOSE_RETRY_INTERVAL)
+            try:
+                self._record_unrecorded_closes()
+            except Exception:
+                log.exception("cannot record the close of files; retrying")
+
+    def _record_unrecorded_closes(self) -> None:
+        recorded = 0
+        for inode_id, changed in list(self._unrecorded_closes.items()):
+            if self._writer_count.get(inode_id):
+                if changed:  # opened for writing again: its next close records the change
+                    self._changed.add(inode_id)
+            else:
+                try:
+                    self._record_close(inode_id, changed)
+                except sqlite3.OperationalError as exc:
+                    if not journal_full(exc):
+                        raise
+                    return  # still full
+                recorded += 1
+            del self._unrecorded_closes[inode_id]
+        self._close_retry = trio.Event()
+        if recorded:
+            log.info("the journal has room again: recorded the close of %d file(s)", recorded)
+
+    def _record_close(self, inode_id: int, changed: bool) -> None:
         inode = self.journal.get(inode_id)
         if inode is None or inode.kind != FILE or inode.state == REMOTE:
             return
@@ -749,13 +799,18 @@ class Filesystem:
         inode_id = handle.inode_id
         if handle.reader is not None and self.streams is not None:
             self.streams.close_reader(handle.reader)
-        if handle.writable:
-            writers = self._writer_count[inode_id] - 1
-            if writers:
-                self._writer_count[inode_id] = writers
-            else:
-                del self._writer_count[inode_id]
-                self._closed(inode_id)
+        try:
+            if handle.writable:
+                writers = self._writer_count[inode_id] - 1
+                if writers:
+                    self._writer_count[inode_id] = writers
+                else:
+                    del self._writer_count[inode_id]
+                    self._closed(inode_id)
+        finally:
+            self._forget_open(inode_id, handle)
+
+    def _forget_open(self, inode_id: int, handle: OpenFile) -> None:
         opens = self._open_count[inode_id] - 1
         if opens:
             self._open_count[inode_id] = opens
@@ -846,6 +901,12 @@ class Filesystem:
         return len(self._writer_count)
 
     def close_all(self) -> None:
-        """After unmount: close every handle (the kernel will send no more releases)."""
+        """After unmount: close every handle (the kernel will send no more releases). A close the journal
+        cannot record (cache filesystem full) is left to the recovery at the next start, which takes
+        every file for closed."""
         for fh in list(self.handles):
-            self.release(fh)
+            try:
+                self.release(fh)
+            except sqlite3.OperationalError as exc:
+                if not journal_full(exc):
+                    raise

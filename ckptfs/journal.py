@@ -119,6 +119,12 @@ def create_tables(db: sqlite3.Connection) -> None:
     )
 
 
+def journal_full(exc: BaseException) -> bool:
+    """The journal could not grow: its file system (the cache's) is full. Nothing was changed; the same
+    write works once there is room."""
+    return isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+
+
 class Inode(NamedTuple):
     id: int
     parent: int | None
@@ -381,6 +387,14 @@ class Journal:
         if inode.parent is not None:
             self.touch_dir(inode.parent)
 
+    def forget_folder(self, path: str | None, remote_key: str | None) -> None:
+        """A directory leaves `path`. Its marker, if any, goes with its remote_key; but the objects
+        uploaded below `path` made a folder there in stores with real or implicit directories (SeaweedFS
+        lists an emptied folder until its own key is deleted, marker or not). Deleting `path/` once the
+        objects below are gone (see Drain._delete_verdict) removes it; a missing key is no error."""
+        if path and remote_key != path + "/":
+            self.queue_delete(path + "/")
+
     def purge(self, inode_id: int) -> None:
         self.db.execute("DELETE FROM inodes WHERE id = ? AND parent IS NULL AND id != ?", (inode_id, ROOT_ID))
 
@@ -390,6 +404,13 @@ class Journal:
         old_path = inode.path
         assert old_path is not None
         now = time.time_ns()
+        if inode.kind == DIR:
+            prefix = old_path + "/"
+            for path, remote_key in self.db.execute(
+                "SELECT path, remote_key FROM inodes WHERE kind = 'dir' AND (id = ? OR substr(path, 1, ?) = ?)",
+                (inode.id, len(prefix), prefix),
+            ).fetchall():
+                self.forget_folder(path, remote_key)
         self.db.execute(
             "UPDATE inodes SET parent = ?, name = ?, path = ?, ctime_ns = ?, seq = ? WHERE id = ?",
             (new_parent.id, new_name, new_path, now, self.next_seq(), inode.id),

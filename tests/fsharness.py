@@ -42,6 +42,7 @@ class RecordingStore:
         self.committed: list[tuple[str, bytes]] = []
         self.stage_gate: threading.Event | None = None
         self.gated_keys: set[str] | None = None  # hold only these keys' stages (None: all)
+        self.key_gates: dict[str, threading.Event] = {}  # a gate of its own per key, before stage_gate
         self.staging = threading.Event()
         # Holds a spilled part (once set) until the test sets it; `spilling` says a part reached the gate.
         self.spill_gate: threading.Event | None = None
@@ -174,8 +175,10 @@ class GatedTransfers(Transfers):
 
     async def stage_upload(self, key: str, src_path: str, meta: ObjectMeta, **kwargs: Any) -> StagedUpload:
         staged = await super().stage_upload(key, src_path, meta, **kwargs)
-        gate = self.store.stage_gate
-        if gate is not None and (self.store.gated_keys is None or key in self.store.gated_keys):
+        gate = self.store.key_gates.get(key)
+        if gate is None and (self.store.gated_keys is None or key in self.store.gated_keys):
+            gate = self.store.stage_gate
+        if gate is not None:
             self.store.staging.set()
             await trio.to_thread.run_sync(gate.wait, 30)
         return staged

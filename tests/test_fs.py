@@ -690,3 +690,30 @@ async def test_rename_of_a_store_only_tree_lists_it_first_or_is_refused(stack: S
     stack.fs.rename(ROOT_ID, b"s0", ROOT_ID, b"s1", 0)
     await stack.flush()
     assert stack.store_files() == {"s1/f0": b"zero", "s1/sub/f1": b"one"}
+
+
+async def test_a_file_renamed_to_a_commit_marker_while_its_upload_waits_for_a_slot_still_goes_last(
+    stack: Stack,
+) -> None:
+    """The drain chooses `.latest.tmp` (no marker) for upload and the job waits for a free slot; meanwhile
+    `.latest.tmp` becomes `latest`. The job must not upload the marker ahead of the shard closed before
+    it (crash harness, SeaweedFS seed 7300 round 295)."""
+    hold_a, hold_shard = threading.Event(), threading.Event()
+    stack.store.key_gates = {"a": hold_a, "shard": hold_shard}
+    stack.write_file("a", b"a" * 1000)
+    stack.write_file("shard", b"s" * 1000)
+    stack.drain.notify()
+    await trio.to_thread.run_sync(stack.store.staging.wait, 10)
+    await trio.sleep(0.3)  # both upload slots are held, by a and by shard
+    stack.write_file(".latest.tmp", b"shard")
+    stack.drain.notify()
+    await trio.sleep(0.3)  # the drain chose .latest.tmp; its job waits for a slot
+    stack.fs.rename(ROOT_ID, b".latest.tmp", ROOT_ID, b"latest", 0)
+    hold_a.set()
+    await trio.sleep(0.5)  # every chance to upload the marker early
+    assert not any(key in ("latest", ".latest.tmp") for _, key in stack.store.calls)
+    hold_shard.set()
+    await stack.flush()
+    keys = [key for op, key in stack.store.calls if op == "commit"]
+    assert keys.index("shard") < keys.index("latest")
+    assert stack.store_files()["latest"] == b"shard"

@@ -5,13 +5,28 @@ rounds: a failed COMMIT left its transaction open, and every later request faile
 from __future__ import annotations
 
 import errno
+import os
 import sqlite3
 from pathlib import Path
 
 import pytest
+import trio
+from fsharness import GID, UID, check_consistency, make_stack
 
 from ckptfs.fuse_ops import _fuse_error
-from ckptfs.journal import Journal
+from ckptfs.journal import CLEAN, REMOTE, ROOT_ID, Journal
+
+
+def _full() -> sqlite3.OperationalError:
+    """What sqlite3 raises when the database file cannot grow (a full filesystem)."""
+    full = sqlite3.OperationalError("database or disk is full")
+    full.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
+    return full
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    """A journal write the full cache filesystem refuses."""
+    raise _full()
 
 
 def _fill(journal: Journal) -> None:
@@ -38,7 +53,106 @@ def test_a_commit_that_cannot_grow_the_journal_rolls_back_and_the_journal_still_
 
 
 def test_a_full_journal_answers_enospc_not_eio() -> None:
-    full = sqlite3.OperationalError("database or disk is full")
-    full.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
-    assert _fuse_error(full, "mkdir").errno == errno.ENOSPC
+    assert _fuse_error(_full(), "mkdir").errno == errno.ENOSPC
     assert _fuse_error(sqlite3.OperationalError("no such table: x"), "mkdir").errno == errno.EIO
+
+
+async def test_a_close_the_full_journal_refused_is_recorded_once_there_is_room(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """The kernel never repeats a release. When the journal could not record one (cache filesystem full),
+    the file stayed 'open for writing' for good: never uploaded, and every flush timed out on it (crash
+    harness, full cache, seed 8400 round 0: "not durable after 300.0s: .model.pt.tmp")."""
+    stack = make_stack(tmp_path)
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fs.run)
+    fh, attr = stack.fs.create(ROOT_ID, b"model.pt", 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
+    stack.fs.write(fh, 0, b"weights")
+    record_close = stack.journal.mark_closed
+    stack.journal.mark_closed = _refuse  # type: ignore[method-assign]
+    with pytest.raises(sqlite3.OperationalError):
+        stack.fs.release(fh)
+    assert not stack.fs.in_use(attr.ino)  # the handle is gone all the same
+    stack.journal.mark_closed = record_close  # type: ignore[method-assign]  # room again
+    await stack.flush(seconds=15)
+    assert stack.store_files() == {"model.pt": b"weights"}
+    check_consistency(stack)
+
+
+async def test_a_staged_upload_the_full_journal_could_not_remember_is_aborted(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """The drain journals a staged upload once it is opened, to resume it after a crash. When the journal
+    could not take that (cache filesystem full), the attempt failed, the retry started another upload, and
+    the first one's parts stayed in the store until the next start-up (crash harness, full cache, seed
+    8400 round 5: a temp object in the file:// store after flush)."""
+    stack = make_stack(tmp_path)
+    stack.drain.engine.part_size = 1 << 20
+    save_upload_state = stack.journal.save_upload_state
+    refused = []
+
+    def cannot_grow_once(inode_id: int, state: str | None) -> None:
+        if state is not None and not refused:
+            refused.append(state)
+            raise _full()
+        save_upload_state(inode_id, state)
+
+    stack.journal.save_upload_state = cannot_grow_once  # type: ignore[method-assign]
+    await nursery.start(stack.drain.run)
+    data = os.urandom(12 << 20)
+    stack.write_file("big.bin", data)
+    await stack.flush(seconds=30)
+    assert refused, "the journal never refused an upload state"
+    leftovers = [str(p.relative_to(tmp_path)) for p in (tmp_path / "store").rglob("*") if not p.is_dir()]
+    assert leftovers == ["store/big.bin"] and stack.store_files() == {"big.bin": data}
+    check_consistency(stack)
+
+
+async def test_an_eviction_the_full_journal_refuses_leaves_the_file_and_the_daemon_running(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """The evictor's round raised the journal's SQLITE_FULL out of its task and took the daemon down, so
+    the mount was gone for every process (crash harness, full cache, seed 8500 round 1)."""
+    stack = make_stack(tmp_path)
+    await nursery.start(stack.drain.run)
+    ino = stack.write_file("old.bin", b"o" * 100_000)
+    await stack.flush()
+    mark_evicted = stack.journal.mark_evicted
+    stack.journal.mark_evicted = _refuse  # type: ignore[method-assign]
+    assert stack.fs.evictor.evict(1 << 40) == 0
+    stack.fs.evictor.evict_if_clean(ino)
+    assert stack.cache.has_data(ino) and stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    stack.journal.mark_evicted = mark_evicted  # type: ignore[method-assign]  # room again
+    assert stack.fs.evictor.evict(1 << 40) == 100_000
+    assert stack.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+    check_consistency(stack)
+
+
+async def test_a_fetched_file_the_full_journal_cannot_adopt_stays_remote_and_reads_whole(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """A read of a remote file fetches it whole, then the journal records it as local: when the journal
+    cannot (cache filesystem full), the read is still answered, the file stays remote with no cache file,
+    and the fetcher keeps serving (before, the error ended the fetcher's task and the daemon)."""
+    stack = make_stack(tmp_path)
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fetcher.run)
+    content = os.urandom(300_000)
+    ino = stack.write_file("model.pt", content)
+    await stack.flush()
+    stack.fs.evictor.evict(1 << 40)
+    finish_fetch = stack.journal.finish_fetch
+    stack.journal.finish_fetch = _refuse  # type: ignore[method-assign]
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    with trio.fail_after(20):
+        got = b"".join([await stack.fs.read(fh, offset, 65536) for offset in range(0, len(content), 65536)])
+    stack.fs.release(fh)
+    assert got == content
+    assert stack.journal.get(ino).state == REMOTE and not stack.cache.has_data(ino)  # type: ignore[union-attr]
+    stack.journal.finish_fetch = finish_fetch  # type: ignore[method-assign]  # room again
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    with trio.fail_after(20):
+        got = b"".join([await stack.fs.read(fh, offset, 65536) for offset in range(0, len(content), 65536)])
+    stack.fs.release(fh)
+    assert got == content and stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    check_consistency(stack)
