@@ -300,8 +300,12 @@ class Drain:
                 return True
             return False
 
+        misplaced = self.journal.misplaced(SCAN_LIMIT)
+        unmarked = self._unmarked_dirs(misplaced, now)
         for inode in self.journal.uploads_due(cut_off, SCAN_LIMIT):
             if waiting(("upload", inode.id)) or ("spill", inode.id) in self._running or self._marker_blocked(inode):
+                continue
+            if unmarked and _below(inode.path, unmarked):  # type: ignore[arg-type]
                 continue
             if self._target_taken(inode, inode.key):  # type: ignore[arg-type]
                 continue
@@ -311,9 +315,13 @@ class Drain:
                 if waiting(("spill", inode_id)) or ("upload", inode_id) in self._running:
                     continue
                 if self._spillable(inode_id) >= self.spill_part_size:
+                    if unmarked and _below(self._path(inode_id), unmarked):
+                        continue
                     jobs.append(Job("spill", inode_id, ()))
-        for inode in self.journal.misplaced(SCAN_LIMIT):
+        for inode in misplaced:
             if waiting(("move", inode.id)) or self._marker_blocked(inode):
+                continue
+            if unmarked and _below(inode.path, unmarked):  # type: ignore[arg-type]
                 continue
             if self._target_taken(inode, inode.key) and not self._breaks_move_cycle(inode):  # type: ignore[arg-type]
                 continue
@@ -327,6 +335,24 @@ class Drain:
                 continue
             jobs.append(Job("delete", delete.id, (delete.key,)))
         return jobs, next_due
+
+    def _unmarked_dirs(self, misplaced: list[Inode], now: float) -> set[str]:
+        """Paths of the directories whose marker is still to be written at their path (never uploaded, or
+        renamed since and among `misplaced`, the inodes still to be moved): nothing below one is written
+        before its marker, which SeaweedFS would lose (see _overlaps_a_marker). Left out, so that they
+        hold nothing back: a directory whose marker failed and waits for a retry (the files below go on;
+        _overlaps_a_marker still keeps the two apart), and one named like a commit marker (it waits for
+        earlier work, which may be below it)."""
+        dirs = self.journal.dirs_to_upload() + [inode for inode in misplaced if inode.kind == DIR]
+        return {
+            d.path for d in dirs
+            if d.path is not None and not self.is_commit_marker(d.name)
+            and not any(self._retry_at.get((kind, d.id), -math.inf) > now for kind in ("upload", "move"))
+        }
+
+    def _path(self, inode_id: int) -> str:
+        inode = self.journal.get(inode_id)
+        return inode.path if inode is not None and inode.path is not None else ""
 
     def _marker_blocked(self, inode: Inode) -> bool:
         """A commit marker waits for all work that became work before it, earlier markers included (a
@@ -361,11 +387,28 @@ class Drain:
 
     def _claim(self, job: Job) -> bool:
         job_id = (job.kind, job.ident)
-        if job_id in self._running or any(k in self._busy_keys for k in job.keys):
+        if job_id in self._running or any(k in self._busy_keys for k in job.keys) or self._overlaps_a_marker(job):
             return False
         self._running.add(job_id)
         self._busy_keys.update(job.keys)
         return True
+
+    def _overlaps_a_marker(self, job: Job) -> bool:
+        """The job would write a directory marker while something below it is being written, or write below
+        a marker being written. SeaweedFS drops a marker PUT made at the same moment as an object below
+        it (the object's implicit folder wins; measured: 6 of 100 concurrent pairs), and the directory then
+        lists only as an implicit folder, gone with its last object."""
+        if job.kind == "delete":
+            return False
+        for key in job.keys:
+            if key.endswith("/") and any(busy.startswith(key) for busy in self._busy_keys):
+                return True
+            slash = key.find("/")
+            while slash != -1 and slash + 1 < len(key):
+                if key[:slash + 1] in self._busy_keys:
+                    return True
+                slash = key.find("/", slash + 1)
+        return False
 
     async def _run_job(self, job: Job, slots: trio.Semaphore) -> None:
         job_id = (job.kind, job.ident)
@@ -773,6 +816,16 @@ class Drain:
         if pending.key.endswith("/") and self.journal.keys_under(pending.key):
             return "defer"
         return "run"
+
+
+def _below(path: str, dirs: set[str]) -> bool:
+    """`path` lies under one of the directory paths in `dirs`."""
+    slash = path.find("/")
+    while slash != -1:
+        if path[:slash] in dirs:
+            return True
+        slash = path.find("/", slash + 1)
+    return False
 
 
 def _journaled_upload_id(inode: Inode | None) -> str | None:

@@ -494,6 +494,13 @@ class Journal:
             (limit,),
         )
 
+    def dirs_to_upload(self) -> list[Inode]:
+        """Linked directories whose marker was never uploaded (or is being uploaded)."""
+        return self._all(
+            f"SELECT {_COLUMNS} FROM inodes WHERE state IN ('dirty', 'uploading') AND kind = 'dir'"
+            " AND path IS NOT NULL"
+        )
+
     def pending_deletes(self, limit: int = -1) -> list[PendingDelete]:
         rows = self.db.execute("SELECT id, key, created_at FROM pending_deletes ORDER BY id LIMIT ?", (limit,))
         return [PendingDelete(*row) for row in rows]

@@ -42,7 +42,9 @@ class RecordingStore:
         self.committed: list[tuple[str, bytes]] = []
         self.stage_gate: threading.Event | None = None
         self.gated_keys: set[str] | None = None  # hold only these keys' stages (None: all)
-        self.key_gates: dict[str, threading.Event] = {}  # a gate of its own per key, before stage_gate
+        # A gate of its own per key: a staged upload waits after staging (before stage_gate), a
+        # directory marker before it is written.
+        self.key_gates: dict[str, threading.Event] = {}
         self.staging = threading.Event()
         # Holds a spilled part (once set) until the test sets it; `spilling` says a part reached the gate.
         self.spill_gate: threading.Event | None = None
@@ -137,6 +139,10 @@ class RecordingStore:
 
     def put_dir(self, key: str, meta: ObjectMeta) -> None:
         self._maybe_fail()
+        gate = self.key_gates.get(key)
+        if gate is not None:
+            self.staging.set()
+            gate.wait(30)
         self.inner.put_dir(key, meta)
         self._record("put_dir", key)
 
