@@ -20,7 +20,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -403,11 +403,8 @@ class Drain:
         for key in job.keys:
             if key.endswith("/") and any(busy.startswith(key) for busy in self._busy_keys):
                 return True
-            slash = key.find("/")
-            while slash != -1 and slash + 1 < len(key):
-                if key[:slash + 1] in self._busy_keys:
-                    return True
-                slash = key.find("/", slash + 1)
+            if any(parent + "/" in self._busy_keys for parent in _parent_dirs(key.rstrip("/"))):
+                return True
         return False
 
     async def _run_job(self, job: Job, slots: trio.Semaphore) -> None:
@@ -818,14 +815,17 @@ class Drain:
         return "run"
 
 
-def _below(path: str, dirs: set[str]) -> bool:
-    """`path` lies under one of the directory paths in `dirs`."""
+def _parent_dirs(path: str) -> Iterator[str]:
+    """The directories `path` lies under, outermost first ("a/b/c": "a", "a/b")."""
     slash = path.find("/")
     while slash != -1:
-        if path[:slash] in dirs:
-            return True
+        yield path[:slash]
         slash = path.find("/", slash + 1)
-    return False
+
+
+def _below(path: str, dirs: set[str]) -> bool:
+    """`path` lies under one of the directory paths in `dirs`."""
+    return any(parent in dirs for parent in _parent_dirs(path))
 
 
 def _journaled_upload_id(inode: Inode | None) -> str | None:
