@@ -144,10 +144,12 @@ class CacheDir:
         readers finish with a version the namespace has replaced)."""
         return str(self.tmp_dir / f"{inode_id}.{serial}.part")
 
-    def create_data(self, inode_id: int) -> CacheFile:
-        fd = os.open(self.data_path(inode_id), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.close(fd)
-        return self._account(inode_id, 0)
+    def create_data(self, inode_id: int) -> int:
+        """An empty cache file for the inode; a read-write descriptor of it, the caller's to close (the
+        create of a small file opens it once, not twice)."""
+        fd = os.open(self.data_path(inode_id), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self._account(inode_id, 0)
+        return fd
 
     def remove_data(self, inode_id: int) -> None:
         try:

@@ -132,10 +132,17 @@ class Daemon:
             self._stop_requested.set()
 
     async def run(self, ready: Callable[[], None]) -> int:
-        options = set(pyfuse3.default_options)
+        options = set(pyfuse3.default_options) - {"default_permissions"}
         options |= {"fsname=" + self.store.url.replace(",", "_"), "subtype=ckptfs"}
         if self.config.allow_other:
-            options |= {"allow_other", "default_permissions"}
+            options.add("allow_other")
+        # The kernel checks permissions against the journal's mode, uid and gid, unless only root can reach
+        # the mount (FUSE turns every other user away without allow_other) and root passes those checks
+        # anyway (execute bits aside, which FUSE checks itself). There they cost two of the eight requests of
+        # each small file written: every create and rename made the kernel ask for the directory's
+        # attributes again before the next lookup.
+        if self.config.allow_other or os.geteuid() != 0:
+            options.add("default_permissions")
         self.fuse_ops = FuseOperations(self.fs)
         pyfuse3.init(self.fuse_ops, str(self.mountpoint), options)
         unmounted = False

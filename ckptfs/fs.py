@@ -531,7 +531,7 @@ class Filesystem:
         else:
             if self.streams is not None:
                 self.streams.discard(inode.id)  # its readers keep the old version's partial file
-            self.cache.create_data(inode.id)
+            os.close(self.cache.create_data(inode.id))
             with self.journal.transaction():
                 self.journal.finish_fetch(inode.id, size=0, mtime_ns=time.time_ns())
 
@@ -644,8 +644,7 @@ class Filesystem:
             # (EMFILE, ENOSPC) rolls the row back, so no entry is ever left without a cache file or a
             # cache file without its entry (recovery would remove that as an orphan anyway).
             try:
-                self.cache.create_data(inode.id)
-                fd = os.open(self.cache.data_path(inode.id), os.O_RDWR | os.O_CLOEXEC)
+                fd = self.cache.create_data(inode.id)
             except OSError as exc:
                 self.cache.remove_data(inode.id)
                 raise FsError(exc.errno or errno.EIO, f"cannot create cache file: {exc.strerror}") from None

@@ -203,6 +203,13 @@ class Journal:
                 " build; use another --cache-dir"
             ) from None
         self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
+        self._ensure_scan_indexes()
+
+    def _ensure_scan_indexes(self) -> None:
+        """Indexes for the drain's scans, created if missing (additive, as ensure_listed_dirs_table): each
+        scan must cost what is pending, not what the namespace holds. Without them a scan of a 20,000-file
+        namespace read every inode twice (7 ms), and the drain scans every 20 ms while it is busy."""
+        self.db.execute("CREATE INDEX IF NOT EXISTS inodes_meta_stale ON inodes(seq) WHERE meta_dirty = 1")
 
     def close(self) -> None:
         self.db.close()
@@ -371,9 +378,12 @@ class Journal:
         else:
             self.db.execute("UPDATE inodes SET closed_at = ? WHERE id = ?", (now, inode_id))
 
-    def queue_delete(self, key: str | None) -> None:
-        if key is not None and key != "":
-            self.db.execute("INSERT INTO pending_deletes (key, created_at) VALUES (?, ?)", (key, time.time()))
+    def queue_delete(self, key: str | None) -> int | None:
+        """Queue the deletion of `key` from the store; its id, or None for no key."""
+        if key is None or key == "":
+            return None
+        cur = self.db.execute("INSERT INTO pending_deletes (key, created_at) VALUES (?, ?)", (key, time.time()))
+        return cur.lastrowid
 
     def detach(self, inode: Inode) -> None:
         """Remove the entry of `inode` from the namespace; its store copy (if any) is queued for deletion.
@@ -488,7 +498,8 @@ class Journal:
     def misplaced(self, limit: int = -1) -> list[Inode]:
         """Inodes whose store copy sits under an old name (renamed after upload), not dirty."""
         return self._all(
-            f"SELECT {_COLUMNS} FROM inodes WHERE remote_key IS NOT NULL AND id != 1"
+            # INDEXED BY: left to itself, the planner walks inodes_remote_key, every uploaded inode.
+            f"SELECT {_COLUMNS} FROM inodes INDEXED BY inodes_misplaced WHERE remote_key IS NOT NULL AND id != 1"
             " AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END)"
             " AND state IN ('clean', 'remote') ORDER BY seq LIMIT ?",
             (limit,),
@@ -587,7 +598,8 @@ class Journal:
     def meta_stale(self, limit: int) -> list[Inode]:
         """Inodes in their right place in the store whose object metadata is out of date."""
         return self._all(
-            f"SELECT {_COLUMNS} FROM inodes WHERE meta_dirty = 1 AND state IN ('clean', 'remote')"
+            f"SELECT {_COLUMNS} FROM inodes INDEXED BY inodes_meta_stale WHERE meta_dirty = 1"
+            " AND state IN ('clean', 'remote')"
             " AND remote_key IS (CASE kind WHEN 'dir' THEN path || '/' ELSE path END) ORDER BY seq LIMIT ?",
             (limit,),
         )
@@ -650,8 +662,9 @@ class Journal:
     def open_dirty_files(self) -> list[int]:
         """Ids of linked files being written right now (what a spill may take from)."""
         return [row[0] for row in self.db.execute(
-            "SELECT id FROM inodes WHERE state = 'dirty' AND kind = 'file' AND closed_at IS NULL"
-            " AND path IS NOT NULL"
+            # The IN term lets the planner use the partial index inodes_pending.
+            "SELECT id FROM inodes WHERE state IN ('dirty', 'uploading') AND state = 'dirty' AND kind = 'file'"
+            " AND closed_at IS NULL AND path IS NOT NULL"
         )]
 
     def clean_bytes(self) -> int:

@@ -356,12 +356,14 @@ class Transfers:
     async def stage_upload(
         self, key: str, src_path: str, meta: ObjectMeta, *, resume: UploadState | None = None,
         progress: Callable[[UploadState], None] | None = None, priority: Priority = Priority.UPLOAD,
+        sync_source: bool = False,
     ) -> StagedUpload:
         """Copy src_path's bytes into the store, invisible until commit_upload. Above the multipart threshold
         the parts go in parallel; `progress` (in the trio thread) gets the UploadState after the upload is
         opened and after each part, and when given, a failure leaves the staged upload for the caller to
         resume (`resume=`) or abort; else it is aborted here. A `resume` state continues when it is for the
-        same key and the file is unchanged, else it is thrown away."""
+        same key and the file is unchanged, else it is thrown away. `sync_source` fsyncs src_path once it
+        is read, for a caller about to call it a clean copy (for a small file in the same thread hop)."""
         try:
             fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -371,14 +373,19 @@ class Transfers:
             if size < self.multipart_threshold:
                 if resume is not None:
                     await self._discard(resume, "the file is now below the multipart threshold")
-                crcs = await self._scan(fd, size, max(size, 1), key)
+                crcs = await self._scan(fd, size, max(size, 1), key, sync_source=sync_source)
                 return StagedUpload(key, size, crc_text(crcs[0]), meta, src_path, None)
-            return await self._stage_parts(key, src_path, fd, size, meta, resume, progress, priority)
+            staged = await self._stage_parts(key, src_path, fd, size, meta, resume, progress, priority)
+            if sync_source:
+                await trio.to_thread.run_sync(os.fsync, fd)
+            return staged
         finally:
             os.close(fd)
 
-    async def _scan(self, fd: int, size: int, part_size: int, key: str) -> list[int]:
-        """CRC32 of every part of the file, read IO_CHUNK at a time, parts in parallel."""
+    async def _scan(self, fd: int, size: int, part_size: int, key: str, *, sync_source: bool = False) -> list[int]:
+        """CRC32 of every part of the file, read IO_CHUNK at a time, parts in parallel. `sync_source`
+        (a file of one part only) fsyncs it in the same thread."""
+        assert not sync_source or size <= part_size
         count = max(1, -(-size // part_size))
         crcs = [0] * count
 
@@ -386,8 +393,9 @@ class Transfers:
             offset = index * part_size
             end = min(size, offset + part_size)
             crc = 0
-            buffer = bytearray(IO_CHUNK)  # one per part, reused: the scan holds IO_CHUNK per thread
-            view = memoryview(buffer)
+            # One buffer per part, reused: the scan holds IO_CHUNK per thread. Sized to the part, so that a
+            # small file does not pay for zeroing (and faulting in) a whole chunk it never fills.
+            view = memoryview(bytearray(min(IO_CHUNK, end - offset)))
             try:
                 while offset < end:
                     n = os.preadv(fd, [view[: min(IO_CHUNK, end - offset)]], offset)
@@ -395,6 +403,8 @@ class Transfers:
                         raise SourceChangedError(f"{key}: the file shrank while it was being read")
                     crc = zlib.crc32(view[:n], crc)
                     offset += n
+                if sync_source:
+                    os.fsync(fd)
             except OSError as exc:
                 raise _source_error(exc, key) from exc
             crcs[index] = crc

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 from conftest import REPO, Mount
 
@@ -86,3 +88,45 @@ def test_a_taken_metrics_port_is_one_clear_error(mount_factory) -> None:  # type
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.startswith("ckptfs:")]
     assert len(lines) == 1 and "--metrics-addr" in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def _mount_options(mnt: str) -> set[str]:
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if fields[1] == mnt:
+            return set(fields[3].split(","))
+    raise AssertionError(f"{mnt} is not mounted")
+
+
+def test_a_root_only_mount_spends_no_requests_on_permission_checks(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """With the kernel's permission checks on, every create and rename made it fetch the directory's
+    attributes again before the next lookup: two getattr requests of the eight of each small file saved."""
+    port = _free_port()
+    mount: Mount = mount_factory(extra_args=("--metrics-addr", f"127.0.0.1:{port}"))
+    assert "default_permissions" not in _mount_options(str(mount.mnt))
+    for i in range(20):
+        temp = mount.mnt / f".shard_{i}.tmp"
+        temp.write_bytes(b"x" * 1000)
+        temp.rename(mount.mnt / f"shard_{i}.bin")
+    deadline = time.monotonic() + 10
+    while (values := _scrape(port)).get('ckptfs_fuse_requests_total{op="rename"}') != 20:
+        assert time.monotonic() < deadline, values
+        time.sleep(0.2)
+    assert values.get('ckptfs_fuse_requests_total{op="getattr"}', 0) < 5, values
+    # FUSE still checks execute bits itself: root may not run a file that has none.
+    script = mount.mnt / "run.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o644)
+    try:
+        subprocess.run([str(script)], check=False)
+    except PermissionError:
+        pass
+    else:
+        raise AssertionError("a file without execute bits ran")
+    script.chmod(0o755)
+    assert subprocess.run([str(script)], check=False).returncode == 0
+
+
+def test_a_mount_others_can_reach_has_the_kernel_check_permissions(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    mount: Mount = mount_factory(extra_args=("--allow-other",))
+    assert {"allow_other", "default_permissions"} <= _mount_options(str(mount.mnt))
