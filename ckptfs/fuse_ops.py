@@ -45,7 +45,7 @@ ENTRY_TIMEOUT = 1.0
 BLOCK_SIZE = 1024 * 1024
 TIMED_OPS = (
     "lookup", "getattr", "setattr", "readlink", "mknod", "link", "mkdir", "symlink", "unlink", "rmdir", "rename",
-    "create", "open", "release", "fsync", "opendir", "readdir", "fsyncdir", "statfs", "getxattr", "listxattr",
+    "create", "open", "flush", "release", "fsync", "opendir", "readdir", "fsyncdir", "statfs", "getxattr", "listxattr",
     "setxattr", "removexattr",
 )
 
@@ -238,7 +238,9 @@ class FuseOperations(pyfuse3.Operations):
             self.op_stats.record("write", time.perf_counter() - started, failed)
 
     async def flush(self, fh: FileHandleT) -> None:
-        return None
+        # Nothing to do at close() (RELEASE records the close). ENOSYS tells the kernel to stop sending
+        # FLUSH altogether: one round trip less for every close(), a sixth of those of a small file saved.
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     async def release(self, fh: FileHandleT) -> None:
         self.fs.release(fh)
