@@ -138,7 +138,7 @@ class Daemon:
             options.add("allow_other")
         # The kernel checks permissions against the journal's mode, uid and gid, unless only root can reach
         # the mount (FUSE turns every other user away without allow_other) and root passes those checks
-        # anyway (execute bits aside, which FUSE checks itself). There they cost two of the eight requests of
+        # anyway (execute bits aside, which FUSE checks itself). There they cost two of the nine requests of
         # each small file written: every create and rename made the kernel ask for the directory's
         # attributes again before the next lookup.
         if self.config.allow_other or os.geteuid() != 0:

@@ -239,7 +239,7 @@ class FuseOperations(pyfuse3.Operations):
 
     async def flush(self, fh: FileHandleT) -> None:
         # Nothing to do at close() (RELEASE records the close). ENOSYS tells the kernel to stop sending
-        # FLUSH altogether: one round trip less for every close(), a sixth of those of a small file saved.
+        # FLUSH altogether: one round trip less for every close(): one of the six a small file cost the writer.
         raise pyfuse3.FUSEError(errno.ENOSYS)
 
     async def release(self, fh: FileHandleT) -> None:

@@ -377,7 +377,10 @@ class Transfers:
                 return StagedUpload(key, size, crc_text(crcs[0]), meta, src_path, None)
             staged = await self._stage_parts(key, src_path, fd, size, meta, resume, progress, priority)
             if sync_source:
-                await trio.to_thread.run_sync(os.fsync, fd)
+                try:
+                    await trio.to_thread.run_sync(os.fsync, fd)
+                except OSError as exc:
+                    raise _source_error(exc, key) from exc
             return staged
         finally:
             os.close(fd)
