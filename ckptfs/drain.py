@@ -47,6 +47,15 @@ FULL_CHECK_INTERVAL = 1.0
 # A spill leaves this much of the end of a file being written in the cache (a writer may still seek back
 # a little, e.g. to patch a header), and takes parts of the engine's part size.
 SPILL_LOOKAHEAD = 16 << 20
+# Sweeps of the store's leftovers after one failed: the first this long after, doubling up to the cap.
+SWEEP_RETRY_FIRST = 30.0
+SWEEP_RETRY_CAP = 600.0
+# A flush ends with a sweep if a cleanup failed (so that it leaves nothing of ours but objects behind), for
+# at most this long.
+SWEEP_AT_FLUSH = 60.0
+# A sweep lists only while no store call runs; it holds new calls off for at most this long waiting for
+# the running ones (a stalled upload), and else tries again later.
+SWEEP_PATIENCE = 5.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,10 @@ class Drain:
         # sit in the store until the next start-up's cleanup.
         self._discarded: list[UploadState] = []
         self._discards_running = 0
+        # Background sweeps of leftovers while a cleanup failed (an abort, a sweep, the store's own).
+        self._sweep_running = False
+        self._sweep_due = math.inf
+        self._sweep_delay = SWEEP_RETRY_FIRST
         self.spill_part_size = engine.part_size
         self.spill_lookahead = SPILL_LOOKAHEAD
         # Called with an inode id once a spilled file is uploaded: its local copy has holes, evict it.
@@ -174,6 +187,38 @@ class Drain:
             self._progress.set()
             self._progress = trio.Event()
 
+    async def _sweep(self) -> None:
+        """Retry removing leftovers the engine could not remove, backing off while the store refuses."""
+        self._sweep_running = True
+        try:
+            removed = await self.engine.sweep_leftovers(patience=SWEEP_PATIENCE)
+        except BackendError as exc:
+            log.warning("cannot remove the leftovers of interrupted uploads from the store: %s; trying again"
+                        " in %.0f s", exc, self._sweep_delay)
+            self._sweep_due = trio.current_time() + self._sweep_delay
+            self._sweep_delay = min(self._sweep_delay * 2, SWEEP_RETRY_CAP)
+        else:
+            if removed is None:  # the store calls running did not let it list: not the store's fault
+                self._sweep_due = trio.current_time() + SWEEP_RETRY_FIRST
+            else:
+                self._sweep_delay = SWEEP_RETRY_FIRST
+            if removed:
+                log.info("removed %d leftovers of interrupted uploads from the store", removed)
+        finally:
+            self._sweep_running = False
+            self.notify()
+
+    def _sweep_wanted_at(self) -> float:
+        """The trio time of the next background sweep (math.inf: none wanted)."""
+        if self._sweep_running:
+            return math.inf
+        if not self.engine.sweep_due:
+            self._sweep_due = math.inf
+            return math.inf
+        if self._sweep_due == math.inf:  # a cleanup failed just now: give the store some time
+            self._sweep_due = trio.current_time() + self._sweep_delay
+        return self._sweep_due
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             task_status.started()
@@ -182,7 +227,13 @@ class Drain:
                 scanned_at = trio.current_time()
                 while self._discarded:
                     nursery.start_soon(self._abort_discarded, self._discarded.pop())
+                sweep_at = self._sweep_wanted_at()
+                if sweep_at <= scanned_at:
+                    self._sweep_due = math.inf
+                    nursery.start_soon(self._sweep)
+                    sweep_at = math.inf
                 jobs, next_due = self._scan()
+                next_due = min(next_due, sweep_at)
                 for job in jobs:
                     slots = self._upload_slots if job.kind in ("upload", "spill") else self._other_slots
                     await slots.acquire()
@@ -249,11 +300,26 @@ class Drain:
         return inode.path if inode is not None else None
 
     async def flush(self, paths: list[str] | None, deadline: float) -> FlushResult:
-        """wait_durable() until the trio time `deadline` (math.inf: no limit)."""
+        """wait_durable() until the trio time `deadline` (math.inf: no limit), then a sweep of leftovers if
+        a cleanup failed: the store then holds nothing of ours but objects. A sweep that fails or cannot run
+        does not fail the flush (leftovers cost storage, not data); the drain tries again later."""
+        durable = False
         with trio.move_on_at(deadline):
             await self.wait_durable(paths)
-            return FlushResult(True, [])
-        return FlushResult(False, self.pending(paths))
+            durable = True
+        if not durable:
+            return FlushResult(False, self.pending(paths))
+        if self.engine.sweep_due:
+            with trio.move_on_at(min(deadline, trio.current_time() + SWEEP_AT_FLUSH)):
+                try:
+                    removed = await self.engine.sweep_leftovers(patience=SWEEP_PATIENCE)
+                    if removed:
+                        log.info("removed %d leftovers of interrupted uploads from the store", removed)
+                except BackendError as exc:
+                    log.warning("cannot remove the leftovers of interrupted uploads from the store: %s;"
+                                " trying again in the background", exc)
+                    self.notify()
+        return FlushResult(True, [])
 
     # -- scheduling ----------------------------------------------------------------------------------
 

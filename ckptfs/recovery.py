@@ -366,8 +366,10 @@ async def recover(journal: Journal, cache: CacheDir, engine: Transfers, now: flo
         report.aborted_uploads = await engine.abort_stale_uploads(keep)
     except BackendError as exc:
         # Housekeeping only (staged parts cost storage, nothing reads them): a store failing it must not
-        # keep the mount from serving what the journal holds.
-        log.warning("cannot remove the interrupted uploads of the last run: %s; the next start tries again", exc)
+        # keep the mount from serving what the journal holds. The drain sweeps again later, sparing the
+        # uploads this run opens meanwhile.
+        log.warning("cannot remove the interrupted uploads of the last run: %s; trying again in the background",
+                    exc)
     if report.aborted_uploads:
         log.info("removed %d leftovers of uploads interrupted by the last stop", report.aborted_uploads)
     # The store's namespace is read lazily, a directory at a time, as the mount looks into it (DirLister).

@@ -20,10 +20,11 @@ import contextlib
 import errno
 import heapq
 import logging
+import math
 import os
 import secrets
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any, TypeVar
@@ -265,6 +266,15 @@ class Transfers:
         self._control_threads = trio.CapacityLimiter(CONTROL_THREADS)
         self._stats = TransferStats()
         self._recent: collections.deque[tuple[float, int, int]] = collections.deque()  # (time, up, down)
+        # Sweeps of this owner's leftovers in the store (see sweep_leftovers): the staged uploads this process
+        # still works on, which a sweep spares; store calls running, which a sweep's listing waits out.
+        self._live_uploads: set[str] = set()
+        self._calls_running = 0
+        self._calls_idle: trio.Event | None = None
+        self._sweep_listing: trio.Event | None = None  # set while a sweep lists; fired when it has listed
+        self._sweep_lock = trio.Lock()
+        # Something may be left in the store (a failed abort, a sweep that failed): the drain sweeps again.
+        self._failed_cleanup = False
 
     def statistics(self) -> TransferStats:
         now = trio.current_time()
@@ -289,14 +299,14 @@ class Transfers:
         return await self._retry(fn, *args, limiter=self._control_threads)
 
     async def _retry(
-        self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter, abandon: bool = True
+        self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter, abandon: bool = True,
+        gated: bool = True,
     ) -> T:
         delays = backoff_delays()
         for attempt in range(self.attempts):
             try:
-                # Abandoned on cancel (unless it writes into a file descriptor its caller owns) so that
-                # shutdown never waits for a transfer; what the thread leaves half done is invisible (a
-                # staged part) or harmless (an object the journal redoes).
+                if gated:  # a call that may leave something in the store (not a download)
+                    return await self._gated(fn, args, limiter, abandon)
                 return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=abandon)
             except (SourceChangedError, ObjectChangedError):
                 raise
@@ -307,6 +317,24 @@ class Transfers:
                 log.debug("retrying %s after: %s", getattr(fn, "__name__", fn), exc)
                 await self._sleep(next(delays))
         raise AssertionError("unreachable")
+
+    async def _gated(self, fn: Callable[..., T], args: tuple[Any, ...], limiter: trio.CapacityLimiter,
+                     abandon: bool) -> T:
+        """One attempt of a store call, never while a sweep lists the leftovers: what a call has half made
+        (a temp file, a multipart upload of a copy, an upload whose id it has not returned yet) looks like
+        a leftover in a listing."""
+        while self._sweep_listing is not None:
+            await self._sweep_listing.wait()
+        self._calls_running += 1
+        try:
+            # Abandoned on cancel (unless it writes into a file descriptor its caller owns) so that shutdown
+            # never waits for a transfer; what the thread leaves half done is invisible (a staged part) or
+            # harmless (an object the journal redoes, a leftover the next sweep removes).
+            return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=abandon)
+        finally:
+            self._calls_running -= 1
+            if not self._calls_running and self._calls_idle is not None:
+                self._calls_idle.set()
 
     def upload_part_size(self, size: int) -> int:
         """Parts small enough that UPLOAD_SPREAD of them fit the memory budget at once (one stream per part
@@ -439,7 +467,7 @@ class Transfers:
         if resume is not None:
             state = await self._resumable(resume, key, size, checksum, meta, crcs)
         if state is None:
-            ref = await self.call(self.store.open_upload, key, meta, checksum)
+            ref = await self._open_upload(key, meta, checksum)
             state = UploadState(key=key, upload_id=ref.upload_id, marker=ref.marker, size=size, checksum=checksum,
                                 mtime_ns=meta.mtime_ns, mode=meta.mode, part_size=part_size)
         else:
@@ -504,11 +532,23 @@ class Transfers:
         log.info("upload of %s: %s; aborting the interrupted upload and starting afresh", state.key, why)
         await self._abort_quietly(state.ref)
 
+    async def _open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
+        ref = await self.call(self.store.open_upload, key, meta, checksum)
+        # No checkpoint since the call returned: a sweep cannot list it before it is live.
+        self._live_uploads.add(ref.upload_id)
+        return ref
+
+    def _finished(self, ref: UploadRef) -> None:
+        """This process is done with a staged upload: completed, or aborted."""
+        self._live_uploads.discard(ref.upload_id)
+
     async def _abort_quietly(self, ref: UploadRef) -> None:
         try:
             await self.call(self.store.abort_upload, ref)
-        except BackendError as exc:  # the store's leftovers are removed at the next start
-            log.warning("could not abort the upload of %s: %s", ref.key, exc)
+        except BackendError as exc:
+            log.warning("could not abort the upload of %s: %s; it is removed later", ref.key, exc)
+            self._failed_cleanup = True
+        self._finished(ref)
 
     async def commit_upload(self, staged: StagedUpload, *, priority: Priority = Priority.UPLOAD) -> None:
         """Make a staged upload the object at its key, atomically."""
@@ -517,6 +557,7 @@ class Transfers:
             return
         state = staged.state
         await self.call(self.store.complete_upload, state.ref, state.parts, state.size, state.checksum)
+        self._finished(state.ref)
 
     async def _put_small(self, staged: StagedUpload, priority: Priority) -> None:
         granted = await self.memory.acquire(staged.size, priority)
@@ -544,33 +585,70 @@ class Transfers:
     async def abort_upload(self, staged: StagedUpload) -> None:
         if staged.state is not None:
             await self.call(self.store.abort_upload, staged.state.ref)
+            self._finished(staged.state.ref)
 
     async def abort_state(self, state: UploadState) -> None:
         """Throw away a staged upload or spill that a journal row remembers (best effort)."""
         await self._abort_quietly(state.ref)
         if state.spilled:
-            with contextlib.suppress(BackendError):
+            try:
                 await self.call(self.store.delete, state.key)
+            except BackendError as exc:
+                log.warning("could not remove the spilled start of %s: %s; it is removed later", state.key, exc)
+                self._failed_cleanup = True
 
-    async def abort_stale_uploads(self, keep: set[str]) -> int:
-        """At start-up: remove this owner's interrupted uploads, except those whose upload id is in
-        `keep` (the journal resumes them). Returns how many were removed."""
-        removed = 0
-        for ref in await self.call(self.store.list_leftovers):
-            if ref.upload_id in keep:
-                continue
-            await self.call(self.store.abort_upload, ref)
-            if ref.key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill."):
-                await self.call(self.store.delete, ref.key)
-            removed += 1
-            log.info("removed an interrupted upload of %s", ref.key)
-        return removed
+    async def abort_stale_uploads(self, keep: Iterable[str] = ()) -> int:
+        """At start-up: the staged uploads the journal resumes (`keep`, upload ids) are this process's
+        from now on; every other leftover of this owner in the store goes (sweep_leftovers)."""
+        self._live_uploads.update(keep)
+        return await self.sweep_leftovers() or 0  # never None: no patience limit
+
+    @property
+    def sweep_due(self) -> bool:
+        """Did a cleanup fail (this engine's abort, a sweep, or one the store does on its own), so that a sweep
+        would find something?"""
+        return self._failed_cleanup or self.store.left_behind
+
+    async def sweep_leftovers(self, *, patience: float = math.inf) -> int | None:
+        """Remove this owner's staged uploads and spills that nobody will finish: those of a killed run, and
+        those whose cleanup failed in this one. Spares the uploads this process works on. Returns how many
+        went, or None if store calls still ran after `patience` seconds (nothing done, sweep_due stays
+        true); raises BackendError (sweep_due stays true) if the store refuses."""
+        async with self._sweep_lock:
+            self._failed_cleanup = True  # until this sweep succeeds
+            self.store.left_behind = False  # what fails from now on, the next sweep sees
+            listed = trio.Event()
+            self._sweep_listing = listed
+            try:
+                with trio.move_on_after(patience):
+                    while self._calls_running:
+                        self._calls_idle = trio.Event()
+                        await self._calls_idle.wait()
+                self._calls_idle = None
+                if self._calls_running:
+                    return None
+                refs = await self._retry(self.store.list_leftovers, limiter=self._control_threads, gated=False)
+                live = set(self._live_uploads)
+            finally:
+                self._sweep_listing = None
+                listed.set()
+            removed = 0
+            for ref in refs:
+                if ref.upload_id and ref.upload_id in live:
+                    continue
+                await self.call(self.store.abort_upload, ref)
+                if ref.key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill."):
+                    await self.call(self.store.delete, ref.key)
+                removed += 1
+                log.info("removed an interrupted upload of %s", ref.key or "(unknown key)")
+            self._failed_cleanup = False
+            return removed
 
     # -- spills: the start of a file still being written, staged at a hidden key ------------------------
 
     async def spill_begin(self, part_size: int) -> UploadState:
         key = f"{TEMP_PREFIX}spill.{self.store.owner}.{secrets.token_hex(8)}"
-        ref = await self.call(self.store.open_upload, key, None, None)
+        ref = await self._open_upload(key, None, None)
         part_size = min(max(part_size, self.store.limits.min_part_size), self.store.limits.max_part_size)
         return UploadState(key=key, upload_id=ref.upload_id, marker=ref.marker, size=0, checksum="", mtime_ns=0,
                            mode=0, part_size=part_size, spilled=True)
@@ -593,15 +671,19 @@ class Transfers:
             await self.call(self.store.complete_upload, state.ref, state.parts, state.size, None)
         except BackendError:
             if await self._holds(key, state):  # a retried commit: the first one got through
+                await self.call(self.store.delete, state.key)  # if its delete of the spill did not
+                self._finished(state.ref)
                 return
             raise
         try:
             await self.call(self.store.copy, state.key, key, meta, state.checksum)
         except NotFoundBackendError:
-            if await self._holds(key, state):
+            if await self._holds(key, state):  # a retried commit: the first one copied and deleted it
+                self._finished(state.ref)
                 return
             raise NotFoundBackendError(f"{key}: the spilled upload is gone") from None
         await self.call(self.store.delete, state.key)
+        self._finished(state.ref)
 
     async def _holds(self, key: str, state: UploadState) -> bool:
         """Is the object at `key` the one this spill made (a commit retried after it got through)?"""
@@ -636,7 +718,7 @@ class Transfers:
         try:
             # Not abandoned: it writes into the caller's descriptor, which must outlive the thread.
             fetched = await self._retry(self._get_and_write, key, fd, offset, length, if_match,
-                                        limiter=self._part_threads, abandon=False)
+                                        limiter=self._part_threads, abandon=False, gated=False)
         finally:
             self._stats.parts_down -= 1
             self.memory.release(granted)

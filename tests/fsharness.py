@@ -63,6 +63,14 @@ class RecordingStore:
         self.open_offsets: set[int] = set()
         self._lock = threading.Lock()
 
+    @property
+    def left_behind(self) -> bool:
+        return self.inner.left_behind
+
+    @left_behind.setter
+    def left_behind(self, value: bool) -> None:
+        self.inner.left_behind = value
+
     def _maybe_fail(self) -> None:
         with self._lock:
             if self.failures:

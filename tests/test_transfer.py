@@ -4,6 +4,7 @@ downloads, and the memory budget shared by all of them."""
 
 from __future__ import annotations
 
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,8 @@ async def test_a_failed_stage_aborts_its_upload_unless_the_caller_can_resume_it(
     with pytest.raises(TransientBackendError, match="injected"):
         await transfers.stage_upload("big", str(tmp_path / "src"), META, progress=lambda state: None)
     assert target.leftovers() != []  # the caller may resume it: it stays
-    assert await transfers.abort_stale_uploads(set()) == 1
+    assert await transfers.sweep_leftovers() == 0  # and this process may still finish it
+    assert await engine(target.store).abort_stale_uploads(set()) == 1  # the next start removes it
     assert target.leftovers() == []
 
 
@@ -234,6 +236,113 @@ async def test_an_aborted_spill_leaves_nothing(target: Target, tmp_path: Path) -
     transfers = engine(target.store)
     state = await transfers.spill_part(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
     await transfers.abort_state(state)
+    assert target.leftovers() == []
+
+
+async def test_a_sweep_spares_the_uploads_this_process_works_on(target: Target, tmp_path: Path) -> None:
+    data = write(tmp_path / "src", BIG)
+    await _interrupted_upload(target.store, "killed", tmp_path / "src")  # a killed run's, same owner
+    transfers = engine(target.store)
+    staged = await transfers.stage_upload("live", str(tmp_path / "src"), META, progress=lambda state: None)
+    spill = await transfers.spill_part(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
+    assert await transfers.sweep_leftovers() == 1  # the killed run's only
+    await transfers.commit_upload(staged)
+    await transfers.spill_commit(spill, "spilled", META)
+    assert (await fetch(target.store, "live", tmp_path))[0] == data
+    assert (await fetch(target.store, "spilled", tmp_path))[0] == data[:PART]
+    assert await transfers.sweep_leftovers() == 0
+    assert target.leftovers() == []
+
+
+class _Gates:
+    """A store whose put_object and list_leftovers can be held in the middle (threading events), to see
+    whether a sweep's listing and the other store calls ever overlap."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self._inner = inner
+        self.put_entered, self.put_release = threading.Event(), threading.Event()
+        self.list_entered, self.list_release = threading.Event(), threading.Event()
+        self.puts_running = 0
+        self.puts_running_at_list: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
+        self.puts_running += 1
+        try:
+            self.put_entered.set()
+            assert self.put_release.wait(30)
+            self._inner.put_object(key, data, meta, checksum)
+        finally:
+            self.puts_running -= 1
+
+    def list_leftovers(self) -> list[UploadRef]:
+        self.puts_running_at_list.append(self.puts_running)
+        self.list_entered.set()
+        assert self.list_release.wait(30)
+        return self._inner.list_leftovers()
+
+
+async def test_a_sweep_never_lists_while_a_store_call_runs(target: Target, tmp_path: Path) -> None:
+    """What a call has half made (file://: the temp file of a put; S3: the upload of a large copy) looks like
+    a leftover: the listing waits for calls in flight, and calls wait for the listing."""
+    data = write(tmp_path / "src", 1000)
+    gates = _Gates(target.store)
+    transfers = engine(gates)  # type: ignore[arg-type]
+
+    async def put(key: str) -> None:
+        await transfers.commit_upload(await transfers.stage_upload(key, str(tmp_path / "src"), META))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(put, "first")
+        await trio.to_thread.run_sync(gates.put_entered.wait, 10)
+        nursery.start_soon(transfers.sweep_leftovers)
+        await trio.sleep(0.3)
+        assert not gates.list_entered.is_set()  # waits for the put in flight
+        gates.put_release.set()
+        await trio.to_thread.run_sync(gates.list_entered.wait, 10)
+        gates.put_entered.clear()
+        nursery.start_soon(put, "second")
+        await trio.sleep(0.3)
+        assert not gates.put_entered.is_set()  # waits for the listing
+        gates.list_release.set()
+    assert gates.puts_running_at_list == [0]
+    for key in ("first", "second"):
+        assert (await fetch(target.store, key, tmp_path))[0] == data
+    assert target.leftovers() == []
+
+
+class _FailingAborts:
+    """A store whose aborts fail (transiently) until `healed`."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self._inner = inner
+        self.healed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def abort_upload(self, upload: UploadRef) -> None:
+        if not self.healed:
+            raise TransientBackendError("injected failure of an abort")
+        self._inner.abort_upload(upload)
+
+
+async def test_an_abort_that_failed_is_done_by_a_later_sweep(target: Target, tmp_path: Path) -> None:
+    write(tmp_path / "src", BIG)
+    failing = _FailingAborts(target.store)
+    transfers = engine(failing, attempts=2)  # type: ignore[arg-type]
+    staged = await transfers.stage_upload("big", str(tmp_path / "src"), META, progress=lambda state: None)
+    assert staged.state is not None
+    await transfers.abort_state(staged.state)  # best effort: fails quietly
+    assert transfers.sweep_due and target.leftovers() != []
+    with pytest.raises(TransientBackendError, match="injected"):
+        await transfers.sweep_leftovers()
+    assert transfers.sweep_due
+    failing.healed = True
+    assert await transfers.sweep_leftovers() == 1
+    assert not transfers.sweep_due
     assert target.leftovers() == []
 
 

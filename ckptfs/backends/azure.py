@@ -34,6 +34,7 @@ once; transfer.py retries the rest.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -228,6 +229,7 @@ def _parse_connection_string(text: str) -> dict[str, str]:
 
 class AzureBlobStore:
     listing_has_metadata = True  # List Blobs with include=metadata
+    left_behind = False
     limits = PartLimits(min_part_size=1 * MiB, max_part_size=MAX_BLOCK_SIZE, max_parts=MAX_BLOCKS)
 
     def __init__(
@@ -484,8 +486,9 @@ class AzureBlobStore:
         try:
             retry_transient(lambda: self._delete_name(self._marker_name(upload), "delete upload marker"),
                             attempts=self.attempts)
-        except BackendError as exc:  # harmless: the next start-up finds it in list_leftovers
+        except BackendError as exc:  # harmless: the engine's next sweep finds it in list_leftovers
             log.debug("could not delete the upload marker of %s: %s", upload.key, exc)
+            self.left_behind = True
 
     def abort_upload(self, upload: UploadRef) -> None:
         """Forget the upload: its marker goes. Azure has no call to drop uncommitted blocks; they go with the
@@ -500,7 +503,8 @@ class AzureBlobStore:
             if not upload_id or "/" in upload_id:
                 continue
             ref = UploadRef("", upload_id, f"{self.owner}/{upload_id}")
-            marker = self._read_marker(ref)
+            # One request per marker: retried alone, so that a busy store fails none of the others.
+            marker = retry_transient(functools.partial(self._read_marker, ref), attempts=self.attempts)
             if marker is None:
                 continue
             key = marker.get("key")

@@ -155,6 +155,9 @@ class ObjectStore(Protocol):
     # metadata (object stores report the upload time and a default mode; head() has the real values).
     listing_has_metadata: bool
     limits: PartLimits
+    # Set (from any thread) when a best-effort cleanup failed and left something of `owner` behind (an upload
+    # marker, parts of a completed upload): the engine's next sweep of leftovers removes it.
+    left_behind: bool
 
     def check(self) -> None:
         """Verify the store exists and is usable; raise CkptfsError naming the problem and the fix."""

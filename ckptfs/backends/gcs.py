@@ -34,6 +34,7 @@ transfer primitives (one attempt per call; transfer.py retries) and on for listi
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import os
@@ -200,6 +201,7 @@ def _ns(when: datetime | None) -> int:
 
 class GcsStore:
     listing_has_metadata = True  # objects.list returns each object's custom metadata
+    left_behind = False
     # Compose has no minimum part size; 5 MiB keeps the part count (and the emulators) reasonable.
     limits = PartLimits(min_part_size=5 * MiB, max_part_size=5 * GiB, max_parts=MAX_PARTS)
 
@@ -491,11 +493,12 @@ class GcsStore:
         return info is not None and info.size == size and (checksum is None or info.checksum == checksum)
 
     def _remove_upload(self, upload: UploadRef) -> None:
-        """Best effort: what is left is this owner's, and the next start-up's list_leftovers removes it."""
+        """Best effort: what is left is this owner's, and the engine's next sweep removes it."""
         try:
             self._delete_upload_dir(upload)
         except BackendError as exc:
             log.debug("could not remove the parts of %s: %s", upload.key, exc)
+            self.left_behind = True
 
     def _delete_upload_dir(self, upload: UploadRef) -> None:
         directory = self._upload_dir(upload)
@@ -532,7 +535,9 @@ class GcsStore:
         found = []
         for upload_id, has_manifest in sorted(ids.items()):
             ref = UploadRef("", upload_id, f"{self.owner}/{upload_id}")
-            manifest = self._read_manifest(ref) if has_manifest else None
+            # One request per manifest: retried alone, so that a busy store fails none of the others.
+            manifest = (retry_transient(functools.partial(self._read_manifest, ref), attempts=self.attempts)
+                        if has_manifest else None)
             key = manifest.get("key") if manifest else None
             found.append(UploadRef(key if isinstance(key, str) else "", upload_id, ref.marker))
         return found

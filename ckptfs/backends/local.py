@@ -86,6 +86,7 @@ def copy_with_checksum(src_fd: int, dst_fd: int) -> tuple[int, str]:
 
 class LocalStore:
     listing_has_metadata = True  # a listing is lstat(): exact mtime and mode
+    left_behind = False
     # Parts are pwrite()s into one temp file: any size works; parallel parts still overlap reads and writes.
     limits = PartLimits(min_part_size=1, max_part_size=1 << 40, max_parts=1_000_000)
 

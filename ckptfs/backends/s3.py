@@ -304,6 +304,7 @@ _DONE = object()
 
 class S3Store:
     listing_has_metadata = False  # listings carry LastModified and no user metadata
+    left_behind = False
     limits = PartLimits(min_part_size=MIN_PART_SIZE, max_part_size=MAX_PART_SIZE, max_parts=MAX_PARTS)
 
     def __init__(
@@ -559,10 +560,15 @@ class S3Store:
     def _delete_marker(self, marker: str) -> None:
         try:
             self._retrying("delete upload marker", "delete_object", Key=self._marker_key(marker))
-        except BackendError as exc:  # harmless: the next start-up removes it
+        except BackendError as exc:  # harmless: the engine's next sweep removes it
             log.debug("could not delete upload marker %s: %s", marker, exc)
+            self.left_behind = True
 
     def _read_marker(self, full_key: str) -> dict[str, Any] | None:
+        """Retried on its own: a listing reads every marker, and one busy answer must not fail them all."""
+        return retry_transient(lambda: self._read_marker_once(full_key), attempts=self.attempts)
+
+    def _read_marker_once(self, full_key: str) -> dict[str, Any] | None:
         try:
             response = self._call("read upload marker", "get_object", Key=full_key)
             with _mapped("read upload marker"):
@@ -576,8 +582,9 @@ class S3Store:
     def _abort_quietly_raw(self, key: str, upload_id: str, marker: str) -> None:
         try:
             self._abort_multipart(key, upload_id)
-        except BackendError as exc:  # the marker stays: the next start-up aborts it
+        except BackendError as exc:  # the marker stays: the engine's next sweep aborts it
             log.warning("could not abort the upload of %s: %s", key, exc)
+            self.left_behind = True
             return
         self._delete_marker(marker)
 
