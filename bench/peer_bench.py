@@ -1077,8 +1077,12 @@ def report(json_path: Path) -> None:
     md = markdown(data)
     md_path = json_path.with_suffix(".md")
     md_path.write_text(md + "\n")
-    paths = charts(data, json_path.with_suffix(""))
     print(md)
+    try:
+        paths = charts(data, json_path.with_suffix(""))
+    except ImportError:  # the table is the result; the charts need the bench extra
+        print(f"wrote {md_path}; no charts: matplotlib is not installed (pip install -e '.[bench]')")
+        return
     print(f"wrote {md_path}, " + ", ".join(str(p) for p in paths))
 
 
