@@ -119,6 +119,13 @@ def create_tables(db: sqlite3.Connection) -> None:
     )
 
 
+def _prefix_range(prefix: str) -> tuple[str, str]:
+    """(lo, hi) such that `lo <= s < hi` holds exactly for the strings s that start with the non-empty
+    `prefix`: a range of an index where `substr(s, 1, n) = prefix` would read every row. SQLite compares
+    TEXT by its UTF-8 bytes, whose order is that of code points."""
+    return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
 def journal_full(exc: BaseException) -> bool:
     """The journal could not grow: its file system (the cache's) is full. Nothing was changed; the same
     write works once there is room."""
@@ -282,10 +289,7 @@ class Journal:
 
     def descendants(self, path: str) -> list[Inode]:
         """Every linked inode below the directory `path`."""
-        prefix = path + "/"
-        return self._all(
-            f"SELECT {_COLUMNS} FROM inodes WHERE substr(path, 1, ?) = ?", (len(prefix), prefix)
-        )
+        return self._all(f"SELECT {_COLUMNS} FROM inodes WHERE path >= ? AND path < ?", _prefix_range(path + "/"))
 
     def has_children(self, parent: int) -> bool:
         return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
@@ -415,11 +419,12 @@ class Journal:
         assert old_path is not None
         now = time.time_ns()
         if inode.kind == DIR:
-            prefix = old_path + "/"
-            for path, remote_key in self.db.execute(
-                "SELECT path, remote_key FROM inodes WHERE kind = 'dir' AND (id = ? OR substr(path, 1, ?) = ?)",
-                (inode.id, len(prefix), prefix),
-            ).fetchall():
+            folders = self.db.execute("SELECT path, remote_key FROM inodes WHERE id = ?", (inode.id,)).fetchall()
+            folders += self.db.execute(
+                "SELECT path, remote_key FROM inodes WHERE path >= ? AND path < ? AND kind = 'dir'",
+                _prefix_range(old_path + "/"),
+            ).fetchall()
+            for path, remote_key in folders:
                 self.forget_folder(path, remote_key)
         self.db.execute(
             "UPDATE inodes SET parent = ?, name = ?, path = ?, ctime_ns = ?, seq = ? WHERE id = ?",
@@ -428,12 +433,18 @@ class Journal:
         if inode.kind == DIR:
             # The subtree becomes work after everything before the rename, in the order its entries
             # became work before it: a commit marker inside still follows its siblings.
+            # A range of the path index, not a walk of every inode: `mv step.tmp step` in a namespace of
+            # many retained checkpoints stays cheap (the FUSE loop waits for it).
             prefix = old_path + "/"
+            lo, hi = _prefix_range(prefix)
             self.db.execute(
-                "UPDATE inodes SET path = ? || substr(path, ?), seq = seq + ? WHERE substr(path, 1, ?) = ?",
-                (new_path + "/", len(prefix) + 1, self.next_seq(), len(prefix), prefix),
+                "UPDATE inodes SET path = ? || substr(path, ?), seq = seq + ? WHERE path >= ? AND path < ?",
+                (new_path + "/", len(prefix) + 1, self.next_seq(), lo, hi),
             )
-            self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
+            # Only the subtree's seqs changed: the journal-wide maximum is the old one or among them.
+            lo, hi = _prefix_range(new_path + "/")
+            moved_max = self.db.execute("SELECT MAX(seq) FROM inodes WHERE path >= ? AND path < ?", (lo, hi))
+            self._seq = max(self._seq, moved_max.fetchone()[0] or 0)
         if inode.parent is not None:
             self.touch_dir(inode.parent, now)
         self.touch_dir(new_parent.id, now)
@@ -477,12 +488,11 @@ class Journal:
 
     def longest_path_under(self, path: str) -> int:
         """Length in bytes of the longest path at or below `path`."""
-        prefix = path + "/"
-        row = self.db.execute(
-            "SELECT MAX(length(CAST(path AS BLOB))) FROM inodes WHERE path = ? OR substr(path, 1, ?) = ?",
-            (path, len(prefix), prefix),
-        ).fetchone()
-        return int(row[0] or 0)
+        below = self.db.execute(
+            "SELECT MAX(length(CAST(path AS BLOB))) FROM inodes WHERE path >= ? AND path < ?",
+            _prefix_range(path + "/"),
+        ).fetchone()[0]
+        return max(len(path.encode()), int(below or 0))
 
     def delete_pending(self, delete_id: int) -> bool:
         return self.db.execute("SELECT 1 FROM pending_deletes WHERE id = ?", (delete_id,)).fetchone() is not None
@@ -518,9 +528,9 @@ class Journal:
 
     def pending_delete_keys_under(self, prefix: str) -> set[str]:
         """Keys below the directory key `prefix` ('' for all) that wait to be deleted from the store."""
-        rows = self.db.execute(
-            "SELECT key FROM pending_deletes WHERE substr(key, 1, ?) = ?", (len(prefix), prefix)
-        )
+        if not prefix:
+            return {row[0] for row in self.db.execute("SELECT key FROM pending_deletes")}
+        rows = self.db.execute("SELECT key FROM pending_deletes WHERE key >= ? AND key < ?", _prefix_range(prefix))
         return {row[0] for row in rows}
 
     def adopt_marker(self, inode_id: int, key: str) -> None:
@@ -564,17 +574,14 @@ class Journal:
 
     def keys_under(self, prefix: str) -> bool:
         """True if some inode's store copy or a pending delete still has a key below `prefix` (a dir key)."""
-        n = len(prefix)
+        lo, hi = _prefix_range(prefix)
         if self.db.execute(
-            "SELECT 1 FROM inodes WHERE remote_key IS NOT NULL AND substr(remote_key, 1, ?) = ?"
-            " AND remote_key != ? LIMIT 1",
-            (n, prefix, prefix),
+            "SELECT 1 FROM inodes WHERE remote_key IS NOT NULL AND remote_key > ? AND remote_key < ? LIMIT 1",
+            (lo, hi),
         ).fetchone():
             return True
         return (
-            self.db.execute(
-                "SELECT 1 FROM pending_deletes WHERE substr(key, 1, ?) = ? AND key != ? LIMIT 1", (n, prefix, prefix)
-            ).fetchone()
+            self.db.execute("SELECT 1 FROM pending_deletes WHERE key > ? AND key < ? LIMIT 1", (lo, hi)).fetchone()
             is not None
         )
 

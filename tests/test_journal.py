@@ -57,3 +57,62 @@ def test_a_scan_query_walks_only_what_is_pending(tmp_path: Path, query: str) -> 
                 # A walk is allowed only of a partial index: one that holds only what is pending.
                 assert any(f"INDEX {name}" in step for name in partial), (query, plan)
             assert "remote_key>" not in step, (query, plan)  # every uploaded inode
+
+
+def _checkpoints(journal: Journal, steps: int, files: int) -> None:
+    """`steps` directories of `files` uploaded files each: a namespace of retained checkpoints."""
+    root = journal.get(ROOT_ID)
+    assert root is not None
+    with journal.transaction():
+        for step in range(steps):
+            directory = journal.create_inode(root, f"step_{step:04d}", "dir", 0o40755, 0, 0)
+            journal.finish_upload(directory, key=f"{directory.path}/", version=directory.version, checksum=None,  # type: ignore[arg-type]
+                                  size=0, clean=True)
+            sub = journal.create_inode(directory, "sub", "dir", 0o40755, 0, 0)
+            for i in range(files):
+                inode = journal.create_inode(sub if i % 2 else directory, f"f{i:03d}", "file", 0o100644, 0, 0)
+                journal.finish_upload(inode, key=inode.path, version=inode.version, checksum=None, size=0,  # type: ignore[arg-type]
+                                      clean=True)
+
+
+def _plans(journal: Journal, run: Callable[[], object]) -> list[list[str]]:
+    statements: list[str] = []
+    journal.db.set_trace_callback(statements.append)
+    try:
+        run()
+    finally:
+        journal.db.set_trace_callback(None)
+    return [[row[-1] for row in journal.db.execute("EXPLAIN QUERY PLAN " + sql)]
+            for sql in statements if sql.lstrip().upper().startswith(("SELECT", "UPDATE"))]
+
+
+def test_renaming_a_directory_reads_its_subtree_not_the_namespace(tmp_path: Path) -> None:
+    """`mv step.tmp step` runs in the FUSE loop: its journal work walked every inode (a prefix test by
+    substr() and MAX(seq) over the whole table), 4 scans of the namespace per directory rename."""
+    journal = Journal(tmp_path / "journal.db")
+    _checkpoints(journal, steps=20, files=10)
+    root = journal.get(ROOT_ID)
+    source = journal.lookup(ROOT_ID, "step_0007")
+    assert root is not None and source is not None and source.path is not None
+    before = {i.path: i.id for i in journal.descendants(source.path)}
+    seq_before = journal.next_seq()
+
+    def rename() -> None:
+        assert journal.longest_path_under(source.path) == len("step_0007/sub/f009")  # type: ignore[arg-type]
+        with journal.transaction():
+            journal.move(source, root, "step_final")
+        assert journal.keys_under("step_0007/")
+
+    for plan in _plans(journal, rename):
+        assert not any(step.startswith("SCAN inodes") for step in plan), plan
+    after = {i.path: i.id for i in journal.descendants("step_final")}
+    assert after == {p.replace("step_0007/", "step_final/", 1): i for p, i in before.items()}
+    assert len(after) == 11 and journal.descendants("step_0007") == []
+    assert journal.descendants("step_00") == []  # a prefix of a name is not a parent
+    # New work after the rename comes after the moved subtree's.
+    moved_seqs = [i.seq for i in journal.descendants("step_final")]
+    assert journal.next_seq() > max(moved_seqs) > seq_before
+    # The folder of its subdirectory (no marker of its own) goes from the store; its marker moves.
+    assert journal.pending_delete_keys_under("step_0007/") == {"step_0007/sub/"}
+    assert journal.pending_delete_keys_under("") == {"step_0007/sub/"}
+    assert journal.pending_delete_keys_under("step_0007/sub/x") == set()
