@@ -529,6 +529,19 @@ def test_mount_rides_out_throttling_at_start(s3_mount, proxy: FaultProxy) -> Non
     m.flush(timeout=30)
 
 
+def test_mount_waits_out_a_store_that_throttles_every_try_of_its_first_listing(s3_mount, proxy: FaultProxy) -> None:
+    """The start's check of the store gave up after its few retries (a second or two) under a 503 storm,
+    and the mount failed with "cannot use s3://...: SlowDown" (crash harness, SeaweedFS with faults, seed
+    10500 round 14). A store that answers "busy" is there: the check waits for it (up to a minute)."""
+    storm = Rule("slowdown", match=r"^GET \S+list-type=2", count=24)
+    proxy.set_rules(storm)
+    m = s3_mount()
+    m.allowed_log_words += ["is busy"]
+    assert storm.fired == 24
+    (m.mnt / "a").write_bytes(b"a")
+    m.flush(timeout=30)
+
+
 def test_mount_starts_when_the_cleanup_of_old_uploads_keeps_failing(s3_mount, seaweedfs_s3: S3Server,
                                                                      proxy: FaultProxy, bucket: str) -> None:
     """Removing the last run's interrupted uploads is housekeeping: a store failing it for longer than the

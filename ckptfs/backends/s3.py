@@ -103,6 +103,9 @@ MARKER_DIR = f"{TEMP_PREFIX}uploads/"
 # Seconds of clock difference between us and the server tolerated when telling a lost create's upload
 # (started after our request) from older ones.
 LOST_CREATE_SKEW = 60.0
+# A store that answers "busy" (throttling, 500, 503) when the mount starts is waited for this long: it
+# is there and will serve, unlike a wrong URL or endpoint, which fails after the usual retries.
+CHECK_BUSY_SECONDS = 60.0
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
 
@@ -203,6 +206,15 @@ def _mapped(what: str) -> Iterator[None]:
         raise
     except _SDK_ERRORS as exc:
         raise translate_error(exc, what) from exc
+
+
+def _busy(exc: BaseException) -> bool:
+    """Did the server answer that it is busy (throttling or a passing server error)?"""
+    cause = exc.__cause__ if isinstance(exc, BackendError) else exc
+    if not isinstance(cause, botocore.exceptions.ClientError):
+        return False
+    code, status = _client_error_code(cause)
+    return status in (429, 500, 502, 503, 504) or code in ("SlowDown", "Throttling")
 
 
 def _is_code(exc: BaseException, *codes: str) -> bool:
@@ -381,10 +393,16 @@ class S3Store:
                 f"no AWS credentials found for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,"
                 " or AWS_PROFILE, or run with an instance/pod role"
             )
-        try:
-            self._retrying(f"list {self.url}", "list_objects_v2", Prefix=self.prefix, MaxKeys=1)
-        except BackendError as exc:
-            raise CkptfsError(self._check_message(exc)) from None
+        busy_until = time.monotonic() + CHECK_BUSY_SECONDS
+        while True:
+            try:
+                self._retrying(f"list {self.url}", "list_objects_v2", Prefix=self.prefix, MaxKeys=1)
+                return
+            except BackendError as exc:
+                if not _busy(exc) or time.monotonic() >= busy_until:
+                    raise CkptfsError(self._check_message(exc)) from None
+                log.warning("%s%s is busy (%s); trying again for up to %.0f s", self.url, self._where(), exc,
+                            CHECK_BUSY_SECONDS)
 
     def _check_message(self, exc: BackendError) -> str:
         cause = exc.__cause__
