@@ -103,3 +103,12 @@ def test_an_interrupted_resumable_part_never_reaches_the_object(gcp_emulator: Gc
         part = store.put_part(upload, 1, 0, data, zlib.crc32(data))
         store.complete_upload(upload, [part], len(data), _crc(data))
         assert store.get_range("big", len(data) - 10, 100).data == data[-10:]
+
+
+def test_the_mount_check_waits_out_a_busy_store(proxied: tuple[str, ObjectStore, FaultProxy]) -> None:
+    """Six 503s in a row: more than the check's own retries, less than its minute of patience for a store
+    that answers busy (a wrong endpoint or credentials still fail at once: test_cloud_stores.py)."""
+    _name, store, proxy = proxied
+    rule = proxy.add_rule(Rule("error", status=503, code="ServerBusy", match=r"^GET ", count=6))
+    store.check()
+    assert rule.fired == 6

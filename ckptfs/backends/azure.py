@@ -62,6 +62,7 @@ from azure.core.pipeline.transport import RequestsTransport
 from azure.storage.blob import BlobBlock, BlobClient, BlobPrefix, BlobServiceClient, ContainerClient, ContentSettings
 
 from ckptfs.backends.base import (
+    BUSY_STATUSES,
     DIR,
     TEMP_PREFIX,
     DirListing,
@@ -71,6 +72,7 @@ from ckptfs.backends.base import (
     RangeRead,
     UploadPart,
     UploadRef,
+    check_patiently,
     crc_text,
     retry_transient,
 )
@@ -342,7 +344,8 @@ class AzureBlobStore:
 
     def check(self) -> None:
         try:
-            retry_transient(self._probe, attempts=2)
+            check_patiently(self._probe, busy=lambda exc: error_code_of(exc)[1] in BUSY_STATUSES, attempts=2,
+                            where=self.url)
         except BackendError as exc:
             raise CkptfsError(self._check_message(exc)) from None
 

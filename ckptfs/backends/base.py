@@ -29,6 +29,7 @@ component must not be written by a user.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import time
@@ -36,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from ckptfs.errors import TransientBackendError
+from ckptfs.errors import BackendError, TransientBackendError
 
 FILE = "file"
 DIR = "dir"
@@ -238,6 +239,7 @@ class ObjectStore(Protocol):
 
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def crc_of(checksum: str) -> int:
@@ -313,6 +315,27 @@ def backoff_delays(base: float = 0.2, cap: float = 30.0) -> Iterator[float]:
     while True:
         yield random.uniform(0, min(cap, base * 2**attempt))
         attempt += 1
+
+
+# A store that answers "busy" (throttling, 5xx) when the mount starts is waited for this long: it is there
+# and will serve, unlike a wrong URL, endpoint or credentials, which fail after the usual retries.
+CHECK_BUSY_SECONDS = 60.0
+BUSY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+def check_patiently(probe: Callable[[], None], *, busy: Callable[[BackendError], bool], attempts: int,
+                    where: str) -> None:
+    """The mount's check that the store is there: `probe` with the usual retries, and while the store answers
+    that it is busy (`busy`), more rounds of them for up to CHECK_BUSY_SECONDS. Raises the last error."""
+    busy_until = time.monotonic() + CHECK_BUSY_SECONDS
+    while True:
+        try:
+            retry_transient(probe, attempts=attempts)
+            return
+        except BackendError as exc:
+            if not busy(exc) or time.monotonic() >= busy_until:
+                raise
+            log.warning("%s is busy (%s); trying again for up to %.0f s", where, exc, CHECK_BUSY_SECONDS)
 
 
 def retry_transient(call: Callable[[], T], *, attempts: int = 5, sleep: Callable[[float], None] = time.sleep) -> T:

@@ -62,6 +62,7 @@ from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from ckptfs.backends.base import (
+    BUSY_STATUSES,
     DIR,
     TEMP_PREFIX,
     DirListing,
@@ -71,6 +72,7 @@ from ckptfs.backends.base import (
     RangeRead,
     UploadPart,
     UploadRef,
+    check_patiently,
     crc_text,
     retry_transient,
 )
@@ -298,7 +300,7 @@ class GcsStore:
 
     def check(self) -> None:
         try:
-            retry_transient(self._probe, attempts=2)
+            check_patiently(self._probe, busy=lambda exc: status_of(exc) in BUSY_STATUSES, attempts=2, where=self.url)
         except BackendError as exc:
             raise CkptfsError(self._check_message(exc)) from None
 

@@ -55,6 +55,7 @@ import botocore.exceptions
 import urllib3.exceptions
 
 from ckptfs.backends.base import (
+    BUSY_STATUSES,
     DIR,
     FILE,
     SYMLINK,
@@ -66,6 +67,7 @@ from ckptfs.backends.base import (
     RangeRead,
     UploadPart,
     UploadRef,
+    check_patiently,
     crc_of,
     crc_text,
     retry_transient,
@@ -103,9 +105,6 @@ MARKER_DIR = f"{TEMP_PREFIX}uploads/"
 # Seconds of clock difference between us and the server tolerated when telling a lost create's upload
 # (started after our request) from older ones.
 LOST_CREATE_SKEW = 60.0
-# A store that answers "busy" (throttling, 500, 503) when the mount starts is waited for this long: it
-# is there and will serve, unlike a wrong URL or endpoint, which fails after the usual retries.
-CHECK_BUSY_SECONDS = 60.0
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
 
@@ -214,7 +213,7 @@ def _busy(exc: BaseException) -> bool:
     if not isinstance(cause, botocore.exceptions.ClientError):
         return False
     code, status = _client_error_code(cause)
-    return status in (429, 500, 502, 503, 504) or code in ("SlowDown", "Throttling")
+    return status in BUSY_STATUSES or code in ("SlowDown", "Throttling")
 
 
 def _is_code(exc: BaseException, *codes: str) -> bool:
@@ -393,16 +392,11 @@ class S3Store:
                 f"no AWS credentials found for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,"
                 " or AWS_PROFILE, or run with an instance/pod role"
             )
-        busy_until = time.monotonic() + CHECK_BUSY_SECONDS
-        while True:
-            try:
-                self._retrying(f"list {self.url}", "list_objects_v2", Prefix=self.prefix, MaxKeys=1)
-                return
-            except BackendError as exc:
-                if not _busy(exc) or time.monotonic() >= busy_until:
-                    raise CkptfsError(self._check_message(exc)) from None
-                log.warning("%s%s is busy (%s); trying again for up to %.0f s", self.url, self._where(), exc,
-                            CHECK_BUSY_SECONDS)
+        try:
+            check_patiently(lambda: self._call(f"list {self.url}", "list_objects_v2", Prefix=self.prefix, MaxKeys=1),
+                            busy=_busy, attempts=self.attempts, where=f"{self.url}{self._where()}")
+        except BackendError as exc:
+            raise CkptfsError(self._check_message(exc)) from None
 
     def _check_message(self, exc: BackendError) -> str:
         cause = exc.__cause__
