@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import secrets
-import zlib
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
@@ -39,6 +38,7 @@ from ckptfs.backends.base import (
     UploadRef,
     UploadState,
     backoff_delays,
+    crc32,
     crc32_combine,
     crc_of,
     crc_text,
@@ -373,7 +373,7 @@ class Transfers:
                 os.close(fd)
         except OSError as exc:
             raise _source_error(exc, ref.key) from exc
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         if len(data) != length or (expected_crc is not None and crc != expected_crc):
             raise SourceChangedError(f"{ref.key}: the file changed while it was being uploaded")
         part = self.store.put_part(ref, number, offset, data, crc)
@@ -432,7 +432,7 @@ class Transfers:
                     n = os.preadv(fd, [view[: min(IO_CHUNK, end - offset)]], offset)
                     if not n:
                         raise SourceChangedError(f"{key}: the file shrank while it was being read")
-                    crc = zlib.crc32(view[:n], crc)
+                    crc = crc32(view[:n], crc)
                     offset += n
                 if sync_source:
                     os.fsync(fd)
@@ -578,7 +578,7 @@ class Transfers:
             data = pread_exact(fd, staged.size + 1, 0)
         finally:
             os.close(fd)
-        if len(data) != staged.size or crc_text(zlib.crc32(data)) != staged.checksum:
+        if len(data) != staged.size or crc_text(crc32(data)) != staged.checksum:
             raise SourceChangedError(f"{staged.key}: the file changed while it was being uploaded")
         self.store.put_object(staged.key, data, staged.meta, staged.checksum)
 
@@ -702,7 +702,7 @@ class Transfers:
             data = self.store.get_range(key, offset, min(self.download_part_size, size - offset)).data
             if not data:
                 break
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
             offset += len(data)
         return crc_text(crc)
 
@@ -731,7 +731,7 @@ class Transfers:
         if len(answer.data) != expected:
             raise TransientBackendError(f"download {key}: got {len(answer.data)} of {expected} bytes")
         _pwrite_all(fd, answer.data, offset)
-        return FetchedRange(offset, len(answer.data), zlib.crc32(answer.data), answer.size, answer.etag,
+        return FetchedRange(offset, len(answer.data), crc32(answer.data), answer.size, answer.etag,
                             answer.checksum)
 
     async def download(self, key: str, dst_path: str, *, priority: Priority = Priority.READ) -> str:

@@ -39,6 +39,11 @@ from typing import Protocol, TypeVar
 
 from ckptfs.errors import BackendError, TransientBackendError
 
+try:
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # no isal wheel for this platform
+    from zlib import crc32 as _crc32
+
 FILE = "file"
 DIR = "dir"
 SYMLINK = "symlink"
@@ -240,6 +245,12 @@ class ObjectStore(Protocol):
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """zlib.crc32: every byte uploaded or downloaded is checksummed, so this is ISA-L's when the isal
+    package is there (the same values, 3-4x as fast; it releases the GIL like zlib's)."""
+    return _crc32(data, value)
 
 
 def crc_of(checksum: str) -> int:

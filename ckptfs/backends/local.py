@@ -20,7 +20,6 @@ import stat
 import threading
 import time
 import urllib.parse
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -37,6 +36,7 @@ from ckptfs.backends.base import (
     RangeRead,
     UploadPart,
     UploadRef,
+    crc32,
     crc_text,
     pread_exact,
 )
@@ -76,7 +76,7 @@ def copy_with_checksum(src_fd: int, dst_fd: int) -> tuple[int, str]:
         if n == 0:
             break
         chunk = view[:n]
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         written = 0
         while written < n:
             written += os.write(dst_fd, chunk[written:])

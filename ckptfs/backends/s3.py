@@ -42,7 +42,6 @@ import secrets
 import stat
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -68,6 +67,7 @@ from ckptfs.backends.base import (
     UploadPart,
     UploadRef,
     check_patiently,
+    crc32,
     crc_of,
     crc_text,
     retry_transient,
@@ -428,7 +428,7 @@ class S3Store:
         self._check_key(key)
         metadata = _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: checksum})
         self._call(f"upload {key}", "put_object", Key=self._full(key), Body=data, ContentLength=len(data),
-                   ChecksumCRC32=_crc_b64(zlib.crc32(data)), Metadata=metadata)
+                   ChecksumCRC32=_crc_b64(crc32(data)), Metadata=metadata)
 
     def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
         if not key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill."):
@@ -567,7 +567,7 @@ class S3Store:
     def _put_marker(self, marker: str, key: str, upload_id: str | None) -> None:
         body = json.dumps({"key": key, "upload_id": upload_id, "owner": self.owner}).encode()
         self._retrying(f"write upload marker of {key}", "put_object", Key=self._marker_key(marker), Body=body,
-                       ChecksumCRC32=_crc_b64(zlib.crc32(body)))
+                       ChecksumCRC32=_crc_b64(crc32(body)))
 
     def _delete_marker(self, marker: str) -> None:
         try:
@@ -839,7 +839,7 @@ class S3Store:
                                         f" ({len(encoded)} > {MAX_SYMLINK_TARGET} bytes encoded)")
         metadata = _metadata(ObjectMeta(meta.mtime_ns, 0o777), stat.S_IFLNK, **{META_SYMLINK: encoded})
         self._call(f"create symlink {key}", "put_object", Key=self._full(key), Body=SYMLINK_BODY,
-                   ChecksumCRC32=_crc_b64(zlib.crc32(SYMLINK_BODY)), Metadata=metadata)
+                   ChecksumCRC32=_crc_b64(crc32(SYMLINK_BODY)), Metadata=metadata)
 
 
 __all__ = ["ERROR_CODES", "S3Store", "translate_error"]
