@@ -125,7 +125,7 @@ class Drain:
         self._discarded: list[UploadState] = []
         self._discards_running = 0
         # Background sweeps of leftovers while a cleanup failed (an abort, a sweep, the store's own).
-        self._sweep_running = False
+        self._sweeps_running = 0
         self._sweep_due = math.inf
         self._sweep_delay = SWEEP_RETRY_FIRST
         self.spill_part_size = engine.part_size
@@ -188,8 +188,9 @@ class Drain:
             self._progress = trio.Event()
 
     async def _sweep(self) -> None:
-        """Retry removing leftovers the engine could not remove, backing off while the store refuses."""
-        self._sweep_running = True
+        """Remove the leftovers a failed cleanup left (in the background, or at the end of a flush); if the
+        store refuses, the background tries again later, backing off."""
+        self._sweeps_running += 1
         try:
             removed = await self.engine.sweep_leftovers(patience=SWEEP_PATIENCE)
         except BackendError as exc:
@@ -205,12 +206,12 @@ class Drain:
             if removed:
                 log.info("removed %d leftovers of interrupted uploads from the store", removed)
         finally:
-            self._sweep_running = False
+            self._sweeps_running -= 1
             self.notify()
 
     def _sweep_wanted_at(self) -> float:
         """The trio time of the next background sweep (math.inf: none wanted)."""
-        if self._sweep_running:
+        if self._sweeps_running:
             return math.inf
         if not self.engine.sweep_due:
             self._sweep_due = math.inf
@@ -311,14 +312,7 @@ class Drain:
             return FlushResult(False, self.pending(paths))
         if self.engine.sweep_due:
             with trio.move_on_at(min(deadline, trio.current_time() + SWEEP_AT_FLUSH)):
-                try:
-                    removed = await self.engine.sweep_leftovers(patience=SWEEP_PATIENCE)
-                    if removed:
-                        log.info("removed %d leftovers of interrupted uploads from the store", removed)
-                except BackendError as exc:
-                    log.warning("cannot remove the leftovers of interrupted uploads from the store: %s;"
-                                " trying again in the background", exc)
-                    self.notify()
+                await self._sweep()
         return FlushResult(True, [])
 
     # -- scheduling ----------------------------------------------------------------------------------
