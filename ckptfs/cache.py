@@ -13,7 +13,10 @@ the apparent sizes of the data files (minus ranges already freed by a spill, see
 `reserved`: the chunks of partial files that are present or in flight (fetch.py reserves a chunk before
 it is fetched and unreserves it when it is punched out or its file dropped or adopted into data/);
 `limit` is the budget: `cache_size`,
-lowered when the cache filesystem would otherwise keep less than `min_free` free. Both are plain
+lowered when the cache filesystem would otherwise keep less than `min_free` free, but never below the
+`working_room` a file being written needs to spill (drain.py) while the filesystem has that much: when
+others fill it past `min_free`, writes go on, uploaded in parts as they are written, instead of waiting
+for room only others can free (what s3fs's ensure_diskfree does). Both are plain
 attributes read on every FUSE write, so the write path pays two attribute loads and a compare. The
 evictor (evict.py) keeps `used` under `limit` and makes writers wait when it cannot.
 
@@ -50,6 +53,10 @@ class CacheFile:
     def charge(self) -> int:
         return self.size - self.freed
 
+
+# The working room never takes the last of the filesystem: the journal must still be able to record
+# uploads and evictions, which is what frees room again.
+JOURNAL_ROOM = 64 << 20
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -90,6 +97,12 @@ class CacheDir:
         self.limit: float = math.inf
         self._cap: str | int | None = None
         self._min_free: str | int = 0
+        self._working_room = 0
+        # Set by measure(): others left the filesystem so little free space that min_free would take the
+        # budget below the working room (writes then spill), and what was measured, for the messages.
+        self.squeezed = False
+        self.free_bytes = 0
+        self.min_free_bytes = 0
 
     def prepare(self) -> None:
         """Create the layout (0700) and check that it is writable; raise a CkptfsError naming the fix."""
@@ -162,10 +175,12 @@ class CacheDir:
 
     # -- space accounting -----------------------------------------------------------------------------
 
-    def configure_budget(self, cache_size: str | int, min_free: str | int) -> None:
-        """Set the budget (sizes as in config: bytes, '512M' or a percentage of the cache filesystem)."""
+    def configure_budget(self, cache_size: str | int, min_free: str | int, *, working_room: int = 0) -> None:
+        """Set the budget (sizes as in config: bytes, '512M' or a percentage of the cache filesystem);
+        `working_room` is the floor min_free cannot push it under."""
         self._cap = cache_size
         self._min_free = min_free
+        self._working_room = working_room
         self.measure()
 
     def measure(self) -> None:
@@ -176,7 +191,11 @@ class CacheDir:
         cap = parse_size(self._cap, total=space.total_bytes)
         min_free = parse_size(self._min_free, total=space.total_bytes)
         # Our own files are part of what the filesystem has used: they count as room we may keep.
-        self.limit = max(0, min(cap, self.used + space.free_bytes - min_free))
+        room = self.used + space.free_bytes
+        floor = min(cap, self._working_room, room - JOURNAL_ROOM)
+        self.squeezed = room - min_free < floor
+        self.free_bytes, self.min_free_bytes = space.free_bytes, min_free
+        self.limit = max(0, floor, min(cap, room - min_free))
 
     def scan(self) -> dict[int, float]:
         """Account every data file (at start-up, after recovery); return their last access times."""

@@ -255,6 +255,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     budget = "-" if cache["budget_bytes"] is None else _human_bytes(cache["budget_bytes"])
     print(f"cache      {_human_bytes(cache['used_bytes'])} used of {budget}; {cache['evicted_files']} files"
           f" evicted; {cache['waits']} writes waited for room ({cache['writes_waiting']} now)")
+    if cache.get("short_of_free_space"):
+        print("           its filesystem is short of min_free: files being written spill to the store;"
+              " free space there or lower --min-free")
     moved = status["transfers"]
     print(f"transfers  up {moved['parts_up']} parts, {_human_bytes(moved['up_bytes_per_second'])}/s;"
           f" down {moved['parts_down']} parts, {_human_bytes(moved['down_bytes_per_second'])}/s;"

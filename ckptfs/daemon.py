@@ -430,6 +430,7 @@ class Daemon:
             "cache": {
                 "used_bytes": self.cache.used,
                 "budget_bytes": int(self.cache.limit) if self.cache.limit != math.inf else None,
+                "short_of_free_space": self.cache.squeezed,
                 "evicted_files": self.evictor.stats.evicted_files,
                 "evicted_bytes": self.evictor.stats.evicted_bytes,
                 "writes_waiting": self.evictor.waiting,
@@ -592,8 +593,8 @@ async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
                 state = UploadState.from_json(text)
                 if state.spilled:
                     cache.restore_spilled(inode_id, punched=state.punched, staged=state.size)
-            cache.configure_budget(config.cache_size, config.min_free)
             daemon = Daemon(config, engine, cache, journal, metrics)
+            cache.configure_budget(config.cache_size, config.min_free, working_room=daemon.drain.spill_room)
             daemon.evictor.start(atimes)
             return await daemon.run(ready)
         finally:

@@ -636,6 +636,12 @@ class Drain:
 
     # -- spills: the start of a file still being written leaves the cache (see backends/base.py) ----------
 
+    @property
+    def spill_room(self) -> int:
+        """The cache a file being written needs to go on through spills: its lookahead, the part being
+        uploaded and the next one being written."""
+        return self.spill_lookahead + 2 * self.spill_part_size
+
     def _spillable(self, inode_id: int) -> int:
         """Bytes of a file being written that a spill could take now."""
         entry = self.cache.files.get(inode_id)

@@ -96,6 +96,7 @@ class Evictor:
         self._waiters = 0
         self._pressure = False
         self._logged_at = -LOG_INTERVAL
+        self._squeezed = False
         self.partials: PartialFiles | None = None  # set by the fetcher
 
     def start(self, atimes: dict[int, float]) -> None:
@@ -122,6 +123,7 @@ class Evictor:
                 await self._kick.wait()
             self._kick = trio.Event()
             self.cache.measure()
+            self._note_squeeze()
             self.evict_if_needed()
             self._set_pressure(self._waiters > 0 or self.cache.used > self.cache.limit)
             room, self._room = self._room, trio.Event()
@@ -129,6 +131,22 @@ class Evictor:
 
     def kick(self) -> None:
         self._kick.set()
+
+    def _note_squeeze(self) -> None:
+        squeezed = self.cache.squeezed
+        if squeezed == self._squeezed:
+            return
+        self._squeezed = squeezed
+        if squeezed:
+            log.warning(
+                "the filesystem of the cache dir %s has %s free and min_free keeps %s of it: the cache is down"
+                " to %s, and files being written are uploaded in parts while they are written (a write into a"
+                " part already uploaded fails with EIO). Free space on that filesystem, or lower --min-free",
+                self.cache.root, _size(self.cache.free_bytes), _size(self.cache.min_free_bytes),
+                _size(int(self.cache.limit)),
+            )
+        else:
+            log.info("the cache filesystem has room again: the cache budget is %s", _size(int(self.cache.limit)))
 
     def evict_if_needed(self) -> int:
         """Evict least recently used clean files while the cache is above its high-water mark."""
@@ -234,10 +252,14 @@ class Evictor:
                     self.evict(self.cache.used + needed - int(self.cache.limit * LOW_WATER))
                 return
             self.stats.enospc += 1
+            fix = (
+                "free space on the cache dir's filesystem or lower --min-free" if self.cache.squeezed
+                else "raise cache_size or dirty_wait"
+            )
             log.error(
                 "%s gave up after waiting %ss for room in the cache (%s used of %s): ENOSPC. The drain is"
-                " not keeping up or the store refuses uploads (see ckptfs status); raise cache_size or"
-                " dirty_wait", what, self.dirty_wait, _size(self.cache.used), _size(int(self.cache.limit)),
+                " not keeping up or the store refuses uploads (see ckptfs status); %s",
+                what, self.dirty_wait, _size(self.cache.used), _size(int(self.cache.limit)), fix,
             )
             raise FsError(errno.ENOSPC, "cache full of data not yet uploaded")
         finally:

@@ -222,6 +222,31 @@ async def test_a_file_larger_than_the_cache_is_spilled_while_it_is_written(
     check_consistency(stack)
 
 
+async def test_writes_go_on_through_spills_when_others_filled_the_filesystem_past_min_free(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """min_free larger than the filesystem's free space used to leave a budget of 0: every write waited
+    out dirty_wait and failed, even of a file that spills could have taken to the store."""
+    stack = make_stack(tmp_path, upload_delay=3600, dirty_wait=10)
+    small_spills(stack)
+    stack.cache.configure_budget("100%", "100%", working_room=stack.drain.spill_room)
+    assert stack.cache.squeezed and stack.cache.limit == stack.drain.spill_room
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fs.evictor.run)
+    fh, _ = stack.fs.create(ROOT_ID, b"big.pt", 0o644, os.O_WRONLY, UID, GID)
+    expected = bytearray()
+    with trio.fail_after(30):
+        for i in range(32):  # 2 MiB through a working room of 192 KiB
+            chunk = bytes([i]) * (64 * KIB)
+            await write_waiting(stack, fh, len(expected), chunk)
+            expected += chunk
+        stack.fs.release(fh)
+        await stack.flush()
+    assert stack.fs.evictor.stats.enospc == 0 and stack.drain.stats.spilled_bytes > 0
+    assert stack.store_files() == {"big.pt": bytes(expected)}
+    check_consistency(stack)
+
+
 async def test_a_spilled_file_opened_before_its_upload_ends_is_read_whole_from_the_store(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:

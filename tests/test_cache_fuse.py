@@ -50,6 +50,22 @@ class CachePeak:
         self._thread.join()
 
 
+def test_a_filesystem_filled_past_min_free_by_others_slows_writes_down_and_says_why(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """min_free 100%: the free space is always short of it, as on a shared disk others filled. Writes used
+    to wait out dirty_wait and fail; they go on through spills, and the log names the cause and the fix."""
+    mount: Mount = mount_factory(extra_args=("--min-free", "100%", "--part-size", "5M", "--dirty-wait", "60"))
+    mount.allowed_log_words.append("lower --min-free")
+    data = os.urandom(MiB) * 48  # through a working room of 16 MiB + 2 parts of 5 MiB
+    (mount.mnt / "big.bin").write_bytes(data)
+    mount.flush()
+    assert mount.store_files()["big.bin"] == data
+    assert (mount.mnt / "big.bin").read_bytes() == data
+    cache = mount.status()["cache"]
+    assert cache["budget_bytes"] == 26 * MiB and cache["short_of_free_space"]
+    assert "lower --min-free" in mount.cli("status", str(mount.mnt)).stdout
+    assert "free space on that filesystem, or lower --min-free" in mount.log.read_text().replace("Free", "free")
+
+
 def test_checkpoints_beyond_the_cache_are_evicted_and_read_back(mount_factory) -> None:  # type: ignore[no-untyped-def]
     mount: Mount = mount_factory(extra_args=("--cache-size", "64M", "--min-free", "0"))
     expected = {}
