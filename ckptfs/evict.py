@@ -41,6 +41,8 @@ MEASURE_INTERVAL = 1.0
 WAIT_POLL = 0.05
 # Back-pressure episodes are logged at most this often.
 LOG_INTERVAL = 30.0
+# A cache filesystem short of min_free is warned about at most this often.
+SQUEEZE_LOG_INTERVAL = 600.0
 
 
 class _JournalFull(Exception):
@@ -97,6 +99,7 @@ class Evictor:
         self._pressure = False
         self._logged_at = -LOG_INTERVAL
         self._squeezed = False
+        self._squeeze_logged_at = -SQUEEZE_LOG_INTERVAL
         self.partials: PartialFiles | None = None  # set by the fetcher
 
     def start(self, atimes: dict[int, float]) -> None:
@@ -137,7 +140,10 @@ class Evictor:
         if squeezed == self._squeezed:
             return
         self._squeezed = squeezed
-        if squeezed:
+        now = time.monotonic()
+        if squeezed and now - self._squeeze_logged_at >= SQUEEZE_LOG_INTERVAL:
+            # Free space hovering around min_free flips this every second: say it once per interval.
+            self._squeeze_logged_at = now
             log.warning(
                 "the filesystem of the cache dir %s has %s free and min_free keeps %s of it: the cache is down"
                 " to %s, and files being written are uploaded in parts while they are written (a write into a"
@@ -145,8 +151,8 @@ class Evictor:
                 self.cache.root, _size(self.cache.free_bytes), _size(self.cache.min_free_bytes),
                 _size(int(self.cache.limit)),
             )
-        else:
-            log.info("the cache filesystem has room again: the cache budget is %s", _size(int(self.cache.limit)))
+        elif not squeezed:
+            log.debug("the cache filesystem has room again: the cache budget is %s", _size(int(self.cache.limit)))
 
     def evict_if_needed(self) -> int:
         """Evict least recently used clean files while the cache is above its high-water mark."""
