@@ -41,10 +41,13 @@ class CacheFile:
     """What the accounting knows of one data file. Open handles share it, so the write path updates
     it without a dict lookup."""
 
-    __slots__ = ("freed", "sealed", "size")
+    __slots__ = ("changes", "freed", "sealed", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size  # apparent size as far as the accounting has seen it
+        # Content changes begun (fs.py, before their first byte): an upload that read the file in another
+        # thread compares it with what it saw when it chose the file (Transfers.put_files).
+        self.changes = 0
         # A spill (drain.py) uploads the start of a file still being written and punches it out:
         self.sealed = 0  # bytes at the start that are being or have been spilled: writes there fail
         self.freed = 0  # bytes at the start already punched out: reads there fail too

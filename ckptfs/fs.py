@@ -541,6 +541,9 @@ class Filesystem:
             with self.journal.transaction():
                 self.journal.mark_dirty(inode_id)
             self._changed.add(inode_id)
+            local = self.cache.files.get(inode_id)
+            if local is not None:
+                local.changes += 1
 
     def _end_change_if_unopened(self, inode_id: int) -> None:
         if not self._writer_count.get(inode_id):

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any, TypeVar
@@ -84,6 +84,25 @@ class Priority(IntEnum):
 class SourceChangedError(TransientBackendError):
     """The local file changed while it was being uploaded: retrying the part cannot help, the caller
     starts the upload again once the file is quiet."""
+
+
+@dataclass(frozen=True)
+class SmallFile:
+    """A small closed file for put_files: read whole, PUT in one request. `changed` (called in the worker
+    thread, after the read) says whether the file may have changed since the caller chose it."""
+
+    key: str
+    src_path: str
+    meta: ObjectMeta
+    changed: Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class PutFile:
+    """What put_files put at a key: the bytes the file held, their checksum."""
+
+    size: int
+    checksum: str
 
 
 @dataclass(frozen=True)
@@ -230,6 +249,32 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _read_small_files(files: Sequence[SmallFile]) -> list[bytes | BaseException]:
+    read: list[bytes | BaseException] = []
+    for small in files:
+        try:
+            fd = os.open(small.src_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            read.append(_source_error(exc, small.key))
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            data = pread_exact(fd, size + 1, 0)
+            os.fsync(fd)
+        except OSError as exc:
+            read.append(_source_error(exc, small.key))
+            continue
+        finally:
+            os.close(fd)
+        # After the read: a change that began before this check may have torn the bytes read; one that
+        # begins after it writes after the read (and is caught before the PUT).
+        if len(data) != size or small.changed():
+            read.append(SourceChangedError(f"{small.key}: the file changed while it was being read"))
+        else:
+            read.append(data)
+    return read
 
 
 def _source_error(exc: OSError, key: str) -> BackendError:
@@ -581,6 +626,71 @@ class Transfers:
         if len(data) != staged.size or crc_text(crc32(data)) != staged.checksum:
             raise SourceChangedError(f"{staged.key}: the file changed while it was being uploaded")
         self.store.put_object(staged.key, data, staged.meta, staged.checksum)
+
+    async def put_files(
+        self, files: Sequence[SmallFile], *, size: int, commit: Callable[[list[int]], list[int]],
+        priority: Priority = Priority.UPLOAD,
+    ) -> list[PutFile | BaseException | None]:
+        """Upload small closed files together, in two worker-thread hops for all of them (`size`: their
+        bytes in all, held in memory between the hops). The first reads each file once, fsyncs it (the
+        caller will call the local copy clean) and checksums it; then `commit`, in the trio thread, gets
+        the indexes of the files read and returns those to put (it re-checks them, and journals what must
+        be before an object appears); the second PUTs those one after the other, each only if it has not
+        changed since it was chosen. Each file's outcome in order: what was put, None (not to be put), or
+        the exception it failed with (SourceChangedError: it changed; nothing was put). A transient store
+        error is retried for that file alone, like a part; after a permanent one the rest are not tried."""
+        granted = await self.memory.acquire(size, priority)
+        self._stats.parts_up += 1
+        try:
+            read = await self._read_files(files)
+            outcomes: list[PutFile | BaseException | None] = [
+                item if isinstance(item, BaseException) else None for item in read
+            ]
+            wanted = commit([i for i, item in enumerate(read) if not isinstance(item, BaseException)])
+            staged = [(files[i], read[i]) for i in wanted]
+            for index, outcome in zip(wanted, await self._gated(self._put_read, (staged,), self._part_threads, True),
+                                      strict=True):
+                outcomes[index] = outcome
+                if isinstance(outcome, TransientBackendError) and not isinstance(outcome, SourceChangedError):
+                    self._stats.retries += 1
+                    try:
+                        outcomes[index] = await self._retry(self._put_one, files[index], read[index],
+                                                            limiter=self._part_threads)
+                    except Exception as exc:
+                        outcomes[index] = exc
+        finally:
+            self._stats.parts_up -= 1
+            self.memory.release(granted)
+        self._moved(sum(o.size for o in outcomes if isinstance(o, PutFile)), 0)
+        return outcomes
+
+    async def _read_files(self, files: Sequence[SmallFile]) -> list[bytes | BaseException]:
+        """put_files' first hop: each file's bytes, or why it cannot be put."""
+        return await trio.to_thread.run_sync(_read_small_files, files, limiter=self._part_threads)
+
+    def _put_read(self, staged: list[tuple[SmallFile, bytes | BaseException]]) -> list[PutFile | BaseException]:
+        outcomes: list[PutFile | BaseException] = []
+        refused: BaseException | None = None
+        for small, data in staged:
+            if refused is not None:
+                outcomes.append(refused)
+                continue
+            try:
+                outcomes.append(self._put_one(small, data))
+            except PermanentBackendError as exc:
+                refused = exc
+                outcomes.append(exc)
+            except Exception as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    def _put_one(self, small: SmallFile, data: bytes | BaseException) -> PutFile:
+        assert isinstance(data, bytes)
+        if small.changed():
+            raise SourceChangedError(f"{small.key}: the file changed while it was being uploaded")
+        checksum = crc_text(crc32(data))
+        self.store.put_object(small.key, data, small.meta, checksum)
+        return PutFile(len(data), checksum)
 
     async def abort_upload(self, staged: StagedUpload) -> None:
         if staged.state is not None:

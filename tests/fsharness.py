@@ -22,7 +22,7 @@ from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, Journal
 from ckptfs.recovery import DirLister
-from ckptfs.transfer import StagedUpload, Transfers
+from ckptfs.transfer import SmallFile, StagedUpload, Transfers
 
 UID = os.getuid()
 GID = os.getgid()
@@ -54,6 +54,10 @@ class RecordingStore:
         # `parting` says a part reached the gate.
         self.part_gate: threading.Event | None = None
         self.parting = threading.Event()
+        # Holds the one-request PUT of these keys (put_object) until the test sets the gate; `putting` says
+        # one reached it.
+        self.put_gates: dict[str, threading.Event] = {}
+        self.putting = threading.Event()
         self.failures: list[Exception] = []
         self.list_failures: list[Exception] = []  # raised by list_dir, one per call, before `failures`
         # Ranged reads: every (key, offset) asked for, and a gate that holds each range whose offset is
@@ -86,6 +90,10 @@ class RecordingStore:
         self.inner.check()
 
     def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
+        gate = self.put_gates.get(key)
+        if gate is not None:
+            self.putting.set()
+            gate.wait(30)
         self._maybe_fail()
         self.inner.put_object(key, data, meta, checksum)
         self._record("commit", key, data)
@@ -187,6 +195,10 @@ class GatedTransfers(Transfers):
 
     store: RecordingStore
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches = []
+
     async def stage_upload(self, key: str, src_path: str, meta: ObjectMeta, **kwargs: Any) -> StagedUpload:
         staged = await super().stage_upload(key, src_path, meta, **kwargs)
         gate = self.store.key_gates.get(key)
@@ -196,6 +208,22 @@ class GatedTransfers(Transfers):
             self.store.staging.set()
             await trio.to_thread.run_sync(gate.wait, 30)
         return staged
+
+    batches: list[list[str]]  # the keys of every batch of small files (put_files), in order
+
+    async def _read_files(self, files: Sequence[SmallFile]) -> list[bytes | BaseException]:
+        """Small files that upload together (Transfers.put_files) are held the same way, after they are
+        read and before the drain re-checks them."""
+        self.batches.append([small.key for small in files])
+        read = await super()._read_files(files)
+        for small in files:
+            gate = self.store.key_gates.get(small.key)
+            if gate is None and (self.store.gated_keys is None or small.key in self.store.gated_keys):
+                gate = self.store.stage_gate
+            if gate is not None:
+                self.store.staging.set()
+                await trio.to_thread.run_sync(gate.wait, 30)
+        return read
 
 
 async def list_tree(fs: Filesystem, inode_id: int = ROOT_ID) -> None:

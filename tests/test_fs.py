@@ -14,6 +14,7 @@ import pytest
 import trio
 from fsharness import GID, UID, Stack, check_consistency, list_tree, make_stack
 
+from ckptfs.drain import SMALL_BATCH, SMALL_FILE
 from ckptfs.errors import FsError, PermanentBackendError, TransientBackendError
 from ckptfs.fs import RENAME_EXCHANGE, RENAME_NOREPLACE, SetAttrs
 from ckptfs.journal import CLEAN, DIRTY, REMOTE, ROOT_ID, Journal
@@ -117,6 +118,41 @@ async def test_rename_during_upload_abandons_and_restarts(stack: Stack) -> None:
     # A small file is staged locally (nothing in the store to abort); it is never completed at the old key.
     commits = [c for c in stack.store.calls if c[0] == "commit"]
     assert commits == [("commit", "new")], "never completed at the old key"
+
+
+async def test_small_files_upload_in_batches(stack: Stack) -> None:
+    """Closed small files go to the store together (one journal transaction and one worker-thread hop for
+    many), at most SMALL_BATCH at a time; each is recorded clean with its own checksum."""
+    contents = {f"f{i:03d}": f"content {i}".encode() * (i + 1) for i in range(SMALL_BATCH * 2 + 3)}
+    for name, data in contents.items():
+        stack.write_file(name, data)
+    await stack.flush()
+    assert stack.store_files() == contents
+    batches = stack.drain.engine.batches  # type: ignore[attr-defined]
+    assert sorted(key for batch in batches for key in batch) == sorted(contents)
+    assert len(batches) == 3 and max(len(batch) for batch in batches) == SMALL_BATCH
+    for name in contents:
+        inode = stack.journal.by_path(name)
+        assert inode is not None and inode.state == CLEAN and inode.checksum is not None
+
+
+async def test_a_file_written_while_its_batch_puts_another_is_not_put_stale(stack: Stack) -> None:
+    """Two small files in one batch; while the first one's PUT is held, the second is rewritten. The
+    second must not be PUT with its old bytes (which the batch read before the rewrite): it is uploaded
+    once, with the new ones."""
+    hold = threading.Event()
+    stack.store.put_gates = {"a": hold}
+    stack.write_file("a", b"a-bytes")
+    b = stack.write_file("b", b"b-version-1")
+    stack.drain.notify()
+    await trio.to_thread.run_sync(stack.store.putting.wait, 10)
+    fh = await stack.fs.open(b, os.O_WRONLY | os.O_TRUNC)
+    stack.fs.write(fh, 0, b"b-version-2")
+    stack.fs.release(fh)
+    hold.set()
+    await stack.flush()
+    assert stack.store_files() == {"a": b"a-bytes", "b": b"b-version-2"}
+    assert [content for key, content in stack.store.committed if key == "b"] == [b"b-version-2"]
 
 
 async def test_write_during_upload_never_commits_stale_content(stack: Stack) -> None:
@@ -425,7 +461,7 @@ async def test_object_committed_by_a_dying_daemon_does_not_outlive_its_file(tmp_
     def die(*args: object, **kwargs: object) -> None:
         raise Died
 
-    stack.drain._record_upload = die  # type: ignore[method-assign]
+    stack.drain._record_uploads = die  # type: ignore[method-assign]
     stack.write_file("gone.pt", b"bytes")
     with pytest.raises(BaseExceptionGroup) as group:
         async with trio.open_nursery() as nursery:
@@ -700,8 +736,9 @@ async def test_a_file_renamed_to_a_commit_marker_while_its_upload_waits_for_a_sl
     it (crash harness, SeaweedFS seed 7300 round 295)."""
     hold_a, hold_shard = threading.Event(), threading.Event()
     stack.store.key_gates = {"a": hold_a, "shard": hold_shard}
-    stack.write_file("a", b"a" * 1000)
-    stack.write_file("shard", b"s" * 1000)
+    # Above SMALL_FILE: one job (and one slot) each, not one batch for both.
+    stack.write_file("a", b"a" * (SMALL_FILE + 1))
+    stack.write_file("shard", b"s" * (SMALL_FILE + 1))
     stack.drain.notify()
     await trio.to_thread.run_sync(stack.store.staging.wait, 10)
     await trio.sleep(0.3)  # both upload slots are held, by a and by shard
