@@ -972,6 +972,8 @@ class Drain:
 
     def _record_uploads(self, done: list[Uploaded]) -> None:
         """The store holds these objects now: record each for its inode, in one transaction."""
+        if not done:
+            return
         markers = []
         with self.journal.transaction():
             for item in done:

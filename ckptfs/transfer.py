@@ -632,8 +632,8 @@ class Transfers:
         priority: Priority = Priority.UPLOAD,
     ) -> list[PutFile | BaseException | None]:
         """Upload small closed files together, in two worker-thread hops for all of them (`size`: their
-        bytes in all, held in memory between the hops). The first reads each file once, fsyncs it (the
-        caller will call the local copy clean) and checksums it; then `commit`, in the trio thread, gets
+        bytes in all, held in memory between the hops). The first reads each file once and fsyncs it (the
+        caller will call the local copy clean); then `commit`, in the trio thread, gets
         the indexes of the files read and returns those to put (it re-checks them, and journals what must
         be before an object appears); the second PUTs those one after the other, each only if it has not
         changed since it was chosen. Each file's outcome in order: what was put, None (not to be put), or
@@ -648,8 +648,8 @@ class Transfers:
             ]
             wanted = commit([i for i, item in enumerate(read) if not isinstance(item, BaseException)])
             staged = [(files[i], read[i]) for i in wanted]
-            for index, outcome in zip(wanted, await self._gated(self._put_read, (staged,), self._part_threads, True),
-                                      strict=True):
+            put = await self._gated(self._put_read, (staged,), self._part_threads, True) if staged else []
+            for index, outcome in zip(wanted, put, strict=True):
                 outcomes[index] = outcome
                 if isinstance(outcome, TransientBackendError) and not isinstance(outcome, SourceChangedError):
                     self._stats.retries += 1

@@ -16,8 +16,9 @@ from emulators import azurite, fake_gcs, moto_s3, seaweedfs_s3  # noqa: F401
 from store_targets import BIG, META, PART, Target, engine, fetch, s3_target, target, write  # noqa: F401
 
 from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, ObjectStore, UploadPart, UploadRef, UploadState
-from ckptfs.errors import NotFoundBackendError, TransientBackendError
-from ckptfs.transfer import MemoryBudget, Priority, plan_part_size
+from ckptfs.backends.local import LocalStore
+from ckptfs.errors import NotFoundBackendError, PermanentBackendError, TransientBackendError
+from ckptfs.transfer import MemoryBudget, Priority, PutFile, SmallFile, SourceChangedError, plan_part_size
 
 MiB = 1 << 20
 
@@ -66,6 +67,60 @@ async def test_stage_then_commit_makes_the_object_appear_byte_identical(
     assert (tmp_path / "dl").read_bytes() == data
     assert target.leftovers() == []
     assert transfers.memory.in_use == 0
+
+
+async def test_put_files_puts_what_commit_keeps_each_with_its_checksum(target: Target, tmp_path: Path) -> None:
+    """Small files together (the drain's batches): every file read, then the caller's commit chooses
+    which to put; the others, and one whose source went, are not; each object carries its checksum."""
+    datas = {name: write(tmp_path / name, 1000 + i, seed=i) for i, name in enumerate(["a", "b", "c", "d"])}
+    (tmp_path / "d").unlink()
+    files = [SmallFile(f"small/{name}", str(tmp_path / name), META, lambda: False) for name in datas]
+    offered: list[int] = []
+
+    def commit(read: list[int]) -> list[int]:
+        offered.extend(read)
+        return [i for i in read if i != 1]  # b: renamed meanwhile, say
+
+    transfers = engine(target.store)
+    outcomes = await transfers.put_files(files, size=4000, commit=commit)
+    assert offered == [0, 1, 2]
+    assert isinstance(outcomes[3], NotFoundBackendError) and outcomes[1] is None
+    for index, name in ((0, "a"), (2, "c")):
+        assert outcomes[index] == PutFile(len(datas[name]), _crc(datas[name]))
+        info = target.store.head(f"small/{name}")
+        assert info is not None and info.checksum in (None, _crc(datas[name]))
+        assert (await fetch(target.store, f"small/{name}", tmp_path))[0] == datas[name]
+    assert target.store.head("small/b") is None
+    assert transfers.memory.in_use == 0
+    assert target.leftovers() == []
+
+
+async def test_put_files_puts_nothing_stale_and_stops_at_a_refusal(tmp_path: Path) -> None:
+    """A file whose change began after it was chosen is not put; after a store refuses a write for good,
+    the rest of the batch is not tried (they would be refused the same way)."""
+    class Refusing(LocalStore):
+        def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
+            if key == "refused":
+                raise PermanentBackendError("bucket refuses writes")
+            super().put_object(key, data, meta, checksum)
+
+    (tmp_path / "store").mkdir()
+    store = Refusing(tmp_path / "store")
+    for name in ("changed", "ok", "refused", "after"):
+        write(tmp_path / name, 100)
+    changed = [False]
+    files = [SmallFile(name, str(tmp_path / name), META, (lambda: changed[0]) if name == "changed" else lambda: False)
+             for name in ("changed", "ok", "refused", "after")]
+
+    def commit(read: list[int]) -> list[int]:
+        changed[0] = True  # a write of it begins after the re-check, before its PUT
+        return read
+
+    outcomes = await engine(store).put_files(files, size=400, commit=commit)
+    assert isinstance(outcomes[0], SourceChangedError) and isinstance(outcomes[1], PutFile)
+    assert isinstance(outcomes[2], PermanentBackendError) and outcomes[3] is outcomes[2]
+    assert [store.head(name) is not None for name in ("changed", "ok", "refused", "after")] == [
+        False, True, False, False]
 
 
 async def test_parts_go_in_parallel_and_report_progress(target: Target, tmp_path: Path) -> None:
