@@ -2,7 +2,7 @@
 
 Owns, per remote inode being read, a `Stream`: a partial file in CACHE_DIR/tmp, created sparse at the
 object's size, and the in-memory record (trio thread only) of which chunks of it are present. A chunk is
-`engine.download_part_size` bytes (8 MiB). `read(offset, size)` is served by pread once the chunks it
+`engine.download_part_size` bytes (16 MiB). `read(offset, size)` is served by pread once the chunks it
 covers are present; a missing chunk is fetched first (Priority.READ), and a reader that continues where
 its last read ended (sequential) gets a growing window of chunks fetched ahead in parallel
 (Priority.READAHEAD). Every reader of an inode shares its one Stream: a chunk is fetched once and its
@@ -54,10 +54,10 @@ from ckptfs.transfer import Priority, Transfers
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-# Read-ahead of a sequential reader, in chunks: it starts small (a reader of a file's header does not
-# download the file) and doubles with every chunk the reader moves into, up to MAX_READAHEAD_CHUNKS.
-FIRST_READAHEAD_CHUNKS = 2
-MAX_READAHEAD_CHUNKS = 16
+# Read-ahead of a sequential reader, in whole chunks: it starts small (a reader of a file's header does
+# not download the file) and doubles with every chunk the reader moves into, up to MAX_READAHEAD bytes.
+FIRST_READAHEAD = 16 * MiB
+MAX_READAHEAD = 128 * MiB
 # A read starting this close to where the handle's previous read ended counts as sequential (the kernel
 # may reorder its own read-ahead requests a little).
 SEQUENTIAL_SLACK = 512 * 1024
@@ -290,7 +290,8 @@ class Fetcher:
             if not sequential:
                 reader.window = 0
             elif first != reader.position or reader.window == 0:
-                reader.window = min(MAX_READAHEAD_CHUNKS, max(FIRST_READAHEAD_CHUNKS, reader.window * 2))
+                opening = max(1, FIRST_READAHEAD // self.chunk_size)
+                reader.window = min(max(opening, MAX_READAHEAD // self.chunk_size), max(opening, reader.window * 2))
             reader.position = needed[-1]
         reader.next_offset = offset + size
         if stream.failure is not None:
