@@ -228,7 +228,7 @@ class Fetcher:
                 os.close(fd)
                 os.unlink(path)
                 raise FsError(exc.errno or errno.EIO, f"cannot size a partial file: {exc.strerror}") from None
-            stream = Stream(inode, path, fd, self.chunk_size)
+            stream = Stream(inode, path, fd, self._stream_chunk_size())
             self.streams[inode.id] = stream
             self._all.add(stream)
             log.debug("streaming %s (%d bytes, %d chunks)", stream.key, stream.size, stream.count)
@@ -290,8 +290,9 @@ class Fetcher:
             if not sequential:
                 reader.window = 0
             elif first != reader.position or reader.window == 0:
-                opening = max(1, FIRST_READAHEAD // self.chunk_size)
-                reader.window = min(max(opening, MAX_READAHEAD // self.chunk_size), max(opening, reader.window * 2))
+                chunk = stream.chunk_size
+                opening = max(1, FIRST_READAHEAD // chunk)
+                reader.window = min(max(opening, MAX_READAHEAD // chunk), max(opening, reader.window * 2))
             reader.position = needed[-1]
         reader.next_offset = offset + size
         if stream.failure is not None:
@@ -303,6 +304,15 @@ class Fetcher:
             self._read_ahead(reader)
         if missing:
             await self._wait_chunks(stream, missing)
+
+    def _stream_chunk_size(self) -> int:
+        """The engine's download part size, but never more than a quarter of a small cache budget (whole
+        MiB, at least one): a read must be able to hold its chunk, and a chunk larger than the budget could
+        never be fetched."""
+        limit = self.cache.limit
+        if limit >= 4 * self.chunk_size:
+            return self.chunk_size
+        return min(self.chunk_size, max(MiB, int(limit) // 4 // MiB * MiB))
 
     def _read_ahead(self, reader: Reader) -> None:
         stream = reader.stream

@@ -339,3 +339,21 @@ async def test_a_restart_discards_partial_files_and_a_remote_inodes_data_file(
     check_consistency(s2)
     os.close(old_fd)
     del s.fs.handles[fh]
+
+
+async def test_a_small_cache_budget_gets_chunks_that_fit(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """A budget smaller than four of the engine's chunks (16 MiB each) streams in chunks of a quarter of the
+    budget: a chunk larger than the budget could never be fetched, and every read would wait for room
+    until dirty_wait and fail."""
+    stack = make_stack(tmp_path, cache_size=10 << 20, dirty_wait=5.0)
+    await nursery.start(stack.drain.run)
+    await nursery.start(stack.fetcher.run)
+    await nursery.start(stack.fs.evictor.run)
+    ino, content = await remote_file(stack, "big.bin", 24 << 20)
+    fh = await stack.fs.open(ino, os.O_RDONLY)
+    with trio.fail_after(30):
+        got = await read_all(stack, fh, len(content), step=1 << 20)
+    stack.fs.release(fh)
+    assert got == content
+    assert sorted(set(chunk_offsets(stack, "big.bin")))[:2] == [0, 2 << 20]  # 10 MiB // 4, in whole MiB
+    check_consistency(stack)
