@@ -55,9 +55,13 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 # Read-ahead of a sequential reader, in whole chunks: it starts small (a reader of a file's header does
-# not download the file) and doubles with every chunk the reader moves into, up to MAX_READAHEAD bytes.
+# not download the file) and doubles with every chunk the reader moves into: from FIRST_READAHEAD bytes
+# up to MAX_READAHEAD bytes (16 MiB and 128 MiB: 1 and 8 chunks of 16 MiB), and never more chunks than
+# FIRST/MAX_READAHEAD_CHUNKS (small chunks: a small cache budget).
 FIRST_READAHEAD = 16 * MiB
 MAX_READAHEAD = 128 * MiB
+FIRST_READAHEAD_CHUNKS = 2
+MAX_READAHEAD_CHUNKS = 16
 # A read starting this close to where the handle's previous read ended counts as sequential (the kernel
 # may reorder its own read-ahead requests a little).
 SEQUENTIAL_SLACK = 512 * 1024
@@ -291,8 +295,9 @@ class Fetcher:
                 reader.window = 0
             elif first != reader.position or reader.window == 0:
                 chunk = stream.chunk_size
-                opening = max(1, FIRST_READAHEAD // chunk)
-                reader.window = min(max(opening, MAX_READAHEAD // chunk), max(opening, reader.window * 2))
+                opening = min(FIRST_READAHEAD_CHUNKS, max(1, FIRST_READAHEAD // chunk))
+                widest = max(opening, min(MAX_READAHEAD_CHUNKS, MAX_READAHEAD // chunk))
+                reader.window = min(widest, max(opening, reader.window * 2))
             reader.position = needed[-1]
         reader.next_offset = offset + size
         if stream.failure is not None:
