@@ -627,16 +627,25 @@ class Drain:
         seq). Such a job does nothing; its completion rescans, and the scan decides afresh."""
         return keys != scanned_keys or self._marker_blocked(inode)
 
-    async def _upload(self, inode_id: int, scanned_key: str) -> None:
+    def _still_due(self, inode_id: int, scanned_key: str) -> Inode | None:
+        """The inode, if the upload the scan chose is still to be done now: pending, under the key it was
+        chosen for, not a blocked marker, and for a file not open for writing."""
         inode = self.journal.get(inode_id)
         if inode is None or inode.key is None or inode.state not in ("dirty", UPLOADING):
-            return
+            return None
         if self._changed_since_scan(inode, (scanned_key,), (inode.key,)):
+            return None
+        if inode.kind == FILE and inode.closed_at is None:
+            return None
+        return inode
+
+    async def _upload(self, inode_id: int, scanned_key: str) -> None:
+        inode = self._still_due(inode_id, scanned_key)
+        if inode is None:
             return
         key, version = inode.key, inode.version
+        assert key is not None  # _still_due checked
         if inode.kind == FILE:
-            if inode.closed_at is None:
-                return
             spill = await self._spill_state(inode)
             if spill is not None:
                 await self._finish_spill(inode, spill)
@@ -726,13 +735,11 @@ class Drain:
         rest: list[Job] = []
         size = 0
         for job in jobs:
-            inode = self.journal.get(job.ident)
-            if inode is None or inode.key is None or inode.state not in ("dirty", UPLOADING):
-                self._succeeded(job)  # nothing to do, as in _upload
+            inode = self._still_due(job.ident, job.keys[0])
+            if inode is None:
+                self._succeeded(job)  # nothing to do now, as in _upload
                 continue
-            if inode.closed_at is None or self._changed_since_scan(inode, job.keys, (inode.key,)):
-                self._succeeded(job)
-                continue
+            assert inode.key is not None  # _still_due checked
             entry = self.cache.files.get(inode.id)
             if (inode.kind != FILE or inode.upload_state is not None or entry is None or entry.freed
                     or entry.size > SMALL_FILE):

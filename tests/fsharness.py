@@ -197,19 +197,21 @@ class GatedTransfers(Transfers):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.batches = []
+        self.batches: list[list[str]] = []  # the keys of every batch of small files (put_files), in order
 
-    async def stage_upload(self, key: str, src_path: str, meta: ObjectMeta, **kwargs: Any) -> StagedUpload:
-        staged = await super().stage_upload(key, src_path, meta, **kwargs)
+    async def _hold(self, key: str) -> None:
+        """Wait at the gate of `key` (its own, else stage_gate if it is among gated_keys), if any."""
         gate = self.store.key_gates.get(key)
         if gate is None and (self.store.gated_keys is None or key in self.store.gated_keys):
             gate = self.store.stage_gate
         if gate is not None:
             self.store.staging.set()
             await trio.to_thread.run_sync(gate.wait, 30)
-        return staged
 
-    batches: list[list[str]]  # the keys of every batch of small files (put_files), in order
+    async def stage_upload(self, key: str, src_path: str, meta: ObjectMeta, **kwargs: Any) -> StagedUpload:
+        staged = await super().stage_upload(key, src_path, meta, **kwargs)
+        await self._hold(key)
+        return staged
 
     async def _read_files(self, files: Sequence[SmallFile]) -> list[bytes | BaseException]:
         """Small files that upload together (Transfers.put_files) are held the same way, after they are
@@ -217,12 +219,7 @@ class GatedTransfers(Transfers):
         self.batches.append([small.key for small in files])
         read = await super()._read_files(files)
         for small in files:
-            gate = self.store.key_gates.get(small.key)
-            if gate is None and (self.store.gated_keys is None or small.key in self.store.gated_keys):
-                gate = self.store.stage_gate
-            if gate is not None:
-                self.store.staging.set()
-                await trio.to_thread.run_sync(gate.wait, 30)
+            await self._hold(small.key)
         return read
 
 
