@@ -435,8 +435,10 @@ class Transfers:
         the parts go in parallel; `progress` (in the trio thread) gets the UploadState after the upload is
         opened and after each part, and when given, a failure leaves the staged upload for the caller to
         resume (`resume=`) or abort; else it is aborted here. A `resume` state continues when it is for the
-        same key and the file is unchanged, else it is thrown away. `sync_source` fsyncs src_path once it
-        is read, for a caller about to call it a clean copy (for a small file in the same thread hop)."""
+        same key and the file is unchanged, else it is thrown away. `sync_source` fsyncs src_path before
+        returning, for a caller about to call it a clean copy: a small file in the thread hop that reads
+        it, a large one while its parts upload (writing back a freshly written GiB takes seconds, as long as
+        a part upload or more, and the bytes uploaded are checked against the scan anyway)."""
         try:
             fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -448,15 +450,21 @@ class Transfers:
                     await self._discard(resume, "the file is now below the multipart threshold")
                 crcs = await self._scan(fd, size, max(size, 1), key, sync_source=sync_source)
                 return StagedUpload(key, size, crc_text(crcs[0]), meta, src_path, None)
-            staged = await self._stage_parts(key, src_path, fd, size, meta, resume, progress, priority)
-            if sync_source:
-                try:
-                    await trio.to_thread.run_sync(os.fsync, fd)
-                except OSError as exc:
-                    raise _source_error(exc, key) from exc
+            async with _parallel() as nursery:
+                if sync_source:
+                    nursery.start_soon(self._sync_source, fd, key)
+                staged = await self._stage_parts(key, src_path, fd, size, meta, resume, progress, priority)
             return staged
         finally:
             os.close(fd)
+
+    @staticmethod
+    async def _sync_source(fd: int, key: str) -> None:
+        try:
+            # Not abandoned: it syncs the caller's descriptor.
+            await trio.to_thread.run_sync(os.fsync, fd)
+        except OSError as exc:
+            raise _source_error(exc, key) from exc
 
     async def _scan(self, fd: int, size: int, part_size: int, key: str, *, sync_source: bool = False) -> list[int]:
         """CRC32 of every part of the file, read IO_CHUNK at a time, parts in parallel. `sync_source`

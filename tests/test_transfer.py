@@ -4,6 +4,7 @@ downloads, and the memory budget shared by all of them."""
 
 from __future__ import annotations
 
+import os
 import threading
 import zlib
 from pathlib import Path
@@ -252,6 +253,47 @@ async def test_a_failed_stage_aborts_its_upload_unless_the_caller_can_resume_it(
     assert await transfers.sweep_leftovers() == 0  # and this process may still finish it
     assert await engine(target.store).abort_stale_uploads(set()) == 1  # the next start removes it
     assert target.leftovers() == []
+
+
+class _PartsWaitForTheSync:
+    """A store whose part uploads each wait (a little) for the source's fsync: it sees whether the engine
+    writes the local copy back while the parts go, rather than after the last one."""
+
+    def __init__(self, inner: ObjectStore, synced: threading.Event) -> None:
+        self._inner = inner
+        self._synced = synced
+        self.parts_before_sync = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+        if not self._synced.wait(timeout=2):
+            self.parts_before_sync += 1
+        return self._inner.put_part(upload, number, offset, data, crc)
+
+
+async def test_the_source_is_synced_while_its_parts_upload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writing back a freshly written GiB takes as long as uploading a part of it or more: the caller about
+    to call the local copy clean (sync_source) must not wait for the two one after the other."""
+    data = write(tmp_path / "src", BIG)
+    synced = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.set()
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    (tmp_path / "store").mkdir()
+    store = _PartsWaitForTheSync(LocalStore(tmp_path / "store", owner="a"), synced)
+    transfers = engine(store, parts_in_flight=1)  # type: ignore[arg-type]
+    staged = await transfers.stage_upload("big", str(tmp_path / "src"), META, sync_source=True)
+    assert synced.is_set() and store.parts_before_sync == 0
+    await transfers.commit_upload(staged)
+    assert (tmp_path / "store" / "big").read_bytes() == data
 
 
 async def test_commit_after_a_lost_complete_answer_succeeds(s3_target: Target, tmp_path: Path) -> None:

@@ -354,7 +354,7 @@ class S3Store:
             read_timeout=read_timeout,
             max_pool_connections=max_pool_connections,
             tcp_keepalive=True,
-            s3={"addressing_style": "path" if self.endpoint_url else "auto"},
+            s3={"addressing_style": "path" if self.endpoint_url else "auto", "payload_signing_enabled": False},
             # We send our own CRC32 with every upload and verify downloads against our own checksum.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
