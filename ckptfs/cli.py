@@ -26,6 +26,14 @@ log = logging.getLogger("ckptfs")
 
 EXIT_NOT_DURABLE = NotDurableError.exit_code  # flush/umount timed out (NotDrainedError too)
 READY_FD_ENV = "CKPTFS_READY_FD"
+# pyfuse3 copies every FUSE write into a new bytes object, and every read reply is one: 1 MiB each for
+# a checkpoint. glibc's malloc hands such a block back to the kernel when it is freed (the top of the heap is
+# trimmed), so every request faulted in and zeroed 256 fresh pages: half of the daemon's CPU for a large
+# write. A pad kept at the top of the heap makes the next request reuse the same pages. Only a tunable read
+# when the process starts does it (mallopt() later also turns off the dynamic mmap threshold, which puts
+# every 1 MiB block in an mmap of its own), so the daemon is started, or re-executes itself, with it.
+MALLOC_TUNABLE = "glibc.malloc.top_pad"
+MALLOC_TOP_PAD = 16 << 20
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -156,6 +164,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
     _setup_logging(config.log_level)
     if config.daemon:
         return _detach(config)
+    tuned = _with_malloc_pad(os.environ)
+    if tuned is not os.environ and args.restartable:
+        try:  # the same process (pid, descriptors, systemd's notify socket), started again with the tunable
+            os.execve(sys.executable, [sys.executable, "-m", "ckptfs", *sys.argv[1:]], tuned)
+        except OSError as exc:
+            logging.getLogger(__name__).warning("could not restart with %s (%s): large writes cost more CPU",
+                                                MALLOC_TUNABLE, exc.strerror)
     import trio
 
     from ckptfs import daemon
@@ -175,6 +190,21 @@ def cmd_mount(args: argparse.Namespace) -> int:
         raise
 
 
+def _with_malloc_pad(environ: os._Environ[str] | dict[str, str]) -> os._Environ[str] | dict[str, str]:
+    """`environ` with MALLOC_TUNABLE added to GLIBC_TUNABLES; `environ` itself if it is there (also as
+    the operator set it) or if the C library is not glibc."""
+    current = environ.get("GLIBC_TUNABLES", "")
+    if MALLOC_TUNABLE in current:
+        return environ
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return environ
+    except (ValueError, OSError):
+        return environ
+    setting = f"{MALLOC_TUNABLE}={MALLOC_TOP_PAD}"
+    return dict(environ, GLIBC_TUNABLES=f"{current}:{setting}" if current else setting)
+
+
 def _detach(config: Config) -> int:
     """Run the daemon as a child in its own session; return once it reports the mount live (or failed)."""
     cache_dir = config.resolved_cache_dir()
@@ -187,7 +217,7 @@ def _detach(config: Config) -> int:
         ) from None
     argv = [a for a in sys.argv[1:] if a != "--daemon"]
     read_fd, write_fd = os.pipe()
-    env = dict(os.environ, **{READY_FD_ENV: str(write_fd)})
+    env = dict(_with_malloc_pad(os.environ), **{READY_FD_ENV: str(write_fd)})
     child = subprocess.Popen(
         [sys.executable, "-m", "ckptfs", *argv, "--cache-dir", str(cache_dir), "--foreground"],
         stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
@@ -301,6 +331,7 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.restartable = argv is None  # sys.argv is this command line: the daemon may re-execute it
     try:
         return COMMANDS[args.command](args)
     except CkptfsError as exc:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import Mount, ckptfs_cli
+
+from ckptfs.cli import MALLOC_TUNABLE, _with_malloc_pad
 
 
 def _one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -231,6 +234,40 @@ def test_external_unmount_drains_before_exit(mount_factory) -> None:  # type: ig
     assert m.proc.wait(timeout=60) == 0
     m.proc = None
     assert m.store_files() == {"f": b"data"}
+
+
+def test_large_writes_fault_in_no_fresh_pages(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """The daemon runs with a pad kept at the top of glibc's heap (cli.MALLOC_TUNABLE), the same process
+    the supervisor started. Without it every 1 MiB write request faulted in 256 fresh zeroed pages: half of
+    the daemon's CPU for a large write (bench/README.md, "Write path")."""
+    m = mount_factory(upload_delay=3600)  # the drain stays away: only the FUSE requests allocate
+    pid = m.proc.pid
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert any(e.startswith(b"GLIBC_TUNABLES=") and MALLOC_TUNABLE.encode() in e for e in environ)
+
+    def minor_faults() -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+    block = os.urandom(1 << 20)
+    with open(m.mnt / "warm.bin", "wb", buffering=0) as f:  # the heap grows to its working size once
+        for _ in range(8):
+            f.write(block)
+    before = minor_faults()
+    with open(m.mnt / "big.bin", "wb", buffering=0) as f:
+        for _ in range(64):
+            f.write(block)
+    faults = minor_faults() - before
+    assert faults < 64 * 16, f"{faults} minor faults for 64 MiB written (about 256 per MiB without the pad)"
+    assert (m.mnt / "big.bin").read_bytes() == block * 64
+
+
+def test_the_malloc_pad_joins_the_operators_tunables_and_yields_to_theirs() -> None:
+    setting = f"{MALLOC_TUNABLE}={16 << 20}"
+    assert _with_malloc_pad({})["GLIBC_TUNABLES"] == setting
+    merged = _with_malloc_pad({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert merged["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{setting}"
+    theirs = {"GLIBC_TUNABLES": f"{MALLOC_TUNABLE}=0"}
+    assert _with_malloc_pad(theirs) is theirs
 
 
 def test_cache_dir_and_files_are_private(dirs: dict[str, Path]) -> None:
