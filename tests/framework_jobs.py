@@ -42,6 +42,14 @@ def _fsdp_model(seed: int) -> torch.nn.Module:
     return model
 
 
+def _leave_process_group() -> None:
+    """Meet the other ranks before tearing down: with gloo in torch 2.13, a rank that destroys its group while
+    a peer is still in its last collective aborts now and then ("terminate called without an active
+    exception", about 1 run in 10 to 40 of fsdp_load on a plain directory; none in 140 runs with the barrier)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -78,7 +86,7 @@ def fsdp_save(checkpoint_dir: str, mountpoint: str, reference: str) -> None:
     assert_same_tensors(_full_state(clone), expected, "loaded back")
     if dist.get_rank() == 0:
         torch.save(expected, reference)
-    dist.destroy_process_group()
+    _leave_process_group()
 
 
 def fsdp_load(checkpoint_dir: str, reference: str) -> None:
@@ -86,7 +94,7 @@ def fsdp_load(checkpoint_dir: str, reference: str) -> None:
     model = _fsdp_model(seed=2)
     _load_sharded(model, checkpoint_dir)
     assert_same_tensors(_full_state(model), torch.load(reference, weights_only=True), "fresh node")
-    dist.destroy_process_group()
+    _leave_process_group()
 
 
 # -- DeepSpeed engine.save_checkpoint / load_checkpoint on CPU (ZeRO stage 2, one rank) ---------------------
@@ -199,7 +207,7 @@ def megatron_load(save_dir: str, initialized: bool = False) -> None:
     assert torch.equal(loaded["decoder.weight"], _megatron_shard(rank, world)), loaded
     assert loaded["iteration"] == MEGATRON_ITERATION
     assert dist_checkpointing.load_common_state_dict(checkpoint_dir)["args"] == {"hidden": 4}
-    dist.destroy_process_group()
+    _leave_process_group()
 
 
 JOBS = {
