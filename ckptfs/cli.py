@@ -165,7 +165,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if config.daemon:
         return _detach(config)
     tuned = _with_malloc_pad(os.environ)
-    if tuned is not os.environ and args.restartable:
+    if tuned is not os.environ and args.restartable and sys.executable:  # empty/None when embedded
         try:  # the same process (pid, descriptors, systemd's notify socket), started again with the tunable
             os.execve(sys.executable, [sys.executable, "-m", "ckptfs", *sys.argv[1:]], tuned)
         except OSError as exc:
