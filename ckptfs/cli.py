@@ -164,13 +164,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     _setup_logging(config.log_level)
     if config.daemon:
         return _detach(config)
-    tuned = _with_malloc_pad(os.environ)
-    if tuned is not os.environ and args.restartable and sys.executable:  # empty/None when embedded
-        try:  # the same process (pid, descriptors, systemd's notify socket), started again with the tunable
-            os.execve(sys.executable, [sys.executable, "-m", "ckptfs", *sys.argv[1:]], tuned)
-        except OSError as exc:
-            logging.getLogger(__name__).warning("could not restart with %s (%s): large writes cost more CPU",
-                                                MALLOC_TUNABLE, exc.strerror)
+    if args.restartable:
+        _restart_with_malloc_pad()
     import trio
 
     from ckptfs import daemon
@@ -203,6 +198,19 @@ def _with_malloc_pad(environ: os._Environ[str] | dict[str, str]) -> os._Environ[
         return environ
     setting = f"{MALLOC_TUNABLE}={MALLOC_TOP_PAD}"
     return dict(environ, GLIBC_TUNABLES=f"{current}:{setting}" if current else setting)
+
+
+def _restart_with_malloc_pad() -> None:
+    """Re-execute this command with the malloc pad, unless it is set already; returns only if it is, or if
+    the restart is not possible (then the daemon runs without it)."""
+    tuned = _with_malloc_pad(os.environ)
+    if tuned is os.environ or not sys.executable:  # sys.executable is empty or None when Python is embedded
+        return
+    try:  # the same process (pid, descriptors, systemd's notify socket), started again with the tunable
+        os.execve(sys.executable, [sys.executable, "-m", "ckptfs", *sys.argv[1:]], tuned)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("could not restart with %s (%s): large writes cost more CPU",
+                                            MALLOC_TUNABLE, exc.strerror)
 
 
 def _detach(config: Config) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import Mount, ckptfs_cli
 
-from ckptfs.cli import MALLOC_TUNABLE, _with_malloc_pad
+from ckptfs.cli import MALLOC_TUNABLE, _restart_with_malloc_pad, _with_malloc_pad
 
 
 def _one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -268,6 +268,31 @@ def test_the_malloc_pad_joins_the_operators_tunables_and_yields_to_theirs() -> N
     assert merged["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{setting}"
     theirs = {"GLIBC_TUNABLES": f"{MALLOC_TUNABLE}=0"}
     assert _with_malloc_pad(theirs) is theirs
+
+
+@pytest.mark.parametrize("executable", ["", None])
+def test_an_embedded_interpreter_runs_on_without_the_malloc_pad(
+    monkeypatch: pytest.MonkeyPatch, executable: str | None
+) -> None:
+    import sys
+
+    restarts: list[str] = []
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(sys, "executable", executable)
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: restarts.append(path))
+    _restart_with_malloc_pad()
+    assert restarts == []
+
+
+def test_the_daemon_restarts_itself_once_with_the_malloc_pad(monkeypatch: pytest.MonkeyPatch) -> None:
+    restarts: list[dict[str, str]] = []
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: restarts.append(env))
+    _restart_with_malloc_pad()
+    assert [env["GLIBC_TUNABLES"] for env in restarts] == [f"{MALLOC_TUNABLE}={16 << 20}"]
+    monkeypatch.setenv("GLIBC_TUNABLES", restarts[0]["GLIBC_TUNABLES"])
+    _restart_with_malloc_pad()  # the restarted process: already padded
+    assert len(restarts) == 1
 
 
 def test_cache_dir_and_files_are_private(dirs: dict[str, Path]) -> None:
