@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--keep-last", type=int, help="retention: keep the newest N checkpoints (0: off)")
     mount.add_argument("--keep", action="append", help="retention: never delete names matching this glob")
     mount.add_argument("--upload-delay", type=float)
+    mount.add_argument("--small-file-wait", type=float)
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
     mount.add_argument("--part-size")
@@ -104,6 +105,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "keep_last": args.keep_last,
         "keep": args.keep,
         "upload_delay": args.upload_delay,
+        "small_file_wait": args.small_file_wait,
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
         "part_size": args.part_size,

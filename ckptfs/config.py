@@ -62,6 +62,11 @@ class Config:
     upload_delay: float = 2.0
     """Seconds a closed file must stay unchanged before it is queued for upload."""
 
+    small_file_wait: float = 10.0
+    """While files keep being created, closed, renamed or removed (a save writing many small files), small
+    files (up to 1 MiB) wait for a pause of 0.5 s before they upload, at most this many seconds more than
+    upload_delay; 0: no wait."""
+
     transfers: int = 4
     """Files uploaded in parallel."""
 
@@ -136,7 +141,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 def _coerce(name: str, value: Any) -> Any:
     if name in ("mountpoint", "cache_dir") and value is not None:
         return Path(value)
-    if name in ("upload_delay", "drain_timeout", "dirty_wait", "refresh_interval"):
+    if name in ("upload_delay", "small_file_wait", "drain_timeout", "dirty_wait", "refresh_interval"):
         try:
             value = float(value)
         except (TypeError, ValueError):

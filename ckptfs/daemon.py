@@ -97,14 +97,15 @@ class Daemon:
         self.started_at = time.time()
         self.drain = Drain(
             journal, cache, engine,
-            transfers=config.transfers, upload_delay=config.upload_delay, commit_markers=config.commit_markers,
+            transfers=config.transfers, upload_delay=config.upload_delay, small_file_wait=config.small_file_wait,
+            commit_markers=config.commit_markers,
         )
         self.evictor = Evictor(
             journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure
         )
         self.fetcher = Fetcher(journal, cache, engine, evictor=self.evictor)
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval)
-        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.notify, self.evictor, self.lister,
+        self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.mount_changed, self.evictor, self.lister,
                              streams=self.fetcher, wait_uploaded=lambda path: self.drain.wait_durable([path]),
                              discard_upload=self.drain.discard_upload)
         self.lister.vanished = self.fs.vanished

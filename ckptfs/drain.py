@@ -52,6 +52,9 @@ SPILL_LOOKAHEAD = 16 << 20
 SMALL_FILE = 1 << 20
 SMALL_BATCH = 64
 SMALL_BATCH_BYTES = 16 << 20
+# A burst of namespace changes (a save writing many small files) has ended once the mount has seen none for
+# this long: small files wait for that (see Drain.mount_changed), at most small_file_wait seconds.
+BURST_QUIET = 0.5
 # Sweeps of the store's leftovers after one failed: the first this long after, doubling up to the cap.
 SWEEP_RETRY_FIRST = 30.0
 SWEEP_RETRY_CAP = 600.0
@@ -112,6 +115,7 @@ class Drain:
         *,
         transfers: int = 4,
         upload_delay: float = 2.0,
+        small_file_wait: float = 0.0,
         commit_markers: tuple[str, ...] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -120,6 +124,7 @@ class Drain:
         self.engine = engine
         self.store = engine.store
         self.upload_delay = upload_delay
+        self.small_file_wait = small_file_wait
         self.commit_markers = commit_markers
         self._marker_pattern = (
             re.compile("|".join(fnmatch.translate(glob) for glob in commit_markers)) if commit_markers else None
@@ -129,6 +134,7 @@ class Drain:
         self._upload_slots = trio.Semaphore(transfers)
         self._other_slots = trio.Semaphore(transfers * 2)
         self._new_work = trio.Event()
+        self._changed_at = -math.inf  # trio time of the mount's last namespace change (mount_changed)
         self._progress = trio.Event()
         self._running: set[tuple[str, int]] = set()
         self._busy_keys: set[str] = set()
@@ -156,7 +162,17 @@ class Drain:
     # -- public ------------------------------------------------------------------------------------------
 
     def notify(self) -> None:
-        """Something in the journal may have become work (called by fs.py after each change)."""
+        """Something in the journal may have become work."""
+        self._new_work.set()
+
+    def mount_changed(self) -> None:
+        """fs.py, after each change that may be work: a file closed after writing, a name created, renamed
+        or removed. While these keep coming (a save writing many small files), small files wait for a
+        pause of BURST_QUIET before they are uploaded, for at most small_file_wait seconds beyond
+        upload_delay: their uploads are mostly fixed cost per file (a request, its signing, a journal
+        update), CPU and GIL that the writer waiting on each create and close would otherwise share. Large
+        files and everything else go on as before; a flush, cache pressure and shutdown do not wait."""
+        self._changed_at = trio.current_time()
         self._new_work.set()
 
     def set_pressure(self, on: bool) -> None:
@@ -394,10 +410,17 @@ class Drain:
         next_due = math.inf
         jobs: list[Job] = []
         cut_off = math.inf if self._expedite else now_wall - self.upload_delay
+        small_cut_off = cut_off
         if cut_off != math.inf:
             next_close = self.journal.next_close_after(cut_off)
             if next_close is not None:
                 next_due = now + (next_close + self.upload_delay - now_wall)
+            burst_ends = self._changed_at + BURST_QUIET
+            if self.small_file_wait > 0 and now < burst_ends:
+                # In a burst (mount_changed): small files only once they waited small_file_wait too. The
+                # scans the burst's own notifications cause, and one when it ends, pick up the rest.
+                small_cut_off = cut_off - self.small_file_wait
+                next_due = min(next_due, burst_ends)
 
         def waiting(job_id: tuple[str, int]) -> bool:
             nonlocal next_due
@@ -411,7 +434,7 @@ class Drain:
 
         misplaced = self.journal.misplaced(SCAN_LIMIT)
         unmarked = self._unmarked_dirs(misplaced, now)
-        for inode in self.journal.uploads_due(cut_off, SCAN_LIMIT):
+        for inode in self.journal.uploads_due(cut_off, SCAN_LIMIT, small=(SMALL_FILE, small_cut_off)):
             if waiting(("upload", inode.id)) or ("spill", inode.id) in self._running or self._marker_blocked(inode):
                 continue
             if unmarked and _below(inode.path, unmarked):  # type: ignore[arg-type]

@@ -451,13 +451,17 @@ class Journal:
 
     # -- drain bookkeeping ----------------------------------------------------------------------------
 
-    def uploads_due(self, closed_before: float, limit: int) -> list[Inode]:
+    def uploads_due(
+        self, closed_before: float, limit: int, *, small: tuple[int, float] | None = None
+    ) -> list[Inode]:
         """Pending uploads that may start now: directories and symlinks, and files closed before
-        `closed_before` (the upload_delay cut-off), oldest work first."""
+        `closed_before` (the upload_delay cut-off), oldest work first; `small` (size, cut-off): files of at
+        most that size only if closed before that cut-off too."""
+        max_small, small_closed_before = small if small is not None else (0, closed_before)
         return self._all(
             f"SELECT {_COLUMNS} FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
-            " AND (kind != 'file' OR closed_at <= ?) ORDER BY seq LIMIT ?",
-            (closed_before, limit),
+            " AND (kind != 'file' OR (closed_at <= ? AND (size > ? OR closed_at <= ?))) ORDER BY seq LIMIT ?",
+            (closed_before, max_small, small_closed_before, limit),
         )
 
     def next_close_after(self, cut_off: float) -> float | None:

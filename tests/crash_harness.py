@@ -63,6 +63,8 @@ if str(TESTS) not in sys.path:  # `python -m tests.crash_harness` from the repo:
 from conftest import Mount  # noqa: E402
 from crash_writer import EXIT_MOUNT_GONE, data_for  # noqa: E402
 
+from ckptfs.drain import BURST_QUIET  # noqa: E402
+
 KiB = 1 << 10
 MiB = 1 << 20
 MARKER = "latest"
@@ -925,7 +927,8 @@ class Harness:
             if code != 0:
                 raise RoundFailed(f"writer exited {code}")
             if cfg.kill == "drain":
-                time.sleep(rng.uniform(0, cfg.upload_delay + 0.3))
+                # Small files wait for the end of the writer's burst too (BURST_QUIET) before they upload.
+                time.sleep(rng.uniform(0, cfg.upload_delay + BURST_QUIET + 0.3))
                 self.kill9(m, None)
                 killed_node = m
         if code not in (0, EXIT_MOUNT_GONE):

@@ -280,7 +280,7 @@ class Stack:
 
 def make_stack(
     root: Path, *, upload_delay: float = 0.0, markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS,
-    cache_size: int | None = None, dirty_wait: float = 600.0,
+    cache_size: int | None = None, dirty_wait: float = 600.0, small_file_wait: float = 0.0,
 ) -> Stack:
     """Wired like daemon.py. `cache_size` (bytes) sets a budget (min_free 0); the evictor's background
     task runs only if a test starts it (stack.fs.evictor.run)."""
@@ -290,14 +290,15 @@ def make_stack(
     (root / "store").mkdir(exist_ok=True)
     store = RecordingStore(LocalStore(root / "store"))
     engine = GatedTransfers(store, parts_in_flight=4)  # type: ignore[arg-type]
-    drain = Drain(journal, cache, engine, transfers=2, upload_delay=upload_delay, commit_markers=markers)
+    drain = Drain(journal, cache, engine, transfers=2, upload_delay=upload_delay, small_file_wait=small_file_wait,
+                  commit_markers=markers)
     in_use: list[Filesystem] = []
     evictor = Evictor(
         journal, cache, in_use=lambda i: in_use[0].in_use(i), dirty_wait=dirty_wait, on_pressure=drain.set_pressure
     )
     fetcher = Fetcher(journal, cache, engine, evictor=evictor)
     lister = DirLister(journal, cache, store, refresh_interval=0.0)  # type: ignore[arg-type]
-    fs = Filesystem(journal, cache, fetcher.fetch, drain.notify, evictor, lister, streams=fetcher,
+    fs = Filesystem(journal, cache, fetcher.fetch, drain.mount_changed, evictor, lister, streams=fetcher,
                     wait_uploaded=lambda path: drain.wait_durable([path]), discard_upload=drain.discard_upload)
     lister.vanished = fs.vanished
     in_use.append(fs)

@@ -14,7 +14,7 @@ import pytest
 import trio
 from fsharness import GID, UID, Stack, check_consistency, list_tree, make_stack
 
-from ckptfs.drain import SMALL_BATCH, SMALL_FILE
+from ckptfs.drain import BURST_QUIET, SMALL_BATCH, SMALL_FILE
 from ckptfs.errors import FsError, PermanentBackendError, TransientBackendError
 from ckptfs.fs import RENAME_EXCHANGE, RENAME_NOREPLACE, SetAttrs
 from ckptfs.journal import CLEAN, DIRTY, REMOTE, ROOT_ID, Journal
@@ -134,6 +134,71 @@ async def test_small_files_upload_in_batches(stack: Stack) -> None:
     for name in contents:
         inode = stack.journal.by_path(name)
         assert inode is not None and inode.state == CLEAN and inode.checksum is not None
+
+
+def _small_burst_step(stack: Stack, i: int) -> str:
+    """One file of a save writing many small files: written under a temporary name, renamed into place."""
+    stack.write_file(f".f{i}.tmp", b"small %d" % i)
+    stack.fs.rename(ROOT_ID, f".f{i}.tmp".encode(), ROOT_ID, f"f{i}".encode(), 0)
+    return f"f{i}"
+
+
+async def test_small_files_wait_for_a_pause_in_a_burst_of_changes(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """While a save keeps creating and renaming small files, their uploads wait (the writer has the CPU and
+    the GIL); a large file closed meanwhile does not. Once the mount has been quiet for BURST_QUIET, all of
+    them go, without a flush."""
+    stack = make_stack(tmp_path, small_file_wait=60)
+    await nursery.start(stack.drain.run)
+    big = b"B" * (SMALL_FILE + 1)
+    stack.write_file("big.bin", big)
+    names: list[str] = []
+    with trio.fail_after(20):
+        started = trio.current_time()
+        while "big.bin" not in stack.store_files() or trio.current_time() - started < 3 * BURST_QUIET:
+            names.append(_small_burst_step(stack, len(names)))
+            assert set(stack.store_files()) <= {"big.bin"}, "a small file was uploaded during the burst"
+            await trio.sleep(0.02)
+    ended = trio.current_time()
+    with trio.fail_after(20):
+        while set(stack.store_files()) != {"big.bin", *names}:  # noqa: ASYNC110 (polling the store directory)
+            await trio.sleep(0.02)
+    assert trio.current_time() - ended >= BURST_QUIET * 0.9
+    assert stack.store_files()[names[-1]] == b"small %d" % (len(names) - 1)
+    check_consistency(stack)
+
+
+async def test_small_files_wait_in_a_burst_for_small_file_wait_at_most(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """A burst that does not end (files written all the time): small files still go once they have waited
+    small_file_wait beyond upload_delay."""
+    stack = make_stack(tmp_path, small_file_wait=0.3)
+    await nursery.start(stack.drain.run)
+    names: list[str] = []
+    with trio.fail_after(20):
+        while not stack.store_files():
+            names.append(_small_burst_step(stack, len(names)))
+            await trio.sleep(0.02)
+    uploaded = set(stack.store_files())
+    assert uploaded < set(names), "the first files went during the burst, not all of them"
+    assert names[0] in uploaded and names[-1] not in uploaded
+    await stack.flush()
+    assert set(stack.store_files()) == set(names)
+    check_consistency(stack)
+
+
+async def test_a_flush_does_not_wait_for_the_end_of_a_burst(tmp_path: Path, nursery: trio.Nursery) -> None:
+    stack = make_stack(tmp_path, small_file_wait=60)
+    await nursery.start(stack.drain.run)
+    names = [_small_burst_step(stack, i) for i in range(50)]
+    await trio.sleep(0.1)
+    assert not stack.store_files()
+    # Changes keep coming while the flush runs: it ends anyway, with every file in the store.
+    async with trio.open_nursery() as writers:
+        writers.start_soon(stack.flush, 5)
+        for i in range(50, 60):
+            _small_burst_step(stack, i)
+            await trio.sleep(0.01)
+    assert set(names) <= set(stack.store_files())
+    check_consistency(stack)
 
 
 async def test_a_file_written_while_its_batch_puts_another_is_not_put_stale(stack: Stack) -> None:

@@ -13,6 +13,7 @@ from ckptfs.journal import ROOT_ID, Journal
 # What the drain's scan (and a flush's check) asks on every round, every 20 ms while it is busy.
 SCAN_QUERIES: dict[str, Callable[[Journal], object]] = {
     "uploads_due": lambda j: j.uploads_due(time.time(), 2000),
+    "uploads_due in a burst": lambda j: j.uploads_due(time.time(), 2000, small=(1 << 20, time.time() - 10)),
     "next_close_after": lambda j: j.next_close_after(0.0),
     "misplaced": lambda j: j.misplaced(2000),
     "dirs_to_upload": lambda j: j.dirs_to_upload(),
