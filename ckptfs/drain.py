@@ -115,7 +115,7 @@ class Drain:
         *,
         transfers: int = 4,
         upload_delay: float = 2.0,
-        small_file_wait: float = 0.0,
+        small_file_wait: float = 10.0,
         commit_markers: tuple[str, ...] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
