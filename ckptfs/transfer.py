@@ -251,6 +251,25 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
+class _RangeWriter:
+    """A RangeSink that writes the pieces of a ranged GET into fd at the range's offset (no fd: -1, only
+    the checksum) and keeps the CRC32 of what it got."""
+
+    __slots__ = ("crc", "fd", "offset", "written")
+
+    def __init__(self, fd: int, offset: int) -> None:
+        self.fd = fd
+        self.offset = offset
+        self.written = 0
+        self.crc = 0
+
+    def __call__(self, piece: bytes) -> None:
+        if self.fd >= 0:
+            _pwrite_all(self.fd, piece, self.offset + self.written)
+        self.crc = crc32(piece, self.crc)
+        self.written += len(piece)
+
+
 def _read_small_files(files: Sequence[SmallFile]) -> list[bytes | BaseException]:
     read: list[bytes | BaseException] = []
     for small in files:
@@ -817,11 +836,12 @@ class Transfers:
         crc = 0
         offset = 0
         while offset < size:
-            data = self.store.get_range(key, offset, min(self.download_part_size, size - offset)).data
-            if not data:
+            piece = _RangeWriter(-1, offset)
+            self.store.get_range(key, offset, min(self.download_part_size, size - offset), sink=piece)
+            if not piece.written:
                 break
-            crc = crc32(data, crc)
-            offset += len(data)
+            crc = crc32_combine(crc, piece.crc, piece.written) if offset else piece.crc
+            offset += piece.written
         return crc_text(crc)
 
     # -- downloads --------------------------------------------------------------------------------------
@@ -844,13 +864,14 @@ class Transfers:
         return fetched
 
     def _get_and_write(self, key: str, fd: int, offset: int, length: int, if_match: str | None) -> FetchedRange:
-        answer = self.store.get_range(key, offset, length, if_match=if_match)
+        # Streamed: each piece is checksummed and written while it is still in the CPU's cache, and the
+        # range is never one fresh buffer of its own (see RANGE_PIECE).
+        writer = _RangeWriter(fd, offset)
+        answer = self.store.get_range(key, offset, length, if_match=if_match, sink=writer)
         expected = min(length, max(0, answer.size - offset))
-        if len(answer.data) != expected:
-            raise TransientBackendError(f"download {key}: got {len(answer.data)} of {expected} bytes")
-        _pwrite_all(fd, answer.data, offset)
-        return FetchedRange(offset, len(answer.data), crc32(answer.data), answer.size, answer.etag,
-                            answer.checksum)
+        if writer.written != expected:
+            raise TransientBackendError(f"download {key}: got {writer.written} of {expected} bytes")
+        return FetchedRange(offset, writer.written, writer.crc, answer.size, answer.etag, answer.checksum)
 
     async def download(self, key: str, dst_path: str, *, priority: Priority = Priority.READ) -> str:
         """The whole object into dst_path (created or truncated), ranges in parallel, pinned to one version

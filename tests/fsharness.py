@@ -12,7 +12,16 @@ from typing import Any
 
 import trio
 
-from ckptfs.backends.base import TEMP_PREFIX, DirListing, ObjectInfo, ObjectMeta, RangeRead, UploadPart, UploadRef
+from ckptfs.backends.base import (
+    TEMP_PREFIX,
+    DirListing,
+    ObjectInfo,
+    ObjectMeta,
+    RangeRead,
+    RangeSink,
+    UploadPart,
+    UploadRef,
+)
 from ckptfs.backends.local import LocalStore
 from ckptfs.cache import CacheDir
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
@@ -131,14 +140,16 @@ class RecordingStore:
     def list_leftovers(self) -> list[UploadRef]:
         return self.inner.list_leftovers()
 
-    def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
+    def get_range(
+        self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
+    ) -> RangeRead:
         self._maybe_fail()
         with self._lock:
             self.ranges.append((key, offset))
         gate = self.range_gate
         if gate is not None and offset not in self.open_offsets:
             gate.wait(30)
-        return self.inner.get_range(key, offset, length, if_match=if_match)
+        return self.inner.get_range(key, offset, length, if_match=if_match, sink=sink)
 
     def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
         self._maybe_fail()

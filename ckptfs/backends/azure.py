@@ -70,6 +70,7 @@ from ckptfs.backends.base import (
     ObjectMeta,
     PartLimits,
     RangeRead,
+    RangeSink,
     UploadPart,
     UploadRef,
     check_patiently,
@@ -522,7 +523,9 @@ class AzureBlobStore:
 
     # -- reads ----------------------------------------------------------------------------------------------
 
-    def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
+    def get_range(
+        self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
+    ) -> RangeRead:
         what = f"download {key}"
         condition: dict[str, Any] = {}
         if if_match:
@@ -545,9 +548,12 @@ class AzureBlobStore:
             with _mapped(what):
                 props = blob.get_blob_properties(**condition)
             data, total = b"", int(props.size)
-        if length <= 0:
+        data = data[:length] if length > 0 else b""
+        if sink is not None:  # the SDK gathers the whole range in memory anyway (one GET up to 32 MiB)
+            if data:
+                sink(data)
             data = b""
-        return RangeRead(data[:length], total, _etag(props.etag), (props.metadata or {}).get(META_CHECKSUM))
+        return RangeRead(data, total, _etag(props.etag), (props.metadata or {}).get(META_CHECKSUM))
 
     def _info(self, key: str, props: Any) -> ObjectInfo:
         return info_from_metadata(key, int(props.size or 0), props.metadata, fallback_mtime_ns=_ns(props.last_modified),

@@ -70,6 +70,7 @@ from ckptfs.backends.base import (
     ObjectMeta,
     PartLimits,
     RangeRead,
+    RangeSink,
     UploadPart,
     UploadRef,
     check_patiently,
@@ -579,7 +580,9 @@ class GcsStore:
                 self._versions.popitem(last=False)
         return generation, size, checksum
 
-    def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
+    def get_range(
+        self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
+    ) -> RangeRead:
         what = f"download {key}"
         generation, size, checksum = self._version(key, if_match)
         end = min(size, offset + length)
@@ -596,6 +599,10 @@ class GcsStore:
             if status_of(exc) == 412 or (if_match and status_of(exc) == 404):
                 raise ObjectChangedError(f"{what}: the object was replaced during the download") from exc
             raise
+        if sink is not None:  # the SDK gathers the whole range in memory anyway (download_as_bytes)
+            if data:
+                sink(data)
+            data = b""
         return RangeRead(data, size, str(generation), checksum)
 
     def _info(self, key: str, blob: storage.Blob) -> ObjectInfo:

@@ -27,6 +27,7 @@ from typing import TypeVar
 from ckptfs.backends.base import (
     DIR,
     FILE,
+    RANGE_PIECE,
     SYMLINK,
     TEMP_PREFIX,
     DirListing,
@@ -34,6 +35,7 @@ from ckptfs.backends.base import (
     ObjectMeta,
     PartLimits,
     RangeRead,
+    RangeSink,
     UploadPart,
     UploadRef,
     crc32,
@@ -272,21 +274,26 @@ class LocalStore:
             raise _translate(exc, upload.key) from exc
         self._tidy_staging()
 
-    def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
+    def get_range(
+        self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
+    ) -> RangeRead:
         try:
             fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:
             raise _translate(exc, key) from exc
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise NotFoundBackendError(f"{key}: not a file")
-            etag = _etag(st)
-            if if_match is not None and if_match != etag:
-                raise ObjectChangedError(f"{key}: the object was replaced during the download")
-            data = pread_exact(fd, length, offset)
-        except OSError as exc:
-            raise _translate(exc, key) from exc
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise NotFoundBackendError(f"{key}: not a file")
+                etag = _etag(st)
+                if if_match is not None and if_match != etag:
+                    raise ObjectChangedError(f"{key}: the object was replaced during the download")
+                data = pread_exact(fd, length, offset) if sink is None else b""
+            except OSError as exc:
+                raise _translate(exc, key) from exc
+            if sink is not None:
+                _stream(fd, offset, min(length, max(0, st.st_size - offset)), sink, key)
         finally:
             os.close(fd)
         return RangeRead(data, st.st_size, etag, None)
@@ -456,6 +463,21 @@ class LocalStore:
                 yield info
                 if info.kind == DIR:
                     stack.append(entry.path)
+
+
+def _stream(fd: int, offset: int, length: int, sink: RangeSink, key: str) -> None:
+    """Pass [offset, offset + length) of fd to sink in RANGE_PIECE pieces. The sink's own OSError (a full
+    cache disk) must not look like the store's, so only the reads are translated."""
+    end = offset + length
+    while offset < end:
+        try:
+            piece = os.pread(fd, min(RANGE_PIECE, end - offset), offset)
+        except OSError as exc:
+            raise _translate(exc, key) from exc
+        if not piece:
+            break
+        sink(piece)
+        offset += len(piece)
 
 
 def _create_file(path: str) -> int:

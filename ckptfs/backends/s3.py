@@ -57,6 +57,7 @@ from ckptfs.backends.base import (
     BUSY_STATUSES,
     DIR,
     FILE,
+    RANGE_PIECE,
     SYMLINK,
     TEMP_PREFIX,
     DirListing,
@@ -64,6 +65,7 @@ from ckptfs.backends.base import (
     ObjectMeta,
     PartLimits,
     RangeRead,
+    RangeSink,
     UploadPart,
     UploadRef,
     check_patiently,
@@ -637,7 +639,9 @@ class S3Store:
 
     # -- reads ----------------------------------------------------------------------------------------------
 
-    def get_range(self, key: str, offset: int, length: int, *, if_match: str | None = None) -> RangeRead:
+    def get_range(
+        self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
+    ) -> RangeRead:
         what = f"download {key}"
         args: dict[str, Any] = {"Key": self._full(key), "Range": f"bytes={offset}-{offset + max(length, 1) - 1}"}
         if if_match:
@@ -658,11 +662,21 @@ class S3Store:
                              (response.get("Metadata") or {}).get(META_CHECKSUM))
         content_range = response.get("ContentRange") or ""
         total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else int(response["ContentLength"])
-        with _mapped(what):
-            try:
-                data = response["Body"].read()
-            finally:
-                response["Body"].close()
+        body = response["Body"]
+        data = b""
+        try:
+            if sink is None:
+                with _mapped(what):
+                    data = body.read()
+            else:
+                while True:
+                    with _mapped(what):
+                        piece = body.read(RANGE_PIECE)
+                    if not piece:
+                        break
+                    sink(piece)
+        finally:
+            body.close()
         return RangeRead(data, total, response["ETag"], (response.get("Metadata") or {}).get(META_CHECKSUM))
 
     def _head_raw(self, key: str) -> dict[str, Any] | None:
