@@ -59,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--part-size")
     mount.add_argument("--memory-budget")
     mount.add_argument("--parts-in-flight", type=int)
+    mount.add_argument("--read-ahead")
     mount.add_argument("--metrics-addr")
     mount.add_argument("--drain-timeout", type=float)
     mount.add_argument("--allow-other", action="store_true", default=None)
@@ -110,6 +111,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "transfers": args.transfers,
         "part_size": args.part_size,
         "memory_budget": args.memory_budget,
+        "read_ahead": args.read_ahead,
         "parts_in_flight": args.parts_in_flight,
         "metrics_addr": args.metrics_addr,
         "drain_timeout": args.drain_timeout,

@@ -79,6 +79,10 @@ class Config:
     parts_in_flight: int = 16
     """Part transfers (up and down, all files together) in flight at once, within memory_budget."""
 
+    read_ahead: str = "4M"
+    """The kernel's read-ahead for the mount (its bdi read_ahead_kb): how much a sequential reader's reads
+    ask for at once, in FUSE requests of up to 1 MiB; "0": leave the kernel's default (128 KiB)."""
+
     endpoint_url: str | None = None
     """S3-compatible endpoint (also AWS_ENDPOINT_URL)."""
 
@@ -169,7 +173,7 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value
-    if name in ("part_size", "memory_budget"):
+    if name in ("part_size", "memory_budget", "read_ahead"):
         if str(value).strip().endswith("%"):
             raise UsageError(f"{name} must be a size like 64M, not a percentage")
         parse_size(value)

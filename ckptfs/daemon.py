@@ -82,6 +82,29 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise CkptfsError(f"mountpoint {mountpoint} is not empty; mount on an empty directory")
 
 
+
+def read_ahead_path(dev: int) -> str:
+    """The sysfs file of the kernel's read-ahead for the filesystem on device `dev` (FUSE mounts have a
+    backing device info of their own, named by the anonymous device number)."""
+    return f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+
+
+def set_read_ahead(dev: int, nbytes: int) -> None:
+    """Make a sequential reader's reads of the mount arrive as few large FUSE requests. The kernel's default
+    read-ahead for FUSE is 128 KiB: a 1 GiB read from the cache took 8,000 requests, 1.4-3.1 s and 1.2-4.0 s
+    of daemon CPU; with 4 MiB, 1 MiB requests, 0.7 s and 0.55 s. Only root may change it: anyone else
+    keeps the default and is told how to change it."""
+    path = read_ahead_path(dev)
+    kib = max(4, nbytes // 1024)
+    try:
+        with open(path, "w") as f:
+            f.write(str(kib))
+    except OSError as exc:
+        log.info("cannot set the mount's read-ahead to %d KiB (%s): sequential reads take more requests; as"
+                 " root: echo %d > %s", kib, exc.strerror, kib, path)
+    else:
+        log.debug("read-ahead of the mount: %d KiB", kib)
+
 class Daemon:
     def __init__(
         self, config: Config, engine: Transfers, cache: CacheDir, journal: Journal,
@@ -155,7 +178,10 @@ class Daemon:
                 await nursery.start(self.fetcher.run)
                 await nursery.start(self.fs.run)
                 await nursery.start(self._serve_control)
-                await trio.to_thread.run_sync(os.stat, self.mountpoint)
+                root = await trio.to_thread.run_sync(os.stat, self.mountpoint)
+                read_ahead = parse_size(self.config.read_ahead)
+                if read_ahead:
+                    set_read_ahead(root.st_dev, read_ahead)
                 log.info("mounted %s on %s (cache %s)", self.store.url, self.mountpoint, self.cache.root)
                 ready()
                 self.notifier.notify(ready=1, status=self._status_line())
