@@ -82,7 +82,6 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise CkptfsError(f"mountpoint {mountpoint} is not empty; mount on an empty directory")
 
 
-
 def read_ahead_path(dev: int) -> str:
     """The sysfs file of the kernel's read-ahead for the filesystem on device `dev` (FUSE mounts have a
     backing device info of their own, named by the anonymous device number)."""
@@ -104,6 +103,7 @@ def set_read_ahead(dev: int, nbytes: int) -> None:
                  " root: echo %d > %s", kib, exc.strerror, kib, path)
     else:
         log.debug("read-ahead of the mount: %d KiB", kib)
+
 
 class Daemon:
     def __init__(

@@ -833,16 +833,13 @@ class Transfers:
         return await self.call(self._checksum_of, key, info.size) == state.checksum
 
     def _checksum_of(self, key: str, size: int) -> str:
-        crc = 0
-        offset = 0
-        while offset < size:
-            piece = _RangeWriter(-1, offset)
-            self.store.get_range(key, offset, min(self.download_part_size, size - offset), sink=piece)
-            if not piece.written:
+        counted = _RangeWriter(-1, 0)  # the ranges arrive in order: one running CRC over all of them
+        while counted.written < size:
+            offset = counted.written
+            self.store.get_range(key, offset, min(self.download_part_size, size - offset), sink=counted)
+            if counted.written == offset:
                 break
-            crc = crc32_combine(crc, piece.crc, piece.written) if offset else piece.crc
-            offset += piece.written
-        return crc_text(crc)
+        return crc_text(counted.crc)
 
     # -- downloads --------------------------------------------------------------------------------------
 
