@@ -182,6 +182,9 @@ def main() -> None:
                 ways: list[tuple[str, Any]] = [("local+boto3", run_local_boto3), ("ckptfs", run_ckptfs)]
                 if args.before is not None:
                     ways.append(("before", functools.partial(run_ckptfs, checkout=args.before)))
+                # Each way takes each place in turn: the one right after the local copy's writes used to be
+                # slower (its writeback) in every run.
+                ways = ways[run % len(ways):] + ways[:run % len(ways)]
                 for way, fn in ways:
                     times = fn(server, bucket, sources[workload], root, f"{workload}-{way}-{run}")
                     for name, value in times.items():

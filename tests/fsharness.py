@@ -111,7 +111,7 @@ class RecordingStore:
         self._maybe_fail()
         return self.inner.open_upload(key, meta, checksum)
 
-    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         self._maybe_fail()
         part = self.inner.put_part(upload, number, offset, data, crc)
         if self.spill_gate is not None and _is_spill(upload.key):  # the part is in the store; its answer waits

@@ -225,7 +225,7 @@ class _FailingPart2:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         if number == 2:
             self.calls += 1
             raise TransientBackendError("injected failure of part 2")
@@ -267,7 +267,7 @@ class _PartsWaitForTheSync:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         if not self._synced.wait(timeout=2):
             self.parts_before_sync += 1
         return self._inner.put_part(upload, number, offset, data, crc)
@@ -495,6 +495,90 @@ async def test_the_budget_grants_by_priority_and_survives_cancellation() -> None
     assert order == ["read", "upload", "marker"]
     assert budget.in_use == 0 and budget.peak == 100
     assert await budget.acquire(1000, Priority.READ) == 100  # larger than the budget: all of it, alone
+
+
+async def test_the_buffer_of_a_finished_part_goes_to_the_next_part_of_its_size() -> None:
+    budget = MemoryBudget(100)
+    first, first_buffer = await budget.acquire_buffer(40, Priority.UPLOAD)
+    second, second_buffer = await budget.acquire_buffer(40, Priority.UPLOAD)
+    assert len(first_buffer) == 40 and first_buffer is not second_buffer
+    handed: list[bytearray] = []
+
+    async def next_part() -> None:
+        granted, buffer = await budget.acquire_buffer(40, Priority.UPLOAD)
+        handed.append(buffer)
+        try:
+            await trio.sleep_forever()
+        finally:  # a part that failed: its buffer is not kept
+            budget.release(granted)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(next_part)  # 80 + 40 > 100: waits
+        await trio.testing.wait_all_tasks_blocked()
+        assert handed == []
+        budget.keep(first_buffer, first)
+        budget.release(first)
+        await trio.testing.wait_all_tasks_blocked()
+        assert handed[0] is first_buffer  # no fresh pages to fault in
+        nursery.cancel_scope.cancel()
+    budget.keep(second_buffer, second)
+    assert (budget.in_use, budget.spare_bytes) == (40, 40)
+    budget.release(second)
+    assert (budget.in_use, budget.spare_bytes) == (0, 0)
+    assert budget.peak <= budget.limit
+
+
+async def test_spare_buffers_give_way_and_go_when_nothing_is_in_flight() -> None:
+    budget = MemoryBudget(100)
+    parts = [await budget.acquire_buffer(30, Priority.UPLOAD) for _ in range(3)]
+    for granted, buffer in parts[:2]:
+        budget.keep(buffer, granted)
+        budget.release(granted)
+    assert (budget.in_use, budget.spare_bytes) == (30, 60)
+    # A read that needs the room gets it at once: the spares are dropped, not waited for.
+    with trio.fail_after(1):
+        read = await budget.acquire(50, Priority.READ)
+    assert budget.in_use + budget.spare_bytes <= budget.limit
+    _, other_size = await budget.acquire_buffer(20, Priority.UPLOAD)  # a spare of another size is not it
+    assert len(other_size) == 20
+    budget.release(20)
+    budget.release(read)
+    granted, buffer = parts[2]
+    budget.keep(buffer, granted)
+    budget.release(granted)
+    assert (budget.in_use, budget.spare_bytes) == (0, 0)  # an idle engine holds no buffers
+
+
+class _RecordingParts:
+    """A store that remembers the buffer each part came in."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self._inner = inner
+        self.buffers: list[bytes | bytearray] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
+        self.buffers.append(data)
+        return self._inner.put_part(upload, number, offset, data, crc)
+
+
+async def test_parts_reuse_their_buffers_and_the_objects_are_right(target: Target, tmp_path: Path) -> None:
+    """Eight parts through a budget of two: the buffers of finished parts carry the next ones, and each store
+    sends what is in a reused buffer when it is given, not what a later part puts there."""
+    size = 8 * PART
+    sources = {f"f{i}": write(tmp_path / f"f{i}", size, seed=i) for i in range(2)}
+    recording = _RecordingParts(target.store)
+    transfers = engine(recording, memory_budget=2 * PART, parts_in_flight=2)  # type: ignore[arg-type]
+    for key in sources:
+        staged = await transfers.stage_upload(key, str(tmp_path / key), META)
+        await transfers.commit_upload(staged)
+    # At most two in flight, a short last part, and fresh ones for the second file (none kept while idle).
+    assert len({id(buffer) for buffer in recording.buffers}) <= 6 < 16 <= len(recording.buffers)
+    assert transfers.memory.in_use == transfers.memory.spare_bytes == 0
+    for key, data in sources.items():
+        assert (await fetch(target.store, key, tmp_path))[0] == data
 
 
 def test_plan_part_size() -> None:

@@ -425,11 +425,13 @@ class AzureBlobStore:
     def _block_id(upload: UploadRef, number: int) -> str:
         return f"{upload.upload_id}-{number:05d}"
 
-    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         block_id = self._block_id(upload, number)
         with _mapped(f"upload part {number} of {upload.key}"):
             # validate_content: the block's MD5 travels in Content-MD5 and the service checks it.
-            self._blob(self._full(upload.key)).stage_block(block_id, data, length=len(data), validate_content=True)
+            # bytes(): the SDK's Content-MD5 takes bytes or a stream, not a bytearray.
+            self._blob(self._full(upload.key)).stage_block(block_id, bytes(data), length=len(data),
+                                                           validate_content=True)
         return UploadPart(number, block_id, crc_text(crc))
 
     def _read_marker(self, upload: UploadRef) -> dict[str, Any] | None:

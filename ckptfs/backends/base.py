@@ -188,9 +188,10 @@ class ObjectStore(Protocol):
         the object's metadata (None: a hidden staging object that will be copied to its key with them)."""
         ...
 
-    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         """Stage part `number` (1-based) holding the object's bytes at `offset`; `crc` is CRC32(data), sent
-        for the server to verify where it can."""
+        for the server to verify where it can. `data` is the engine's buffer, reused for another part once
+        this returns: a store must not keep it, or anything that shares its memory."""
         ...
 
     def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
@@ -317,6 +318,18 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
         n >>= 1
         k += 1
     return _multmodp(p, crc1) ^ crc2
+
+
+def pread_into(fd: int, buffer: bytearray, offset: int) -> int:
+    """Fill `buffer` from fd at `offset`; the bytes read, fewer than len(buffer) only at the end of the file."""
+    view = memoryview(buffer)
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if not n:
+            break
+        got += n
+    return got
 
 
 def pread_exact(fd: int, length: int, offset: int) -> bytes:

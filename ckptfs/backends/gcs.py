@@ -387,11 +387,11 @@ class GcsStore:
     def _part_name(self, upload: UploadRef, number: int) -> str:
         return f"{self._upload_dir(upload)}p{number:05d}"
 
-    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         with self._parts_idle:
             self._parts_busy[upload.upload_id] = self._parts_busy.get(upload.upload_id, 0) + 1
         try:
-            return self._put_part(upload, number, data, crc)
+            return self._put_part(upload, number, bytes(data), crc)  # upload_from_string takes bytes only
         finally:
             with self._parts_idle:
                 left = self._parts_busy[upload.upload_id] - 1

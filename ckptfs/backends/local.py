@@ -212,7 +212,7 @@ class LocalStore:
         return UploadRef(key=key, upload_id=os.path.relpath(temp, self.root),
                          marker="" if meta is None else str(meta.mtime_ns))
 
-    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         try:
             fd = os.open(os.path.join(self.root, upload.upload_id), os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:

@@ -449,7 +449,7 @@ class S3Store:
         upload_id, marker = self._begin_multipart(key, metadata, checksum_algorithm="CRC32")
         return UploadRef(key, upload_id, marker)
 
-    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes, crc: int) -> UploadPart:
+    def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         response = self._call(
             f"upload part {number} of {upload.key}", "upload_part", Key=self._full(upload.key),
             UploadId=upload.upload_id, PartNumber=number, Body=data, ContentLength=len(data),
