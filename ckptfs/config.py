@@ -67,8 +67,8 @@ class Config:
     files (up to 1 MiB) wait for a pause of 0.5 s before they upload, at most this many seconds more than
     upload_delay; 0: no wait."""
 
-    transfers: int = 4
-    """Files uploaded in parallel."""
+    transfers: int = 8
+    """Files (or batches of small files) uploaded in parallel."""
 
     part_size: str = "64M"
     """Part size of staged (multipart) uploads; smaller for mid-size files so that parts go in parallel."""

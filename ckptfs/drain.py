@@ -113,7 +113,7 @@ class Drain:
         cache: CacheDir,
         engine: Transfers,
         *,
-        transfers: int = 4,
+        transfers: int = 8,
         upload_delay: float = 2.0,
         small_file_wait: float = 10.0,
         commit_markers: tuple[str, ...] = (),

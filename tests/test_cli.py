@@ -380,7 +380,7 @@ def test_effective_configuration_is_logged_without_credentials(tmp_path: Path) -
                                 "endpoint_url": "http://user:secret@127.0.0.1:9000"})
     line = _effective(config, CacheDir(tmp_path / "cache"))
     assert "secret" not in line and "user" not in line
-    assert "endpoint_url http://127.0.0.1:9000" in line and "cache_size 80%" in line and "transfers 4" in line
+    assert "endpoint_url http://127.0.0.1:9000" in line and "cache_size 80%" in line and "transfers 8" in line
 
 
 def test_a_journal_of_another_schema_is_one_clear_error(dirs: dict[str, Path]) -> None:
