@@ -470,13 +470,17 @@ class Transfers:
         priority: Priority,
     ) -> tuple[UploadPart, int]:
         """Read one part of the local file and stage it, under the memory budget; (part, its CRC32)."""
-        granted, buffer = await self.memory.acquire_buffer(length, priority)
+        buffer: bytearray | None = None
+        if self.store.limits.reusable_buffers:
+            granted, buffer = await self.memory.acquire_buffer(length, priority)
+        else:
+            granted = await self.memory.acquire(length, priority)
         self._stats.parts_up += 1
         try:
-            result = await self._retry(self._read_and_put, ref, number, offset, buffer, src_path, expected_crc,
-                                       limiter=self._part_threads)
-            # Only now: a thread abandoned by a cancellation may still be sending from the buffer.
-            self.memory.keep(buffer, granted)
+            result = await self._retry(self._read_and_put, ref, number, offset, length, buffer, src_path,
+                                       expected_crc, limiter=self._part_threads)
+            if buffer is not None:  # only now: a thread abandoned by a cancellation may still send from it
+                self.memory.keep(buffer, granted)
         finally:
             self._stats.parts_up -= 1
             self.memory.release(granted)
@@ -484,22 +488,29 @@ class Transfers:
         return result
 
     def _read_and_put(
-        self, ref: UploadRef, number: int, offset: int, buffer: bytearray, src_path: str, expected_crc: int | None
+        self, ref: UploadRef, number: int, offset: int, length: int, buffer: bytearray | None, src_path: str,
+        expected_crc: int | None,
     ) -> tuple[UploadPart, int]:
         # Each part opens the file itself: a thread abandoned at shutdown never reads a descriptor that was
         # closed and reused meanwhile.
+        data: bytes | bytearray
         try:
             fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                got = pread_into(fd, buffer, offset)
+                if buffer is None:
+                    data = pread_exact(fd, length, offset)
+                    got = len(data)
+                else:
+                    data = buffer
+                    got = pread_into(fd, buffer, offset)
             finally:
                 os.close(fd)
         except OSError as exc:
             raise _source_error(exc, ref.key) from exc
-        crc = crc32(buffer)
-        if got != len(buffer) or (expected_crc is not None and crc != expected_crc):
+        crc = crc32(data)
+        if got != length or (expected_crc is not None and crc != expected_crc):
             raise SourceChangedError(f"{ref.key}: the file changed while it was being uploaded")
-        part = self.store.put_part(ref, number, offset, buffer, crc)
+        part = self.store.put_part(ref, number, offset, data, crc)
         return part, crc
 
     # -- uploads of closed files --------------------------------------------------------------------------

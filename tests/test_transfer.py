@@ -565,8 +565,9 @@ class _RecordingParts:
 
 
 async def test_parts_reuse_their_buffers_and_the_objects_are_right(target: Target, tmp_path: Path) -> None:
-    """Eight parts through a budget of two: the buffers of finished parts carry the next ones, and each store
-    sends what is in a reused buffer when it is given, not what a later part puts there."""
+    """Eight parts through a budget of two: the buffers of finished parts carry the next ones (in the stores
+    that take them), and each store sends what is in a reused buffer when it is given, not what a later part
+    puts there."""
     size = 8 * PART
     sources = {f"f{i}": write(tmp_path / f"f{i}", size, seed=i) for i in range(2)}
     recording = _RecordingParts(target.store)
@@ -574,8 +575,12 @@ async def test_parts_reuse_their_buffers_and_the_objects_are_right(target: Targe
     for key in sources:
         staged = await transfers.stage_upload(key, str(tmp_path / key), META)
         await transfers.commit_upload(staged)
-    # At most two in flight, a short last part, and fresh ones for the second file (none kept while idle).
-    assert len({id(buffer) for buffer in recording.buffers}) <= 6 < 16 <= len(recording.buffers)
+    assert len(recording.buffers) >= 16
+    if target.store.limits.reusable_buffers:
+        # At most two in flight, a short last part, and fresh ones for the second file (none kept while idle).
+        assert len({id(buffer) for buffer in recording.buffers}) <= 6
+    else:  # an SDK that takes only bytes gets bytes: no copy of each part outside the budget
+        assert all(type(buffer) is bytes for buffer in recording.buffers)
     assert transfers.memory.in_use == transfers.memory.spare_bytes == 0
     for key, data in sources.items():
         assert (await fetch(target.store, key, tmp_path))[0] == data

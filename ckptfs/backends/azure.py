@@ -233,7 +233,8 @@ def _parse_connection_string(text: str) -> dict[str, str]:
 class AzureBlobStore:
     listing_has_metadata = True  # List Blobs with include=metadata
     left_behind = False
-    limits = PartLimits(min_part_size=1 * MiB, max_part_size=MAX_BLOCK_SIZE, max_parts=MAX_BLOCKS)
+    limits = PartLimits(min_part_size=1 * MiB, max_part_size=MAX_BLOCK_SIZE, max_parts=MAX_BLOCKS,
+                        reusable_buffers=False)
 
     def __init__(
         self,
@@ -429,7 +430,7 @@ class AzureBlobStore:
         block_id = self._block_id(upload, number)
         with _mapped(f"upload part {number} of {upload.key}"):
             # validate_content: the block's MD5 travels in Content-MD5 and the service checks it.
-            # bytes(): the SDK's Content-MD5 takes bytes or a stream, not a bytearray.
+            # bytes already (reusable_buffers=False): the SDK's Content-MD5 takes bytes or a stream only.
             self._blob(self._full(upload.key)).stage_block(block_id, bytes(data), length=len(data),
                                                            validate_content=True)
         return UploadPart(number, block_id, crc_text(crc))

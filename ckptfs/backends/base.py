@@ -159,6 +159,9 @@ class PartLimits:
     min_part_size: int  # every part but the last is at least this big
     max_part_size: int
     max_parts: int
+    # put_part may get its data in a bytearray the engine reuses for later parts; False: as bytes (an SDK
+    # that takes only bytes would copy each part, outside the memory budget).
+    reusable_buffers: bool = True
 
 
 class ObjectStore(Protocol):

@@ -206,7 +206,7 @@ class GcsStore:
     listing_has_metadata = True  # objects.list returns each object's custom metadata
     left_behind = False
     # Compose has no minimum part size; 5 MiB keeps the part count (and the emulators) reasonable.
-    limits = PartLimits(min_part_size=5 * MiB, max_part_size=5 * GiB, max_parts=MAX_PARTS)
+    limits = PartLimits(min_part_size=5 * MiB, max_part_size=5 * GiB, max_parts=MAX_PARTS, reusable_buffers=False)
 
     def __init__(
         self,
@@ -391,7 +391,7 @@ class GcsStore:
         with self._parts_idle:
             self._parts_busy[upload.upload_id] = self._parts_busy.get(upload.upload_id, 0) + 1
         try:
-            return self._put_part(upload, number, bytes(data), crc)  # upload_from_string takes bytes only
+            return self._put_part(upload, number, bytes(data), crc)  # bytes already (reusable_buffers=False)
         finally:
             with self._parts_idle:
                 left = self._parts_busy[upload.upload_id] - 1
