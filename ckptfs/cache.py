@@ -41,7 +41,7 @@ class CacheFile:
     """What the accounting knows of one data file. Open handles share it, so the write path updates
     it without a dict lookup."""
 
-    __slots__ = ("changes", "freed", "sealed", "size")
+    __slots__ = ("changes", "freed", "sealed", "size", "staged")
 
     def __init__(self, size: int) -> None:
         self.size = size  # apparent size as far as the accounting has seen it
@@ -51,6 +51,9 @@ class CacheFile:
         # A spill (drain.py) uploads the start of a file still being written and punches it out:
         self.sealed = 0  # bytes at the start that are being or have been spilled: writes there fail
         self.freed = 0  # bytes at the start already punched out: reads there fail too
+        # Bytes at the start staged by a spill, sealed or not (an early spill, made while the cache had room,
+        # leaves them writable: the drain checks them against the file when it is closed).
+        self.staged = 0
 
     @property
     def charge(self) -> int:
@@ -244,6 +247,7 @@ class CacheDir:
         self.used += size - entry.size
         entry.size = size
         entry.sealed = min(entry.sealed, size)
+        entry.staged = min(entry.staged, size)
         if entry.freed > size:
             self.used += entry.freed - size
             entry.freed = size
@@ -263,13 +267,14 @@ class CacheDir:
             self.used -= offset + length - entry.freed
             entry.freed = offset + length
 
-    def restore_spilled(self, inode_id: int, *, punched: int, staged: int) -> None:
-        """At start-up: a spill had staged the first `staged` bytes of this data file and punched out the
-        first `punched` before the restart."""
+    def restore_spilled(self, inode_id: int, *, punched: int, staged: int, sealed: bool) -> None:
+        """At start-up: a spill had staged the first `staged` bytes of this data file (`sealed`: not to be
+        written again) and punched out the first `punched` before the restart."""
         entry = self.files.get(inode_id)
         if entry is not None and punched <= entry.size:
             entry.freed = punched
-            entry.sealed = min(staged, entry.size)
+            entry.staged = min(staged, entry.size)
+            entry.sealed = entry.staged if sealed else 0
             self.used -= punched
 
     def reserve(self, size: int) -> None:

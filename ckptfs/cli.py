@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--keep", action="append", help="retention: never delete names matching this glob")
     mount.add_argument("--upload-delay", type=float)
     mount.add_argument("--small-file-wait", type=float)
+    mount.add_argument("--upload-while-writing", action=argparse.BooleanOptionalAction, default=None,
+                       help="stage the written start of a large file while it is still open (default: on where"
+                            " the store needs no copy for it: file://, gs://)")
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
     mount.add_argument("--part-size")
@@ -107,6 +110,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "keep": args.keep,
         "upload_delay": args.upload_delay,
         "small_file_wait": args.small_file_wait,
+        "upload_while_writing": args.upload_while_writing,
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
         "part_size": args.part_size,

@@ -67,6 +67,12 @@ class Config:
     files (up to 1 MiB) wait for a pause of 0.5 s before they upload, at most this many seconds more than
     upload_delay; 0: no wait."""
 
+    upload_while_writing: bool = True
+    """Stage the written start of a large file while it is still open, part by part, so that it is in the
+    store about one part after it is closed. Only on stores that can place a staged upload at any key with
+    its final metadata (file://, gs://); on s3:// and az:// it would cost a server-side copy of the whole
+    file at close, so there only a full cache does it."""
+
     transfers: int = 8
     """Files (or batches of small files) uploaded in parallel."""
 
@@ -169,7 +175,7 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, str) or not all(isinstance(v, str) for v in value):
             raise UsageError("commit_markers must be a list of glob strings")
         return tuple(value)
-    if name in ("allow_other", "daemon"):
+    if name in ("allow_other", "daemon", "upload_while_writing"):
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value

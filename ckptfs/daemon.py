@@ -121,7 +121,7 @@ class Daemon:
         self.drain = Drain(
             journal, cache, engine,
             transfers=config.transfers, upload_delay=config.upload_delay, small_file_wait=config.small_file_wait,
-            commit_markers=config.commit_markers,
+            commit_markers=config.commit_markers, upload_while_writing=config.upload_while_writing,
         )
         self.evictor = Evictor(
             journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure
@@ -619,7 +619,7 @@ async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
             for inode_id, text in journal.upload_states():
                 state = UploadState.from_json(text)
                 if state.spilled:
-                    cache.restore_spilled(inode_id, punched=state.punched, staged=state.size)
+                    cache.restore_spilled(inode_id, punched=state.punched, staged=state.size, sealed=not state.early)
             daemon = Daemon(config, engine, cache, journal, metrics)
             cache.configure_budget(config.cache_size, config.min_free, working_room=daemon.drain.spill_room)
             daemon.evictor.start(atimes)

@@ -47,6 +47,9 @@ FULL_CHECK_INTERVAL = 1.0
 # A spill leaves this much of the end of a file being written in the cache (a writer may still seek back
 # a little, e.g. to patch a header), and takes parts of the engine's part size.
 SPILL_LOOKAHEAD = 16 << 20
+# While a file is open for writing and early spills are on, the drain looks this often whether it has grown
+# by a part (writes do not notify it).
+EARLY_SPILL_POLL = 0.25
 # Closed files up to SMALL_FILE bytes upload together, up to SMALL_BATCH per job: one journal transaction
 # and one worker-thread hop for all of them instead of three and two per file (_upload_small).
 SMALL_FILE = 1 << 20
@@ -117,6 +120,7 @@ class Drain:
         upload_delay: float = 2.0,
         small_file_wait: float = 10.0,
         commit_markers: tuple[str, ...] = (),
+        upload_while_writing: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.journal = journal
@@ -154,6 +158,9 @@ class Drain:
         self._sweep_delay = SWEEP_RETRY_FIRST
         self.spill_part_size = engine.part_size
         self.spill_lookahead = SPILL_LOOKAHEAD
+        # Early spills: files being written are staged while the cache has room, where the store can then
+        # place them at their key without a copy (see UploadState.early).
+        self.early_spills = upload_while_writing and self.store.limits.completes_anywhere
         # Called with an inode id once a spilled file is uploaded: its local copy has holes, evict it.
         self.on_spilled: Callable[[int], None] = lambda inode_id: None
         # Called once a commit marker is in the store: a checkpoint is complete (retention runs then).
@@ -444,7 +451,7 @@ class Drain:
             small = (inode.kind == FILE and inode.size <= SMALL_FILE and inode.upload_state is None
                      and not self.is_commit_marker(inode.name))
             jobs.append(Job("upload", inode.id, (inode.key,), small, inode.size))  # type: ignore[arg-type]
-        if self._pressure:
+        if self._pressure or self.early_spills:
             for inode_id in self.journal.open_dirty_files():
                 if waiting(("spill", inode_id)) or ("upload", inode_id) in self._running:
                     continue
@@ -452,6 +459,9 @@ class Drain:
                     if unmarked and _below(self._path(inode_id), unmarked):
                         continue
                     jobs.append(Job("spill", inode_id, ()))
+                elif not self._pressure:
+                    # Writes do not notify the drain (the write path stays free of it): look again soon.
+                    next_due = min(next_due, now + EARLY_SPILL_POLL)
         for inode in misplaced:
             if waiting(("move", inode.id)) or self._marker_blocked(inode):
                 continue
@@ -670,6 +680,8 @@ class Drain:
         assert key is not None  # _still_due checked
         if inode.kind == FILE:
             spill = await self._spill_state(inode)
+            if spill is not None and spill.early and not await self._early_spill_holds(inode, spill):
+                spill = None
             if spill is not None:
                 await self._finish_spill(inode, spill)
                 return
@@ -854,7 +866,7 @@ class Drain:
         entry = self.cache.files.get(inode_id)
         if entry is None:
             return 0
-        return entry.size - self.spill_lookahead - entry.sealed
+        return entry.size - self.spill_lookahead - max(entry.sealed, entry.staged)
 
     async def _spill_state(self, inode: Inode) -> UploadState | None:
         """The spill this file has in progress, if it is still valid; a stale one (the file was truncated
@@ -868,26 +880,39 @@ class Drain:
         if not state.spilled:
             return None
         entry = self.cache.files.get(inode.id)
-        if entry is not None and entry.freed == state.punched:
+        # An early spill's parts are not sealed: a truncate below them (cache.resize lowers `staged`) ends it.
+        if entry is not None and entry.freed == state.punched and (not state.early or entry.staged == state.size):
             return state
-        log.info("%s was rewritten after part of it was spilled; discarding the spill", inode.path)
-        await self.engine.abort_state(state)
-        with self.journal.transaction():
-            self.journal.save_upload_state(inode.id, None)
+        await self._discard_spill(inode, state, "it was rewritten since")
         return None
 
     async def _spill(self, inode_id: int) -> None:
-        """While the cache is full, upload the written start of a file still open for writing, part by
-        part in order, and punch each part out of the cache file once the journal has it."""
+        """Upload the written start of a file still open for writing, part by part in order. While the
+        cache is full, seal each part first and punch it out of the cache file once the journal has it;
+        else (an early spill) leave the parts as they are."""
         inode = self.journal.get(inode_id)
         if inode is None or inode.kind != FILE or inode.path is None:
             return
         state = await self._spill_state(inode)
+        if state is not None and state.early and self._pressure:
+            # Its parts were never sealed, so they cannot be punched out: start again with one that seals.
+            await self._discard_spill(inode, state, "the cache is full")
+            state = None
         if state is None:
-            state = await self.engine.spill_begin(self.spill_part_size)
+            earlier = _journaled_state(inode)
+            if earlier is not None and not earlier.spilled:  # a staged upload of an earlier close
+                self.discard_upload(inode.upload_state)  # type: ignore[arg-type]
+            early = not self._pressure
+            state = await self.engine.spill_begin(self.spill_part_size, early=early)
             with self.journal.transaction():
                 self.journal.save_upload_state(inode_id, state.to_json())
-            log.info("cache full: uploading the start of %s while it is still being written", inode.path)
+            if early:
+                log.debug("uploading the start of %s while it is still being written", inode.path)
+            else:
+                log.info("cache full: uploading the start of %s while it is still being written", inode.path)
+        if state.early:
+            await self._spill_early(inode_id, state)
+            return
         part = state.part_size
         path = self.cache.data_path(inode_id)
         while self._pressure:
@@ -906,9 +931,7 @@ class Drain:
                 return
             if entry.sealed < state.size:
                 # Truncated while the part was uploading: what was staged is no longer the file's start.
-                await self.engine.abort_state(state)
-                with self.journal.transaction():
-                    self.journal.save_upload_state(inode_id, None)
+                await self._discard_spill(inode, state, "it was truncated")
                 return
             # Journaled as punched before the hole is made: after a crash in between, the bytes are still
             # there but never read again (the parts have them).
@@ -920,6 +943,48 @@ class Drain:
             self.cache.punch_hole(inode_id, state.size - part, part)
             self.cache.punched(inode_id, state.size - part, part)
             self.stats.spilled_bytes += part
+            entry.staged = state.size
+
+    async def _spill_early(self, inode_id: int, state: UploadState) -> None:
+        """Stage the parts of a file being written that its writer is done with (all but the last
+        spill_lookahead bytes), while the cache has room, and journal each. Nothing is sealed: a write into
+        a staged part is found when the file is closed (_finish_spill), and the file is then uploaded whole."""
+        part = state.part_size
+        path = self.cache.data_path(inode_id)
+        while not self._pressure:
+            entry = self.cache.files.get(inode_id)
+            if entry is None or entry.size - self.spill_lookahead - state.size < part:
+                return
+            state = await self.engine.spill_part(state, path, part)
+            current = self.journal.get(inode_id)
+            if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
+                await self.engine.abort_state(state)  # removed meanwhile: nothing will finish this spill
+                self._forget_upload_state(inode_id, state)
+                return
+            if entry.staged != state.size - part:  # truncated meanwhile (cache.resize lowered it)
+                await self._discard_spill(current, state, "it was truncated")
+                return
+            with self.journal.transaction():
+                self.journal.save_upload_state(inode_id, state.to_json())
+            entry.staged = state.size
+            self.stats.spilled_bytes += part
+
+    async def _discard_spill(self, inode: Inode, state: UploadState, why: str) -> None:
+        log.info("%s: discarding the part of it uploaded while it was written (%s)", inode.path, why)
+        await self.engine.abort_state(state)
+        with self.journal.transaction():
+            self.journal.save_upload_state(inode.id, None)
+        entry = self.cache.files.get(inode.id)
+        if entry is not None:
+            entry.staged = entry.sealed
+
+    async def _early_spill_holds(self, inode: Inode, state: UploadState) -> bool:
+        """An early spill of a closed file can be finished if its staged parts are still the start of the
+        file; else it is thrown away and the file is uploaded whole."""
+        if await self.engine.spill_matches(state, self.cache.data_path(inode.id)):
+            return True
+        await self._discard_spill(inode, state, "it changed where it was already uploaded")
+        return False
 
     async def _finish_spill(self, inode: Inode, state: UploadState) -> None:
         """The spilled file was closed: stage the rest of it, then move the whole to its key."""
@@ -931,7 +996,8 @@ class Drain:
         path = self.cache.data_path(inode_id)
         try:
             entry = self.cache.file(inode_id)
-            entry.sealed = entry.size
+            if not state.early:  # an early spill's file stays writable: a change is caught by its version
+                entry.sealed = entry.size
             while state.size < entry.size:
                 length = min(state.part_size, entry.size - state.size)
                 state = await self.engine.spill_part(state, path, length, priority=self._priority(inode))
@@ -954,8 +1020,9 @@ class Drain:
         self.stats.uploaded_bytes += state.size
         self.stats.upload_seconds += trio.current_time() - started
         self._record_upload(inode_id, current.key, version, state.checksum, state.size, write_ahead)  # type: ignore[arg-type]
-        log.info("uploaded %s (%d bytes, spilled while it was written)", current.key, state.size)
-        self.on_spilled(inode_id)
+        log.info("uploaded %s (%d bytes, started while it was written)", current.key, state.size)
+        if state.punched:
+            self.on_spilled(inode_id)
 
     async def _resumable_state(self, inode: Inode, key: str) -> UploadState | None:
         """The staged upload an earlier attempt (or daemon) left for this file, if it can continue here.
@@ -1127,14 +1194,19 @@ def _below(path: str, dirs: set[str]) -> bool:
     return any(parent in dirs for parent in _parent_dirs(path))
 
 
-def _journaled_upload_id(inode: Inode | None) -> str | None:
-    """The upload id of the staged upload the journal remembers for the inode (None: none, or unreadable)."""
+def _journaled_state(inode: Inode | None) -> UploadState | None:
+    """The staged upload the journal remembers for the inode (None: none, or unreadable)."""
     if inode is None or inode.upload_state is None:
         return None
     try:
-        return UploadState.from_json(inode.upload_state).upload_id
+        return UploadState.from_json(inode.upload_state)
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _journaled_upload_id(inode: Inode | None) -> str | None:
+    state = _journaled_state(inode)
+    return None if state is None else state.upload_id
 
 
 def _journal_holds(inode: Inode | None, state: UploadState) -> bool:

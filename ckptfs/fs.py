@@ -544,6 +544,9 @@ class Filesystem:
             local = self.cache.files.get(inode_id)
             if local is not None:
                 local.changes += 1
+            # A file being written may grow large enough to be uploaded while it is written: the drain
+            # watches files open for writing from now on (writes themselves never notify it).
+            self._notify_drain()
 
     def _end_change_if_unopened(self, inode_id: int) -> None:
         if not self._writer_count.get(inode_id):
@@ -656,6 +659,8 @@ class Filesystem:
         self._remember(inode.id)
         if not writable:
             self._closed(inode.id)
+        else:
+            self._notify_drain()  # as _begin_change: a file being written
         return fh, self.attr(inode)
 
     async def open(self, inode_id: int, flags: int) -> int:

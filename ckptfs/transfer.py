@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import functools
 import heapq
 import logging
 import math
@@ -853,12 +854,36 @@ class Transfers:
 
     # -- spills: the start of a file still being written, staged at a hidden key ------------------------
 
-    async def spill_begin(self, part_size: int) -> UploadState:
+    async def spill_begin(self, part_size: int, *, early: bool = False) -> UploadState:
         key = f"{TEMP_PREFIX}spill.{self.store.owner}.{secrets.token_hex(8)}"
         ref = await self._open_upload(key, None, None)
         part_size = min(max(part_size, self.store.limits.min_part_size), self.store.limits.max_part_size)
         return UploadState(key=key, upload_id=ref.upload_id, marker=ref.marker, size=0, checksum="", mtime_ns=0,
-                           mode=0, part_size=part_size, spilled=True)
+                           mode=0, part_size=part_size, spilled=True, early=early)
+
+    async def spill_matches(self, state: UploadState, src_path: str) -> bool:
+        """Are the first state.size bytes of src_path still the ones the spill staged? (An early spill's
+        parts stay in the cache, and a writer may have changed them since.) Also syncs src_path to disk, as
+        stage_upload's `sync_source` does: the caller is about to call it a clean copy."""
+        try:
+            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _source_error(exc, state.key) from exc
+        try:
+            async with _parallel() as nursery:
+                nursery.start_soon(self._sync_source, fd, state.key)
+                if not state.size:
+                    return True
+                try:
+                    crcs = await self._scan(fd, state.size, state.part_size, state.key)
+                except SourceChangedError:  # shorter than what was staged
+                    return False
+        finally:
+            os.close(fd)
+        whole = crcs[0]
+        for index, crc in enumerate(crcs[1:], start=1):
+            whole = crc32_combine(whole, crc, min(state.part_size, state.size - index * state.part_size))
+        return crc_text(whole) == state.checksum
 
     async def spill_part(
         self, state: UploadState, src_path: str, length: int, *, priority: Priority = Priority.UPLOAD
@@ -873,7 +898,18 @@ class Transfers:
         return replace(state, size=state.size + length, checksum=crc_text(whole), parts=(*state.parts, part))
 
     async def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
-        """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum."""
+        """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum: where
+        the store can, by completing the upload there; else by completing it at its hidden key, copying it to
+        `key` and deleting the hidden object."""
+        if self.store.limits.completes_anywhere:
+            try:
+                await self.call(functools.partial(self.store.complete_upload, key=key, meta=meta),
+                                state.ref, state.parts, state.size, state.checksum)
+            except BackendError:
+                if not await self._holds(key, state):  # else a retried commit: the first one got through
+                    raise
+            self._finished(state.ref)
+            return
         try:
             await self.call(self.store.complete_upload, state.ref, state.parts, state.size, None)
         except BackendError:

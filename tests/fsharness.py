@@ -125,12 +125,19 @@ class RecordingStore:
     def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
         return self.inner.list_parts(upload)
 
-    def complete_upload(self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None) -> None:
+    def complete_upload(
+        self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *,
+        key: str | None = None, meta: ObjectMeta | None = None,
+    ) -> None:
         self._maybe_fail()
+        if key is not None and _is_spill(upload.key) and self.spill_commit_failures:
+            raise self.spill_commit_failures.pop(0)
         staged = self.inner.root / upload.upload_id
         content = staged.read_bytes() if staged.exists() else None
-        self.inner.complete_upload(upload, parts, size, checksum)
-        if not _is_spill(upload.key):
+        self.inner.complete_upload(upload, parts, size, checksum, key=key, meta=meta)
+        if key is not None and _is_spill(upload.key):  # a spill committed at its key (no copy on file://)
+            self._record("spill_commit", key)
+        elif not _is_spill(upload.key):
             self._record("commit", upload.key, content)
 
     def abort_upload(self, upload: UploadRef) -> None:
@@ -292,6 +299,7 @@ class Stack:
 def make_stack(
     root: Path, *, upload_delay: float = 0.0, markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS,
     cache_size: int | None = None, dirty_wait: float = 600.0, small_file_wait: float = 0.0,
+    upload_while_writing: bool = True,
 ) -> Stack:
     """Wired like daemon.py. `cache_size` (bytes) sets a budget (min_free 0); the evictor's background
     task runs only if a test starts it (stack.fs.evictor.run)."""
@@ -302,7 +310,7 @@ def make_stack(
     store = RecordingStore(LocalStore(root / "store"))
     engine = GatedTransfers(store, parts_in_flight=4)  # type: ignore[arg-type]
     drain = Drain(journal, cache, engine, transfers=2, upload_delay=upload_delay, small_file_wait=small_file_wait,
-                  commit_markers=markers)
+                  commit_markers=markers, upload_while_writing=upload_while_writing)
     in_use: list[Filesystem] = []
     evictor = Evictor(
         journal, cache, in_use=lambda i: in_use[0].in_use(i), dirty_wait=dirty_wait, on_pressure=drain.set_pressure

@@ -460,7 +460,12 @@ class AzureBlobStore:
                 parts[int(block.id[len(mine):])] = (block.id, int(block.size))
         return parts
 
-    def complete_upload(self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None) -> None:
+    def complete_upload(
+        self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *,
+        key: str | None = None, meta: ObjectMeta | None = None,
+    ) -> None:
+        if key is not None or meta is not None:
+            raise ValueError("this store completes an upload at the key and with the metadata it was opened with")
         what = f"complete upload of {upload.key}"
         marker = self._read_marker(upload)
         if marker is None:

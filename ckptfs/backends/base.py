@@ -122,7 +122,10 @@ class UploadState:
     engine keeps it in the journal (to_json()) after every finished part.
 
     A spill (`spilled`) stages the start of a file still being written at a hidden key; `size` is then the
-    bytes staged so far, `checksum` their running CRC32 and `punched` the bytes its owner freed locally."""
+    bytes staged so far, `checksum` their running CRC32 and `punched` the bytes its owner freed locally. An
+    early spill (`early`) is one made while the cache had room, so that the file is in the store soon after
+    it is closed: its bytes stay in the cache and may still change, so they are checked against the file
+    before the spill is completed (see drain.py)."""
 
     key: str
     upload_id: str
@@ -135,6 +138,7 @@ class UploadState:
     parts: tuple[UploadPart, ...] = field(default=())
     spilled: bool = False
     punched: int = 0
+    early: bool = False
 
     @property
     def ref(self) -> UploadRef:
@@ -162,6 +166,10 @@ class PartLimits:
     # put_part may get its data in a bytearray the engine reuses for later parts; False: as bytes (an SDK
     # that takes only bytes would copy each part, outside the memory budget).
     reusable_buffers: bool = True
+    # complete_upload can place a staged upload at any key, with metadata given then (file://: a rename;
+    # GCS: a compose into any object): a spill needs no copy, so files being written upload early. S3 and
+    # Azure fix the key and metadata when the upload opens, so there a spill costs a server-side copy.
+    completes_anywhere: bool = False
 
 
 class ObjectStore(Protocol):
@@ -202,9 +210,14 @@ class ObjectStore(Protocol):
         gone or the store cannot tell (the caller then starts afresh)."""
         ...
 
-    def complete_upload(self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None) -> None:
+    def complete_upload(
+        self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *,
+        key: str | None = None, meta: ObjectMeta | None = None,
+    ) -> None:
         """Make the staged parts (in order, all of them) the object at upload.key, atomically. Idempotent:
-        a retry after a completion whose answer was lost finds the object (`size`, `checksum`) and succeeds."""
+        a retry after a completion whose answer was lost finds the object (`size`, `checksum`) and succeeds.
+        With `key` and `meta` (only where limits.completes_anywhere), the object appears at `key` instead,
+        with `meta` and `checksum` as its metadata, as if the upload had been opened with them."""
         ...
 
     def abort_upload(self, upload: UploadRef) -> None:

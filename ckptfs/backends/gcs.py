@@ -206,7 +206,8 @@ class GcsStore:
     listing_has_metadata = True  # objects.list returns each object's custom metadata
     left_behind = False
     # Compose has no minimum part size; 5 MiB keeps the part count (and the emulators) reasonable.
-    limits = PartLimits(min_part_size=5 * MiB, max_part_size=5 * GiB, max_parts=MAX_PARTS, reusable_buffers=False)
+    limits = PartLimits(min_part_size=5 * MiB, max_part_size=5 * GiB, max_parts=MAX_PARTS, reusable_buffers=False,
+                        completes_anywhere=True)
 
     def __init__(
         self,
@@ -441,15 +442,26 @@ class GcsStore:
                 parts[int(tail)] = (str(blob.generation), int(blob.size or 0))
         return parts
 
-    def complete_upload(self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None) -> None:
-        what = f"complete upload of {upload.key}"
+    def complete_upload(
+        self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *,
+        key: str | None = None, meta: ObjectMeta | None = None,
+    ) -> None:
+        if key is None:
+            key = upload.key
+        else:
+            self._check_key(key)
+        what = f"complete upload of {key}"
         manifest = self._read_manifest(upload)
         if manifest is None:
-            if self._holds(upload.key, size, checksum):  # a retried complete: the first one got through
+            if self._holds(key, size, checksum):  # a retried complete: the first one got through
                 return
             raise NotFoundBackendError(f"{what}: the staged upload is gone")
-        metadata = {str(k): str(v) for k, v in (manifest.get("metadata") or {}).items()}
-        dest = self._new_blob(self._full(upload.key), metadata)
+        if meta is not None:  # a compose sets the new object's metadata, so it can be any
+            metadata = metadata_of(meta, stat.S_IFREG)
+            metadata[META_CHECKSUM] = checksum or ""
+        else:
+            metadata = {str(k): str(v) for k, v in (manifest.get("metadata") or {}).items()}
+        dest = self._new_blob(self._full(key), metadata)
         sources = [self._bucket().blob(self._part_name(upload, p.number), generation=int(p.etag))
                    for p in sorted(parts, key=lambda p: p.number)]
         try:
@@ -459,7 +471,7 @@ class GcsStore:
                 self._compose_tree(upload, sources, dest, what)
         except (NotFoundBackendError, TransientBackendError) as exc:
             # A retry after a lost answer whose cleanup already removed parts: the object is there.
-            if status_of(exc) in (404, 412) and self._holds(upload.key, size, checksum):
+            if status_of(exc) in (404, 412) and self._holds(key, size, checksum):
                 self._remove_upload(upload)
                 return
             raise

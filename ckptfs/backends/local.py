@@ -90,7 +90,7 @@ class LocalStore:
     listing_has_metadata = True  # a listing is lstat(): exact mtime and mode
     left_behind = False
     # Parts are pwrite()s into one temp file: any size works; parallel parts still overlap reads and writes.
-    limits = PartLimits(min_part_size=1, max_part_size=1 << 40, max_parts=1_000_000)
+    limits = PartLimits(min_part_size=1, max_part_size=1 << 40, max_parts=1_000_000, completes_anywhere=True)
 
     def __init__(self, root: Path, owner: str = "anon") -> None:
         self.root = root
@@ -235,26 +235,32 @@ class LocalStore:
     def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
         return None  # a temp file does not record which parts arrived: an interrupted upload starts afresh
 
-    def complete_upload(self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None) -> None:
+    def complete_upload(
+        self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *,
+        key: str | None = None, meta: ObjectMeta | None = None,
+    ) -> None:
+        key = upload.key if key is None else key
         temp = os.path.join(self.root, upload.upload_id)
-        final = self._path(upload.key)
+        final = self._path(key)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             if _holds(final, size):  # a retried complete: the first one renamed it already
                 return
-            raise NotFoundBackendError(f"{upload.key}: the staged upload is gone") from None
+            raise NotFoundBackendError(f"{key}: the staged upload is gone") from None
         except OSError as exc:
-            raise _translate(exc, upload.key) from exc
+            raise _translate(exc, key) from exc
         try:
             if os.fstat(fd).st_size != size:
-                raise TransientBackendError(f"{upload.key}: the staged upload is incomplete")
-            if upload.marker:
-                mtime = int(upload.marker)
+                raise TransientBackendError(f"{key}: the staged upload is incomplete")
+            if meta is not None:
+                os.fchmod(fd, meta.mode & 0o7777)
+            mtime = meta.mtime_ns if meta is not None else int(upload.marker) if upload.marker else None
+            if mtime is not None:
                 os.utime(fd, ns=(mtime, mtime))
             os.fsync(fd)
         except OSError as exc:
-            raise _translate(exc, upload.key) from exc
+            raise _translate(exc, key) from exc
         finally:
             os.close(fd)
         try:
@@ -262,7 +268,7 @@ class LocalStore:
             os.replace(temp, final)
             _fsync_dir(os.path.dirname(final))
         except OSError as exc:
-            raise _translate(exc, upload.key) from exc
+            raise _translate(exc, key) from exc
         self._tidy_staging()
 
     def abort_upload(self, upload: UploadRef) -> None:

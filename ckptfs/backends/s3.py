@@ -472,7 +472,12 @@ class S3Store:
             raise
         return parts
 
-    def complete_upload(self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None) -> None:
+    def complete_upload(
+        self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *,
+        key: str | None = None, meta: ObjectMeta | None = None,
+    ) -> None:
+        if key is not None or meta is not None:
+            raise ValueError("this store completes an upload at the key and with the metadata it was opened with")
         body = [{"PartNumber": p.number, "ETag": p.etag, "ChecksumCRC32": _crc_b64(crc_of(p.checksum))}
                 for p in parts]
         try:
