@@ -84,6 +84,32 @@ def test_a_staged_upload_appears_only_at_complete(target: Target) -> None:
     assert target.leftovers() == []
 
 
+def test_a_store_that_completes_anywhere_places_a_hidden_upload_at_any_key_with_its_metadata(target: Target) -> None:
+    """What a spill (a file staged while it is written, its name and metadata known only at close) needs;
+    a store that cannot do it says so (limits.completes_anywhere) and refuses."""
+    store = target.store
+    data = os.urandom(PART) + os.urandom(999)
+    hidden = f"{TEMP_PREFIX}spill.{store.owner}.0123456789abcdef"
+    upload = store.open_upload(hidden, None, None)
+    parts = [store.put_part(upload, n + 1, off, data[off:off + PART], zlib.crc32(data[off:off + PART]))
+             for n, off in enumerate((0, PART))]
+    if not store.limits.completes_anywhere:
+        with pytest.raises(ValueError):
+            store.complete_upload(upload, parts, len(data), _crc(data), key="ckpt/renamed.pt", meta=META)
+        store.abort_upload(upload)
+        return
+    store.complete_upload(upload, parts, len(data), _crc(data), key="ckpt/renamed.pt", meta=META)
+    info = store.head("ckpt/renamed.pt")
+    assert info is not None
+    assert (info.kind, info.size, info.mtime_ns, info.mode) == (FILE, len(data), META.mtime_ns, META.mode)
+    assert info.checksum in (None, _crc(data))
+    assert store.get_range("ckpt/renamed.pt", 0, len(data) + 10).data == data
+    assert store.head(hidden) is None and not any(TEMP_PREFIX in key for key in _keys(store))
+    # A retry after a lost answer succeeds.
+    store.complete_upload(upload, parts, len(data), _crc(data), key="ckpt/renamed.pt", meta=META)
+    assert store.list_leftovers() == [] and target.leftovers() == []
+
+
 @pytest.mark.parametrize("size", [0, 1000], ids=["empty", "small"])
 def test_put_object_is_one_atomic_write(target: Target, size: int) -> None:
     data = os.urandom(size)

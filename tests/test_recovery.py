@@ -4,6 +4,7 @@ partial object at a final name."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -82,6 +83,31 @@ def test_kill9_during_large_upload_then_resume(mount_factory) -> None:  # type: 
     m.flush(timeout=120)
     assert m.store_files() == {"big.pt": data}
     assert m.status()["states"]["clean"]["files"] == 1
+
+
+def test_kill9_while_a_file_being_written_is_uploaded_then_resume(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """Upload while writing: the start of a large file goes to the store while the writer still has it open.
+    kill -9 then: nothing at its key, and after the restart the file as written goes up whole, its staged
+    start checked against the cache and used, and no staged leftovers remain."""
+    m: Mount = mount_factory(upload_delay=0, extra_args=("--part-size", "8M"))
+    data = os.urandom(1 << 20) * 40
+    fd = os.open(m.mnt / "big.pt", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)  # the last 16 MiB stay local (the lookahead); 8 MiB parts of the rest go up
+        deadline = time.monotonic() + 30
+        while m.status()["uploaded"]["spilled_bytes"] < 16 << 20:
+            assert time.monotonic() < deadline, "nothing was uploaded while the file was written"
+            time.sleep(0.05)
+        m.kill9()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    assert "big.pt" not in m.store_files(), "an object is visible at the key of a file still being written"
+    m.start()
+    m.flush(timeout=120)
+    assert m.store_files() == {"big.pt": data}
+    assert not [p for p in m.store.rglob("*") if ".ckptfs-tmp." in str(p) and not p.is_dir()]
+    assert "uploaded big.pt (41943040 bytes, started while it was written)" in m.log.read_text()
 
 
 def test_restart_after_clean_umount_keeps_everything(mount_factory) -> None:  # type: ignore[no-untyped-def]

@@ -328,6 +328,31 @@ async def test_a_spill_stages_the_start_of_a_file_and_lands_whole_at_its_key(tar
     assert target.leftovers() == []
 
 
+async def test_spill_matches_tells_whether_the_staged_start_is_still_the_files(tmp_path: Path) -> None:
+    """What an early spill's finish relies on: its parts stayed writable in the cache."""
+    src = tmp_path / "src"
+    data = write(src, 3 * PART)
+    (tmp_path / "store").mkdir()
+    transfers = engine(LocalStore(tmp_path / "store"))
+    begun = await transfers.spill_begin(PART, early=True)
+    assert begun.early and await transfers.spill_matches(begun, str(src))  # nothing staged yet
+    state = begun
+    for _ in range(2):
+        state = await transfers.spill_part(state, str(src), PART)
+    assert await transfers.spill_matches(state, str(src))
+    fd = os.open(src, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"later", 2 * PART)  # beyond the staged start: still a match
+        assert await transfers.spill_matches(state, str(src))
+        os.pwrite(fd, bytes([data[PART + 7] ^ 1]), PART + 7)  # inside the second part
+    finally:
+        os.close(fd)
+    assert not await transfers.spill_matches(state, str(src))
+    os.truncate(src, PART)
+    assert not await transfers.spill_matches(state, str(src))
+    await transfers.abort_state(state)
+
+
 async def test_an_aborted_spill_leaves_nothing(target: Target, tmp_path: Path) -> None:
     write(tmp_path / "src", PART)
     transfers = engine(target.store)
