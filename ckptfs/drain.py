@@ -1020,7 +1020,9 @@ class Drain:
         self.stats.uploaded_bytes += state.size
         self.stats.upload_seconds += trio.current_time() - started
         self._record_upload(inode_id, current.key, version, state.checksum, state.size, write_ahead)  # type: ignore[arg-type]
-        log.info("uploaded %s (%d bytes, started while it was written)", current.key, state.size)
+        # Early spills are routine (DEBUG, as other uploads); a spill forced by a full cache is worth a line.
+        (log.debug if state.early else log.info)("uploaded %s (%d bytes, started while it was written)",
+                                                   current.key, state.size)
         if state.punched:
             self.on_spilled(inode_id)
 
