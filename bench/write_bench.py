@@ -183,6 +183,7 @@ class Mount:
     root: Path
     env: dict[str, str]
     upload_delay: float
+    mount_args: tuple[str, ...] = ()
     store: Path = field(init=False)
     mnt: Path = field(init=False)
     cache: Path = field(init=False)
@@ -201,7 +202,7 @@ class Mount:
         for d in (self.store, self.mnt):
             d.mkdir(parents=True, exist_ok=True)
         result = self.cli("mount", f"file://{self.store}", str(self.mnt), "--cache-dir", str(self.cache),
-                          "--daemon", "--upload-delay", str(self.upload_delay))
+                          "--daemon", "--upload-delay", str(self.upload_delay), *self.mount_args)
         if result.returncode != 0:
             raise BenchError(f"ckptfs mount failed: {(result.stderr or result.stdout).strip()}")
         started = time.perf_counter()
@@ -251,8 +252,8 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def fresh_mount(root: Path, env: dict[str, str], upload_delay: float) -> Iterator[Mount]:
-    mount = Mount(root, env, upload_delay)
+def fresh_mount(root: Path, env: dict[str, str], upload_delay: float, mount_args: tuple[str, ...]) -> Iterator[Mount]:
+    mount = Mount(root, env, upload_delay, mount_args)
     mount.remove_data()
     try:
         mount.mount()
@@ -393,7 +394,7 @@ def bench(args: argparse.Namespace, work: Path, workloads: list[Workload]) -> tu
             results.local.setdefault(w.name, []).append(seconds)
             print(f"run {run}/{args.runs} {w.name:<8} local   {seconds:7.2f}s", flush=True)
 
-            with fresh_mount(work, env, args.upload_delay) as mount:
+            with fresh_mount(work, env, args.upload_delay, tuple(args.mount_arg)) as mount:
                 target = mount.mnt / f"{w.name}.bin"
                 seconds = timed(w, target, args.sync)
                 size = target.stat().st_size
@@ -427,7 +428,7 @@ def run_profile(args: argparse.Namespace, work: Path, env: dict[str, str],
     out_dir = Path(args.profile)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / "daemon_seq.txt"
-    with fresh_mount(work, env, args.upload_delay) as mount:
+    with fresh_mount(work, env, args.upload_delay, tuple(args.mount_arg)) as mount:
         assert mount.pid is not None
         argv = [py_spy, "record", "--pid", str(mount.pid), "--rate", str(args.profile_rate),
                 "--format", "raw", "--output", str(raw), "--idle"]
@@ -501,6 +502,7 @@ def report(args: argparse.Namespace, workloads: list[Workload], results: Results
             "small_write_size": args.small_write_size,
             "sync_before_each_run": args.sync,
             "upload_delay": args.upload_delay,
+            "mount_args": args.mount_arg,
             "scratch_parent": str(args.dir),
             "order": "per run and workload: local then ckptfs (fresh mount each time)",
         },
@@ -524,6 +526,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-sync", dest="sync", action="store_false", help="do not sync before each timed run")
     p.add_argument("--upload-delay", type=float, default=2.0, help="ckptfs --upload-delay (2, its default)")
     p.add_argument("--flush-timeout", type=float, default=600)
+    p.add_argument("--mount-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for ckptfs mount, e.g. --mount-arg=--no-upload-while-writing (repeatable)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON,
                    help=f"results file ({DEFAULT_JSON.relative_to(REPO)})")
     p.add_argument("--profile", metavar="DIR", help="after the timed runs, profile the daemon with py-spy "

@@ -871,13 +871,8 @@ class Drain:
     async def _spill_state(self, inode: Inode) -> UploadState | None:
         """The spill this file has in progress, if it is still valid; a stale one (the file was truncated
         or rewritten since) is thrown away."""
-        if inode.upload_state is None:
-            return None
-        try:
-            state = UploadState.from_json(inode.upload_state)
-        except (ValueError, KeyError, TypeError):
-            return None
-        if not state.spilled:
+        state = _journaled_state(inode)
+        if state is None or not state.spilled:
             return None
         entry = self.cache.files.get(inode.id)
         # An early spill's parts are not sealed: a truncate below them (cache.resize lowers `staged`) ends it.
@@ -906,6 +901,9 @@ class Drain:
             state = await self.engine.spill_begin(self.spill_part_size, early=early)
             with self.journal.transaction():
                 self.journal.save_upload_state(inode_id, state.to_json())
+            entry = self.cache.files.get(inode_id)
+            if entry is not None:
+                entry.staged = 0  # what an earlier spill staged is another version's (it was completed)
             if early:
                 log.debug("uploading the start of %s while it is still being written", inode.path)
             else:

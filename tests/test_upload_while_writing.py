@@ -133,6 +133,30 @@ async def test_a_file_renamed_while_it_is_written_lands_under_its_new_name(
     check_consistency(stack)
 
 
+async def test_a_file_appended_to_after_its_early_upload_is_uploaded_again_whole(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """A second early spill of the same file (reopened without O_TRUNC) starts from nothing staged: it used
+    to see the first spill's count, discard itself and start again, round after round."""
+    stack = make_stack(tmp_path)
+    small_parts(stack)
+    await nursery.start(stack.drain.run)
+    fh, attr = stack.fs.create(ROOT_ID, b"log.bin", 0o644, os.O_WRONLY, UID, GID)
+    data = await write_parts(stack, fh, range(6))
+    await staged_bytes(stack, attr.ino, 2 * PART)
+    stack.fs.release(fh)
+    await stack.flush()
+    fh = await stack.fs.open(attr.ino, os.O_WRONLY)
+    data += await write_parts(stack, fh, range(6, 14))
+    await staged_bytes(stack, attr.ino, 8 * PART)
+    stack.fs.release(fh)
+    await stack.flush()
+    assert stack.store_files() == {"log.bin": data}
+    assert not [call for call in stack.store.calls if call[0] == "abort"]
+    assert not leftovers(stack)
+    check_consistency(stack)
+
+
 async def test_nothing_is_staged_while_writing_when_turned_off(tmp_path: Path, nursery: trio.Nursery) -> None:
     stack = make_stack(tmp_path, upload_while_writing=False)
     small_parts(stack)
