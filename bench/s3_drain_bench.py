@@ -103,7 +103,8 @@ def peak_rss(pid: int) -> int:
 
 
 def run_ckptfs(
-    server: S3Server, bucket: str, sources: list[Path], root: Path, tag: str, checkout: Path | None = None
+    server: S3Server, bucket: str, sources: list[Path], root: Path, tag: str, checkout: Path | None = None,
+    mount_args: tuple[str, ...] = (),
 ) -> dict[str, float]:
     mnt, cache = root / f"mnt-{tag}", root / f"cache-{tag}"
     mnt.mkdir()
@@ -112,7 +113,7 @@ def run_ckptfs(
     if checkout is not None:  # another version of ckptfs, for a before/after comparison in the same run
         env["PYTHONPATH"] = str(checkout)
     ckptfs("mount", f"s3://{bucket}/ckptfs-{tag}", str(mnt), "--cache-dir", str(cache), "--endpoint-url",
-           server.endpoint, "--metrics-addr", "off", "--daemon", env=env)
+           server.endpoint, "--metrics-addr", "off", "--daemon", *mount_args, env=env)
     try:
         pid = json.loads(ckptfs("status", str(mnt), "--json", env=env).stdout)["pid"]
         started = time.perf_counter()
@@ -159,6 +160,8 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     p.add_argument("--before", type=Path, help="a checkout of another ckptfs version to run side by side")
+    p.add_argument("--variant", metavar="ARGS", help="one more way, side by side: ckptfs mounted with these extra"
+                   " arguments (one string, e.g. '--upload-while-writing on')")
     args = p.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="ckptfs-s3-bench.", dir=args.dir))
@@ -182,6 +185,8 @@ def main() -> None:
                 ways: list[tuple[str, Any]] = [("local+boto3", run_local_boto3), ("ckptfs", run_ckptfs)]
                 if args.before is not None:
                     ways.append(("before", functools.partial(run_ckptfs, checkout=args.before)))
+                if args.variant:
+                    ways.append(("variant", functools.partial(run_ckptfs, mount_args=tuple(args.variant.split()))))
                 # Each way takes each place in turn: the one right after the local copy's writes used to be
                 # slower (its writeback) in every run.
                 ways = ways[run % len(ways):] + ways[:run % len(ways)]
@@ -211,9 +216,13 @@ def main() -> None:
     if args.before is not None:
         ratios |= {f"{w}: before durable / local+boto3 durable":
                    medians[f"{w} before durable"] / medians[f"{w} local+boto3 durable"] for w in workloads}
+    if args.variant:
+        ratios |= {f"{w}: variant durable / local+boto3 durable":
+                   medians[f"{w} variant durable"] / medians[f"{w} local+boto3 durable"] for w in workloads}
     for name, value in ratios.items():
         print(f"  {name:<44} {value:5.2f}x")
-    write_report(args.json, {"size_bytes": args.size, "runs": args.runs}, results, medians, ratios)
+    write_report(args.json, {"size_bytes": args.size, "runs": args.runs, "variant": args.variant}, results, medians,
+                 ratios)
 
 
 if __name__ == "__main__":

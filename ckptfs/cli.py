@@ -54,9 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--keep", action="append", help="retention: never delete names matching this glob")
     mount.add_argument("--upload-delay", type=float)
     mount.add_argument("--small-file-wait", type=float)
-    mount.add_argument("--upload-while-writing", action=argparse.BooleanOptionalAction, default=None,
-                       help="stage the written start of a large file while it is still open (default: on where"
-                            " the store needs no copy for it: file://, gs://)")
+    mount.add_argument("--upload-while-writing", choices=["auto", "on", "off"],
+                       help="upload a large file part by part while it is still open: auto (the default) where"
+                            " the store needs no copy at close for it (file://, gs://), on (also s3://, az://)")
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
     mount.add_argument("--part-size")

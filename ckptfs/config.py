@@ -67,11 +67,11 @@ class Config:
     files (up to 1 MiB) wait for a pause of 0.5 s before they upload, at most this many seconds more than
     upload_delay; 0: no wait."""
 
-    upload_while_writing: bool = True
+    upload_while_writing: str = "auto"
     """Stage the written start of a large file while it is still open, part by part, so that it is in the
-    store about one part after it is closed. Only on stores that can place a staged upload at any key with
-    its final metadata (file://, gs://); on s3:// and az:// it would cost a server-side copy of the whole
-    file at close, so there only a full cache does it."""
+    store about one part after it is closed: "auto" on stores that place a staged upload at any key with its
+    final metadata (file://, gs://); "on" also on s3:// and az://, where it costs a server-side copy of the
+    whole file at close (worth it for writers slower than that copy); "off": only a full cache does it."""
 
     transfers: int = 8
     """Files (or batches of small files) uploaded in parallel."""
@@ -175,7 +175,12 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, str) or not all(isinstance(v, str) for v in value):
             raise UsageError("commit_markers must be a list of glob strings")
         return tuple(value)
-    if name in ("allow_other", "daemon", "upload_while_writing"):
+    if name == "upload_while_writing":
+        mode = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value).lower()
+        if mode not in ("auto", "on", "off"):
+            raise UsageError(f"upload_while_writing must be auto, on or off, not {value!r}")
+        return mode
+    if name in ("allow_other", "daemon"):
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value

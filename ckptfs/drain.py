@@ -120,7 +120,7 @@ class Drain:
         upload_delay: float = 2.0,
         small_file_wait: float = 10.0,
         commit_markers: tuple[str, ...] = (),
-        upload_while_writing: bool = True,
+        upload_while_writing: str = "auto",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.journal = journal
@@ -160,7 +160,8 @@ class Drain:
         self.spill_lookahead = SPILL_LOOKAHEAD
         # Early spills: files being written are staged while the cache has room, where the store can then
         # place them at their key without a copy (see UploadState.early).
-        self.early_spills = upload_while_writing and self.store.limits.completes_anywhere
+        self.early_spills = upload_while_writing == "on" or (
+            upload_while_writing == "auto" and self.store.limits.completes_anywhere)
         # Called with an inode id once a spilled file is uploaded: its local copy has holes, evict it.
         self.on_spilled: Callable[[int], None] = lambda inode_id: None
         # Called once a commit marker is in the store: a checkpoint is complete (retention runs then).

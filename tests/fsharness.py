@@ -310,7 +310,7 @@ def make_stack(
     store = RecordingStore(LocalStore(root / "store"))
     engine = GatedTransfers(store, parts_in_flight=4)  # type: ignore[arg-type]
     drain = Drain(journal, cache, engine, transfers=2, upload_delay=upload_delay, small_file_wait=small_file_wait,
-                  commit_markers=markers, upload_while_writing=upload_while_writing)
+                  commit_markers=markers, upload_while_writing="auto" if upload_while_writing else "off")
     in_use: list[Filesystem] = []
     evictor = Evictor(
         journal, cache, in_use=lambda i: in_use[0].in_use(i), dirty_wait=dirty_wait, on_pressure=drain.set_pressure

@@ -12,6 +12,7 @@ from conftest import Mount, ckptfs_cli
 
 from ckptfs.cli import MALLOC_TUNABLE, _restart_with_malloc_pad, _with_malloc_pad
 from ckptfs.daemon import read_ahead_path
+from ckptfs.errors import UsageError
 
 
 def _one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -381,6 +382,17 @@ def test_effective_configuration_is_logged_without_credentials(tmp_path: Path) -
     line = _effective(config, CacheDir(tmp_path / "cache"))
     assert "secret" not in line and "user" not in line
     assert "endpoint_url http://127.0.0.1:9000" in line and "cache_size 80%" in line and "transfers 8" in line
+
+
+def test_upload_while_writing_takes_auto_on_off_and_booleans(tmp_path: Path) -> None:
+    from ckptfs.config import load_config
+
+    base = {"source": "s3://b/p", "mountpoint": tmp_path}
+    assert load_config(None, base).upload_while_writing == "auto"
+    for given, mode in ((True, "on"), (False, "off"), ("On", "on"), ("auto", "auto")):
+        assert load_config(None, {**base, "upload_while_writing": given}).upload_while_writing == mode
+    with pytest.raises(UsageError, match="auto, on or off"):
+        load_config(None, {**base, "upload_while_writing": "sometimes"})
 
 
 def test_a_journal_of_another_schema_is_one_clear_error(dirs: dict[str, Path]) -> None:
