@@ -368,11 +368,20 @@ class Model:
     def apply_log(self, plan: list[Op], log_path: Path, *, eio_at_kill: bool = False) -> tuple[Op | None, list[str]]:
         """Replay the writer's log. Returns the operation in flight when the log ends (None if the writer
         finished) and the failed operations, as text. eio_at_kill: the last entry, if it is an EIO, is the
-        kernel's answer to a request the killed daemon never answered: in flight, not a failure."""
+        kernel's answer to a request the killed daemon never answered: in flight, not a failure. So is one
+        followed only by closes: close(2) returns 0 on a dead mount (the release is never answered either)."""
         failures: list[str] = []
         next_index = 0
         partial: dict[int, int] = {}
         lines = log_path.read_text().splitlines()
+        closes_after = 0  # entries at the end of the log that are successful closes
+        for line in reversed(lines):
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                if "err" not in entry and "upto" not in entry and plan[entry["i"]]["op"] == "close":
+                    closes_after += 1
+                    continue
+            break
         for n, line in enumerate(lines):
             try:
                 entry = json.loads(line)
@@ -380,7 +389,7 @@ class Model:
                 break  # a torn last line cannot be: the writer fsyncs whole lines; stop at it anyway
             index = entry["i"]
             op = plan[index]
-            if eio_at_kill and n == len(lines) - 1 and entry.get("err") == errno.EIO:
+            if eio_at_kill and n == len(lines) - 1 - closes_after and entry.get("err") == errno.EIO:
                 if entry.get("upto"):
                     partial[index] = entry["upto"]
                 break
