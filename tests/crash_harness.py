@@ -128,19 +128,27 @@ class PlanBuilder:
             return self.rng.randint(1, 64 * KiB)
         if roll < 0.96:
             return self.rng.randint(64 * KiB, 2 * MiB)
-        return self.rng.randint(4 * MiB, 24 * MiB)
+        # Up to 40 MiB: with the small part sizes some rounds draw, files above 17 MiB upload while they are
+        # written (one part past the 16 MiB spill lookahead).
+        return self.rng.randint(4 * MiB, 40 * MiB)
 
     def add(self, op: Op) -> None:
         self.ops.append(op)
 
     def write_chunks(self, path: str, offset: int, size: int) -> None:
+        # Half the large writes are slow, as a trainer's are: the drain then sees the file open and growing
+        # (upload while writing) instead of closed a few milliseconds after its first byte.
+        pause = 0.03 if size > 16 * MiB and self.rng.random() < 0.5 else 0.0
         done = 0
         while done < size or (size == 0 and done == 0):
             n = min(WRITE_CHUNK, size - done)
             if n == 0:
                 break
-            self.add({"op": "write", "path": path, "offset": offset + done, "seed": self.rng.getrandbits(48),
-                      "size": n})
+            op: Op = {"op": "write", "path": path, "offset": offset + done, "seed": self.rng.getrandbits(48),
+                      "size": n}
+            if pause:
+                op["pause"] = pause
+            self.add(op)
             done += n
 
     def write_file(self, path: str, size: int, *, style: str | None = None) -> None:
@@ -1025,7 +1033,7 @@ def describe_round(index: int, r: RoundResult) -> str:
         parts.append("faults=" + ",".join(cfg.faults) + " fired=" + ",".join(f"{k}:{v}" for k, v in r.fired.items()))
     if cfg.full_cache:
         parts.append(f"filler={cfg.filler_mib}MiB enospc={sum('ENOSPC' in e for e in r.errors)} waits={r.waits}")
-    if cfg.kill == "spill":
+    if cfg.kill == "spill" or r.spills:
         parts.append(f"spilled_files={r.spills}")
     return "  ".join(parts)
 

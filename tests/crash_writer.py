@@ -10,6 +10,7 @@ The plan is a JSON list of operations; each is one system call on the mount (a w
   {"op": "mkdir", "path": p}                  {"op": "rmdir", "path": p}
   {"op": "open", "path": p, "trunc": bool}    O_WRONLY|O_CREAT (|O_TRUNC); the fd is kept under p
   {"op": "write", "path": p, "offset": o, "seed": s, "size": n}   pwrite of data_for(s, n) on p's fd
+                                   ("pause": seconds, on any op: sleep that long after it)
   {"op": "write_bytes", "path": p, "offset": o, "hex": h}          pwrite of bytes.fromhex(h)
   {"op": "fsync", "path": p}                  {"op": "close", "path": p}
   {"op": "truncate", "path": p, "size": n}    {"op": "unlink", "path": p}
@@ -29,6 +30,7 @@ import json
 import os
 import random
 import sys
+import time
 
 # The errnos of a mount whose daemon died: the operation in flight may or may not have been applied.
 DEAD_MOUNT = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV}
@@ -113,6 +115,8 @@ def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
             log.record({"i": index, "err": exc.errno or errno.EIO, "upto": written})
             continue
         log.record({"i": index})
+        if op.get("pause"):  # a slow writer (a trainer copying tensors out of the GPU)
+            time.sleep(float(op["pause"]))  # type: ignore[arg-type]
     for fd in fds.values():
         os.close(fd)
     return 0
