@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--upload-delay", type=float)
     mount.add_argument("--small-file-wait", type=float)
     mount.add_argument("--upload-while-writing", choices=["auto", "on", "off"],
-                       help="upload a large file part by part while it is still open: auto (the default) where"
-                            " the store needs no copy at close for it (file://, gs://), on (also s3://, az://)")
+                       help="upload a large file part by part while it is still open: auto where the store needs"
+                            " no copy at close for it (file://, gs://), on (also s3://, az://), off (the default)")
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
     mount.add_argument("--part-size")

@@ -67,11 +67,12 @@ class Config:
     files (up to 1 MiB) wait for a pause of 0.5 s before they upload, at most this many seconds more than
     upload_delay; 0: no wait."""
 
-    upload_while_writing: str = "auto"
+    upload_while_writing: str = "off"
     """Stage the written start of a large file while it is still open, part by part, so that it is in the
-    store about one part after it is closed: "auto" on stores that place a staged upload at any key with its
-    final metadata (file://, gs://); "on" also on s3:// and az://, where it costs a server-side copy of the
-    whole file at close (worth it for writers slower than that copy); "off": only a full cache does it."""
+    store soon after it is closed: "auto" on stores that place a staged upload at any key with its final
+    metadata (file://, gs://); "on" also on s3:// and az://, where it costs a server-side copy of the whole
+    file at close; "off" (the default): only a full cache does it. It shortens the time from close to
+    durable, and lengthens the save when the writer is as fast as the disk (they share it and the CPU)."""
 
     transfers: int = 8
     """Files (or batches of small files) uploaded in parallel."""

@@ -120,7 +120,7 @@ class Drain:
         upload_delay: float = 2.0,
         small_file_wait: float = 10.0,
         commit_markers: tuple[str, ...] = (),
-        upload_while_writing: str = "auto",
+        upload_while_writing: str = "off",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.journal = journal
@@ -952,21 +952,30 @@ class Drain:
         path = self.cache.data_path(inode_id)
         while not self._pressure:
             entry = self.cache.files.get(inode_id)
-            if entry is None or entry.size - self.spill_lookahead - state.size < part:
+            if entry is None:
                 return
-            state = await self.engine.spill_part(state, path, part)
+            ready = (entry.size - self.spill_lookahead - state.size) // part * part
+            if ready <= 0:
+                return
+            # All the parts written meanwhile at once, in parallel (a writer can be faster than one part at a
+            # time), and the cache file to disk with them: else all of it is written back in the fsync
+            # before the file is called clean, seconds after close on a slow disk.
+            staged = state.size
+            state = await self.engine.spill_parts(state, path, staged + ready, sync_source=True)
             current = self.journal.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
                 await self.engine.abort_state(state)  # removed meanwhile: nothing will finish this spill
                 self._forget_upload_state(inode_id, state)
                 return
-            if entry.staged != state.size - part:  # truncated meanwhile (cache.resize lowered it)
+            if entry.staged != staged:  # truncated meanwhile (cache.resize lowered it)
                 await self._discard_spill(current, state, "it was truncated")
                 return
             with self.journal.transaction():
                 self.journal.save_upload_state(inode_id, state.to_json())
             entry.staged = state.size
-            self.stats.spilled_bytes += part
+            self.stats.spilled_bytes += ready
+            if current.closed_at is not None:
+                return  # closed: its upload stages the rest, parts in parallel, and need not wait for this
 
     async def _discard_spill(self, inode: Inode, state: UploadState, why: str) -> None:
         log.info("%s: discarding the part of it uploaded while it was written (%s)", inode.path, why)
@@ -997,9 +1006,8 @@ class Drain:
             entry = self.cache.file(inode_id)
             if not state.early:  # an early spill's file stays writable: a change is caught by its version
                 entry.sealed = entry.size
-            while state.size < entry.size:
-                length = min(state.part_size, entry.size - state.size)
-                state = await self.engine.spill_part(state, path, length, priority=self._priority(inode))
+            if state.size < entry.size:
+                state = await self.engine.spill_parts(state, path, entry.size, priority=self._priority(inode))
                 with self.journal.transaction():
                     self.journal.save_upload_state(inode_id, state.to_json())
             current = self.journal.get(inode_id)

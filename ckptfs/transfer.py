@@ -354,6 +354,17 @@ def _read_small_files(files: Sequence[SmallFile]) -> list[bytes | BaseException]
     return read
 
 
+def _fdatasync_path(path: str, key: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise _source_error(exc, key) from exc
+
+
 def _source_error(exc: OSError, key: str) -> BackendError:
     if exc.errno == errno.ENOENT:
         return NotFoundBackendError(f"{key}: source file vanished")
@@ -896,6 +907,42 @@ class Transfers:
         part, crc = await self._put_part(state.ref, number, state.size, length, src_path, None, priority)
         whole = crc32_combine(crc_of(state.checksum), crc, length) if state.size else crc
         return replace(state, size=state.size + length, checksum=crc_text(whole), parts=(*state.parts, part))
+
+    async def spill_parts(
+        self, state: UploadState, src_path: str, end: int, *, priority: Priority = Priority.UPLOAD,
+        sync_source: bool = False,
+    ) -> UploadState:
+        """Stage src_path's bytes from state.size up to `end`, in parts of state.part_size in parallel as for
+        any upload; return the new state. Nothing is journaled in between: after a crash they are all staged
+        again, under the same part numbers. `sync_source` then fdatasyncs src_path: a file being written goes
+        to disk a batch at a time, not all at once before it is called clean (spill_matches)."""
+        part_size = state.part_size
+        offsets = list(range(state.size, end, part_size))
+        first = len(state.parts) + 1
+        if first + len(offsets) - 1 > self.store.limits.max_parts:
+            raise PermanentBackendError(f"a spilled file needs more than {self.store.limits.max_parts} parts;"
+                                        " raise part_size")
+        done: list[tuple[UploadPart, int]] = []
+        todo = list(enumerate(offsets))
+
+        async def worker() -> None:
+            while todo:
+                index, offset = todo.pop(0)
+                part, crc = await self._put_part(state.ref, first + index, offset, min(part_size, end - offset),
+                                                 src_path, None, priority)
+                done.append((part, crc))
+
+        async with _parallel() as nursery:
+            for _ in range(min(self.parts_in_flight, len(todo))):
+                nursery.start_soon(worker)
+        if sync_source:
+            await trio.to_thread.run_sync(_fdatasync_path, src_path, state.key, limiter=self._part_threads)
+        for part, crc in sorted(done, key=lambda item: item[0].number):
+            length = min(part_size, end - state.size)  # the part at state.size: parts go in order
+            state = replace(state, size=state.size + length, parts=(*state.parts, part),
+                            checksum=crc_text(crc32_combine(crc_of(state.checksum), crc, length) if state.size
+                                              else crc))
+        return state
 
     async def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
         """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum: where

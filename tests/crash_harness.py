@@ -662,6 +662,7 @@ class RoundConfig:
     # --part-size of the daemons: a small one makes shards of more than 17 MiB upload while they are written
     # (early spills, on stores that complete a staged upload at any key: file://)
     part_size: str = "64M"
+    upload_while_writing: str = "off"  # "on": SeaweedFS rounds stage at a hidden key and copy at close
 
 
 @dataclass
@@ -773,7 +774,7 @@ class Harness:
             filler_mib=rng.choice([0, 8, 16]) if self.args.full_cache else 0,
             # `mv step_100 step_100.bak` on a fresh node lists nothing first; `rm -r` lists: both, by turns
             unlisted_dir_ops=(rng.random() < 0.5) or self.args.unlisted_dir_ops,  # drawn either way: replays
-            part_size=rng.choice(["64M", "1M", "2M"]),
+            part_size=rng.choice(["64M", "1M", "2M"]), upload_while_writing=rng.choice(["off", "auto", "on"]),
         )
 
     def new_store(self, index: int) -> StoreView:
@@ -882,7 +883,7 @@ class Harness:
         model = Model()
         step_no = 0
         node = round_dir / "node-a"
-        extra: tuple[str, ...] = ("--part-size", cfg.part_size)
+        extra: tuple[str, ...] = ("--part-size", cfg.part_size, "--upload-while-writing", cfg.upload_while_writing)
         if cfg.kill == "spill":
             extra = ("--cache-size", "24M", "--part-size", "5M", "--min-free", "0")
         if self.proxy is not None:

@@ -299,7 +299,7 @@ class Stack:
 def make_stack(
     root: Path, *, upload_delay: float = 0.0, markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS,
     cache_size: int | None = None, dirty_wait: float = 600.0, small_file_wait: float = 0.0,
-    upload_while_writing: bool = True,
+    upload_while_writing: bool = False,
 ) -> Stack:
     """Wired like daemon.py. `cache_size` (bytes) sets a budget (min_free 0); the evictor's background
     task runs only if a test starts it (stack.fs.evictor.run)."""

@@ -388,7 +388,7 @@ def test_upload_while_writing_takes_auto_on_off_and_booleans(tmp_path: Path) -> 
     from ckptfs.config import load_config
 
     base = {"source": "s3://b/p", "mountpoint": tmp_path}
-    assert load_config(None, base).upload_while_writing == "auto"
+    assert load_config(None, base).upload_while_writing == "off"
     for given, mode in ((True, "on"), (False, "off"), ("On", "on"), ("auto", "auto")):
         assert load_config(None, {**base, "upload_while_writing": given}).upload_while_writing == mode
     with pytest.raises(UsageError, match="auto, on or off"):

@@ -89,7 +89,7 @@ def test_kill9_while_a_file_being_written_is_uploaded_then_resume(mount_factory)
     """Upload while writing: the start of a large file goes to the store while the writer still has it open.
     kill -9 then: nothing at its key, and after the restart the file as written goes up whole, its staged
     start checked against the cache and used, and no staged leftovers remain."""
-    m: Mount = mount_factory(upload_delay=0, extra_args=("--part-size", "8M"))
+    m: Mount = mount_factory(upload_delay=0, extra_args=("--part-size", "8M", "--upload-while-writing", "auto"))
     data = os.urandom(1 << 20) * 40
     fd = os.open(m.mnt / "big.pt", os.O_WRONLY | os.O_CREAT, 0o644)
     try:

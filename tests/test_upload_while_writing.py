@@ -53,7 +53,7 @@ def leftovers(stack: Stack) -> list[Path]:
 async def test_a_file_being_written_is_staged_and_placed_at_its_key_without_a_copy(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    stack = make_stack(tmp_path)
+    stack = make_stack(tmp_path, upload_while_writing=True)
     small_parts(stack)
     await nursery.start(stack.drain.run)
     fh, attr = stack.fs.create(ROOT_ID, b"big.pt", 0o640, os.O_WRONLY, UID, GID)
@@ -80,7 +80,7 @@ async def test_a_write_into_a_staged_part_still_gives_the_file_as_closed(
 ) -> None:
     """A pressure spill refuses such a write (EIO); an early one keeps the file writable and, finding at close
     that the staged start is no longer the file's, uploads it whole."""
-    stack = make_stack(tmp_path)
+    stack = make_stack(tmp_path, upload_while_writing=True)
     small_parts(stack)
     await nursery.start(stack.drain.run)
     fh, attr = stack.fs.create(ROOT_ID, b"header.bin", 0o644, os.O_RDWR, UID, GID)
@@ -99,7 +99,7 @@ async def test_a_write_into_a_staged_part_still_gives_the_file_as_closed(
 async def test_a_truncate_and_rewrite_while_staged_gives_the_new_content(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    stack = make_stack(tmp_path)
+    stack = make_stack(tmp_path, upload_while_writing=True)
     small_parts(stack)
     await nursery.start(stack.drain.run)
     fh, attr = stack.fs.create(ROOT_ID, b"f", 0o644, os.O_WRONLY, UID, GID)
@@ -117,7 +117,7 @@ async def test_a_truncate_and_rewrite_while_staged_gives_the_new_content(
 async def test_a_file_renamed_while_it_is_written_lands_under_its_new_name(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    stack = make_stack(tmp_path)
+    stack = make_stack(tmp_path, upload_while_writing=True)
     small_parts(stack)
     await nursery.start(stack.drain.run)
     fh, attr = stack.fs.create(ROOT_ID, b"ckpt.tmp", 0o644, os.O_WRONLY, UID, GID)
@@ -138,7 +138,7 @@ async def test_a_file_appended_to_after_its_early_upload_is_uploaded_again_whole
 ) -> None:
     """A second early spill of the same file (reopened without O_TRUNC) starts from nothing staged: it used
     to see the first spill's count, discard itself and start again, round after round."""
-    stack = make_stack(tmp_path)
+    stack = make_stack(tmp_path, upload_while_writing=True)
     small_parts(stack)
     await nursery.start(stack.drain.run)
     fh, attr = stack.fs.create(ROOT_ID, b"log.bin", 0o644, os.O_WRONLY, UID, GID)
