@@ -124,11 +124,14 @@ class Workload:
     run: Callable[[Path], None]
 
 
-def seq_workload(total: int, write_size: int) -> Workload:
+def seq_workload(total: int, write_size: int, rate: float = 0.0) -> Workload:
+    """`rate` (bytes per second, 0: as fast as it goes) paces the writes: a slow writer, such as a trainer
+    copying tensors out of GPUs, for which uploading while writing pays (--write-rate)."""
     view = memoryview(bytearray(os.urandom(write_size)))  # preallocated once; random, so nothing compresses
 
     def run(path: Path) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        started = time.perf_counter()
         try:
             left = total
             while left:
@@ -137,10 +140,13 @@ def seq_workload(total: int, write_size: int) -> Workload:
                     written = os.write(fd, chunk)
                     chunk = chunk[written:]
                     left -= written
+                if rate and (ahead := (total - left) / rate - (time.perf_counter() - started)) > 0:
+                    time.sleep(ahead)
         finally:
             os.close(fd)
 
-    return Workload("seq", f"sequential write {human(total)}, {human(write_size)} writes", total, run)
+    paced = f" at {human(int(rate))}/s" if rate else ""
+    return Workload("seq", f"sequential write {human(total)}, {human(write_size)} writes{paced}", total, run)
 
 
 def bufwrite_workload(total: int, piece: int) -> Workload:
@@ -498,6 +504,7 @@ def report(args: argparse.Namespace, workloads: list[Workload], results: Results
             "runs": args.runs,
             "seq_size": args.seq_size,
             "write_size": args.write_size,
+            "write_rate": args.write_rate,
             "save_size": args.save_size,
             "small_write_size": args.small_write_size,
             "sync_before_each_run": args.sync,
@@ -517,6 +524,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="interleaved runs per workload (median reported)")
     p.add_argument("--seq-size", type=parse_size, default=2 * GIB, help="bytes of the seq workload (2G)")
     p.add_argument("--write-size", type=parse_size, default=1 * MIB, help="size of each seq write (1M)")
+    p.add_argument("--write-rate", type=parse_size, default=0,
+                   help="pace the seq workload to this many bytes per second, e.g. 200M (default: unpaced)")
     p.add_argument("--save-size", type=parse_size, default=1 * GIB, help="bytes of the state dict (1G)")
     p.add_argument("--small-write-size", type=parse_size, default=16 * 1024,
                    help="write size of the bufwrite workload (16K)")
@@ -551,7 +560,7 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
     built = []
     for name in args.workload_names:
         if name == "seq":
-            built.append(seq_workload(args.seq_size, args.write_size))
+            built.append(seq_workload(args.seq_size, args.write_size, args.write_rate))
         elif name == "save":
             print(f"building a {human(args.save_size)} state dict ...", flush=True)
             built.append(save_workload(args.save_size))

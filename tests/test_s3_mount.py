@@ -66,6 +66,30 @@ def test_checkpoints_land_in_the_bucket(mount_factory, seaweedfs_s3: S3Server, b
     assert torch.equal(torch.load(fresh.mnt / "step_1" / "model.pt")["w"], state["w"])
 
 
+def test_upload_while_writing_on_s3_stages_at_a_hidden_key_and_copies_at_close(
+    mount_factory, seaweedfs_s3: S3Server, bucket: str  # type: ignore[no-untyped-def]
+) -> None:
+    """`--upload-while-writing on`: S3 fixes an upload's key and metadata when it opens, so the parts of a file
+    being written go to a hidden key; at close the rest follows, the whole is copied to its key with its
+    metadata and the hidden object is deleted. A slow writer (a pause per 1 MiB) is seen growing."""
+    m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--upload-while-writing", "on", "--part-size", "8M")
+    data = os.urandom(MiB) * 40
+    with open(m.mnt / "model.pt", "wb", buffering=0) as f:
+        for offset in range(0, len(data), MiB):
+            f.write(data[offset:offset + MiB])
+            time.sleep(0.01)
+        deadline = time.monotonic() + 30
+        while m.status()["uploaded"]["spilled_bytes"] < 8 * MiB:  # staged while still open
+            assert time.monotonic() < deadline, "nothing was uploaded while the file was written"
+            time.sleep(0.05)
+        assert _objects(seaweedfs_s3, bucket, "run-1/") == {}
+    m.flush()
+    assert _objects(seaweedfs_s3, bucket, "run-1/") == {"model.pt": data}
+    keys = [o["Key"] for o in seaweedfs_s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert keys == ["run-1/model.pt"], keys  # no hidden spill object left behind
+    assert m.status()["states"]["clean"]["files"] == 1
+
+
 def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--part-size", "16M", "--transfers", "1")
     block = os.urandom(MiB)
