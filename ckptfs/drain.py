@@ -922,7 +922,7 @@ class Drain:
                 return
             # Seal the part first: a write into it from now on fails instead of going unnoticed.
             entry.sealed = state.size + part
-            state = await self.engine.spill_part(state, path, part)
+            state = await self.engine.spill_parts(state, path, state.size + part)
             current = self.journal.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
                 await self.engine.abort_state(state)  # removed meanwhile: nothing will finish this spill

@@ -354,6 +354,14 @@ def _read_small_files(files: Sequence[SmallFile]) -> list[bytes | BaseException]
     return read
 
 
+def _whole_crc(crcs: Sequence[int], part_size: int, size: int) -> int:
+    """The CRC32 of a file of `size` bytes from the CRC32s of its parts of `part_size`, in order."""
+    whole = crcs[0]
+    for index in range(1, len(crcs)):
+        whole = crc32_combine(whole, crcs[index], min(part_size, size - index * part_size))
+    return whole
+
+
 def _fdatasync_path(path: str, key: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -612,10 +620,7 @@ class Transfers:
         reusable = resume is not None and resume.key == key and resume.size == size and not resume.spilled
         part_size = resume.part_size if reusable and resume is not None else self.upload_part_size(size)
         crcs = await self._scan(fd, size, part_size, key)
-        whole = crcs[0]
-        for index in range(1, len(crcs)):
-            whole = crc32_combine(whole, crcs[index], min(part_size, size - index * part_size))
-        checksum = crc_text(whole)
+        checksum = crc_text(_whole_crc(crcs, part_size, size))
 
         state: UploadState | None = None
         if resume is not None:
@@ -891,22 +896,7 @@ class Transfers:
                     return False
         finally:
             os.close(fd)
-        whole = crcs[0]
-        for index, crc in enumerate(crcs[1:], start=1):
-            whole = crc32_combine(whole, crc, min(state.part_size, state.size - index * state.part_size))
-        return crc_text(whole) == state.checksum
-
-    async def spill_part(
-        self, state: UploadState, src_path: str, length: int, *, priority: Priority = Priority.UPLOAD
-    ) -> UploadState:
-        """Stage the next `length` bytes of src_path (from offset state.size); return the new state."""
-        number = len(state.parts) + 1
-        if number > self.store.limits.max_parts:
-            raise PermanentBackendError(f"a spilled file needs more than {self.store.limits.max_parts} parts;"
-                                        " raise part_size")
-        part, crc = await self._put_part(state.ref, number, state.size, length, src_path, None, priority)
-        whole = crc32_combine(crc_of(state.checksum), crc, length) if state.size else crc
-        return replace(state, size=state.size + length, checksum=crc_text(whole), parts=(*state.parts, part))
+        return crc_text(_whole_crc(crcs, state.part_size, state.size)) == state.checksum
 
     async def spill_parts(
         self, state: UploadState, src_path: str, end: int, *, priority: Priority = Priority.UPLOAD,
@@ -937,12 +927,14 @@ class Transfers:
                 nursery.start_soon(worker)
         if sync_source:
             await trio.to_thread.run_sync(_fdatasync_path, src_path, state.key, limiter=self._part_threads)
-        for part, crc in sorted(done, key=lambda item: item[0].number):
-            length = min(part_size, end - state.size)  # the part at state.size: parts go in order
-            state = replace(state, size=state.size + length, parts=(*state.parts, part),
-                            checksum=crc_text(crc32_combine(crc_of(state.checksum), crc, length) if state.size
-                                              else crc))
-        return state
+        done.sort(key=lambda item: item[0].number)
+        whole, offset = (crc_of(state.checksum) if state.size else None), state.size
+        for _, crc in done:
+            length = min(part_size, end - offset)
+            whole = crc if whole is None else crc32_combine(whole, crc, length)
+            offset += length
+        return replace(state, size=end, parts=(*state.parts, *(part for part, _ in done)),
+                       checksum=crc_text(whole if whole is not None else 0))
 
     async def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
         """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum: where

@@ -310,13 +310,14 @@ async def test_commit_after_a_lost_complete_answer_succeeds(s3_target: Target, t
 
 
 async def test_a_spill_stages_the_start_of_a_file_and_lands_whole_at_its_key(target: Target, tmp_path: Path) -> None:
-    data = write(tmp_path / "src", 2 * PART + 777)
+    data = write(tmp_path / "src", 4 * PART + 777)
     transfers = engine(target.store)
     state = await transfers.spill_begin(PART)
-    state = await transfers.spill_part(state, str(tmp_path / "src"), PART)
-    state = await transfers.spill_part(state, str(tmp_path / "src"), PART)
+    state = await transfers.spill_parts(state, str(tmp_path / "src"), PART)  # one part, as under pressure
+    state = await transfers.spill_parts(state, str(tmp_path / "src"), 3 * PART)  # two at once (early spills)
+    assert (state.size, state.checksum, len(state.parts)) == (3 * PART, _crc(data[:3 * PART]), 3)
     state = UploadState.from_json(state.to_json())  # as a restarted daemon reads it from the journal
-    state = await transfers.spill_part(state, str(tmp_path / "src"), 777)
+    state = await transfers.spill_parts(state, str(tmp_path / "src"), 4 * PART + 777)  # the rest, at close
     assert (state.size, state.checksum) == (len(data), _crc(data))
     assert target.store.head("final/key") is None
     meta = ObjectMeta(mtime_ns=1_750_000_000_000_000_000, mode=0o600)
@@ -338,7 +339,7 @@ async def test_spill_matches_tells_whether_the_staged_start_is_still_the_files(t
     assert begun.early and await transfers.spill_matches(begun, str(src))  # nothing staged yet
     state = begun
     for _ in range(2):
-        state = await transfers.spill_part(state, str(src), PART)
+        state = await transfers.spill_parts(state, str(src), state.size + PART)
     assert await transfers.spill_matches(state, str(src))
     fd = os.open(src, os.O_WRONLY)
     try:
@@ -356,7 +357,7 @@ async def test_spill_matches_tells_whether_the_staged_start_is_still_the_files(t
 async def test_an_aborted_spill_leaves_nothing(target: Target, tmp_path: Path) -> None:
     write(tmp_path / "src", PART)
     transfers = engine(target.store)
-    state = await transfers.spill_part(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
+    state = await transfers.spill_parts(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
     await transfers.abort_state(state)
     assert target.leftovers() == []
 
@@ -366,7 +367,7 @@ async def test_a_sweep_spares_the_uploads_this_process_works_on(target: Target, 
     await _interrupted_upload(target.store, "killed", tmp_path / "src")  # a killed run's, same owner
     transfers = engine(target.store)
     staged = await transfers.stage_upload("live", str(tmp_path / "src"), META, progress=lambda state: None)
-    spill = await transfers.spill_part(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
+    spill = await transfers.spill_parts(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
     assert await transfers.sweep_leftovers() == 1  # the killed run's only
     await transfers.commit_upload(staged)
     await transfers.spill_commit(spill, "spilled", META)
