@@ -946,8 +946,9 @@ class Drain:
 
     async def _spill_early(self, inode_id: int, state: UploadState) -> None:
         """Stage the parts of a file being written that its writer is done with (all but the last
-        spill_lookahead bytes), while the cache has room, and journal each. Nothing is sealed: a write into
-        a staged part is found when the file is closed (_finish_spill), and the file is then uploaded whole."""
+        spill_lookahead bytes), while the cache has room, a batch at a time, journaling each batch. Nothing
+        is sealed: a write into a staged part is found when the file is closed (_early_spill_holds), and the
+        file is then uploaded whole."""
         part = state.part_size
         path = self.cache.data_path(inode_id)
         while not self._pressure:
