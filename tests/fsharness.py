@@ -3,6 +3,7 @@ LocalStore, wrapped in a store that records every call and can hold or fail them
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -278,18 +279,30 @@ class Stack:
         assert inode is not None and inode.kind == DIR, path
         return inode.id
 
+    def _store_walk(self) -> Iterator[tuple[str, list[str], list[str]]]:
+        """os.walk of the store without its temp entries. The drain runs meanwhile: the store's staging
+        directory comes and goes with every upload (Path.rglob failed when it went between the listing of
+        the root and its own), so what vanishes while it is walked is skipped."""
+        for top, dirnames, filenames in os.walk(self.store.inner.root):
+            dirnames[:] = sorted(d for d in dirnames if TEMP_PREFIX not in d)
+            yield top, dirnames, sorted(f for f in filenames if TEMP_PREFIX not in f)
+
     def store_files(self) -> dict[str, bytes]:
         root = self.store.inner.root
         out = {}
-        for p in sorted(root.rglob("*")):
-            if p.is_file() and not p.is_symlink() and TEMP_PREFIX not in str(p.relative_to(root)):
-                out[str(p.relative_to(root))] = p.read_bytes()
-        return out
+        for top, _, filenames in self._store_walk():
+            for name in filenames:
+                path = Path(top, name)
+                if path.is_symlink():
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    out[str(path.relative_to(root))] = path.read_bytes()
+        return dict(sorted(out.items()))
 
     def store_dirs(self) -> set[str]:
         root = self.store.inner.root
-        return {str(p.relative_to(root)) for p in root.rglob("*")
-                if p.is_dir() and not p.is_symlink() and TEMP_PREFIX not in str(p.relative_to(root))}
+        return {str(Path(top, d).relative_to(root)) for top, dirnames, _ in self._store_walk() for d in dirnames
+                if not Path(top, d).is_symlink()}
 
     async def flush(self, seconds: float = 20) -> None:
         result = await self.drain.flush(None, trio.current_time() + seconds)
