@@ -19,7 +19,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -402,13 +402,25 @@ class Drain:
     def _drop_durable(
         self, items: dict[int, int], deletes: dict[int, str], only: set[tuple[str, int]] | None = None
     ) -> None:
-        """Remove from `items`/`deletes` what is durable now; look only at the jobs in `only` if given."""
-        for inode_id, version in list(items.items()):
-            if (only is None or ("inode", inode_id) in only) and _durable(self.journal.get(inode_id), version):
-                del items[inode_id]
-        for delete_id in list(deletes):
-            if (only is None or ("delete", delete_id) in only) and not self.journal.delete_pending(delete_id):
-                del deletes[delete_id]
+        """Remove from `items`/`deletes` what is durable now; look only at the jobs in `only` if given.
+        A flush of thousands of small files calls this every FLUSH_POLL: it reads the journal once per
+        batch of ids, not once per file, so that the wait does not take the GIL from the drain it waits on."""
+        if only is None:
+            inode_ids: Collection[int] = list(items)
+            delete_ids: Collection[int] = list(deletes)
+        else:
+            inode_ids = [ident for kind, ident in only if kind == "inode" and ident in items]
+            delete_ids = [ident for kind, ident in only if kind == "delete" and ident in deletes]
+        if inode_ids:
+            current = self.journal.get_many(inode_ids)
+            for inode_id in inode_ids:
+                if _durable(current.get(inode_id), items[inode_id]):
+                    del items[inode_id]
+        if delete_ids:
+            still_pending = self.journal.deletes_pending(delete_ids)
+            for delete_id in delete_ids:
+                if delete_id not in still_pending:
+                    del deletes[delete_id]
 
     def _scan(self) -> tuple[list[Job], float]:
         """Work that may start now, in order, and the trio time at which more becomes due. Reads only
@@ -796,9 +808,10 @@ class Drain:
             """The files read that are still what was chosen, each with its write-ahead delete queued."""
             wanted = []
             with self.journal.transaction():
+                now = self.journal.get_many([chosen[index][1].id for index in read])
                 for index in read:
                     _, inode = chosen[index]
-                    current = self.journal.get(inode.id)
+                    current = now.get(inode.id)
                     if current is None or current.key != inode.key or current.version != inode.version:
                         continue  # changed, moved or gone: not put (see _upload)
                     write_aheads[index] = self._queue_write_ahead(inode.key)  # type: ignore[arg-type]
@@ -1084,6 +1097,8 @@ class Drain:
         markers = []
         with self.journal.transaction():
             for item in done:
+                # One at a time, not get_many: recording one object may change another's row (release_key
+                # forgets a copy that lived at this key), and a stale row would delete what was just put.
                 current = self.journal.get(item.inode_id)
                 if current is None or current.path is None:
                     continue  # removed while the object was committed: the write-ahead delete removes the object

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -174,6 +174,8 @@ class PendingDelete(NamedTuple):
 
 
 _COLUMNS = ", ".join(Inode._fields)
+# Below SQLite's smallest limit on bound parameters (999 before 3.32).
+_IDS_PER_QUERY = 900
 
 
 def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:
@@ -271,6 +273,28 @@ class Journal:
 
     def get(self, inode_id: int) -> Inode | None:
         return self._one(f"SELECT {_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+
+    def get_many(self, inode_ids: Collection[int]) -> dict[int, Inode]:
+        """The inodes among `inode_ids` that exist, by id: one query per thousand ids, not one each."""
+        ids = list(inode_ids)
+        found: dict[int, Inode] = {}
+        for start in range(0, len(ids), _IDS_PER_QUERY):
+            chunk = ids[start:start + _IDS_PER_QUERY]
+            marks = ", ".join("?" * len(chunk))
+            for inode in self._all(f"SELECT {_COLUMNS} FROM inodes WHERE id IN ({marks})", tuple(chunk)):
+                found[inode.id] = inode
+        return found
+
+    def deletes_pending(self, delete_ids: Collection[int]) -> set[int]:
+        """Those of `delete_ids` still waiting in pending_deletes."""
+        ids = list(delete_ids)
+        pending: set[int] = set()
+        for start in range(0, len(ids), _IDS_PER_QUERY):
+            chunk = ids[start:start + _IDS_PER_QUERY]
+            marks = ", ".join("?" * len(chunk))
+            rows = self.db.execute(f"SELECT id FROM pending_deletes WHERE id IN ({marks})", tuple(chunk))
+            pending.update(row[0] for row in rows)
+        return pending
 
     def lookup(self, parent: int, name: str) -> Inode | None:
         return self._one(f"SELECT {_COLUMNS} FROM inodes WHERE parent = ? AND name = ?", (parent, name))
@@ -497,9 +521,6 @@ class Journal:
             _prefix_range(path + "/"),
         ).fetchone()[0]
         return max(len(path.encode()), int(below or 0))
-
-    def delete_pending(self, delete_id: int) -> bool:
-        return self.db.execute("SELECT 1 FROM pending_deletes WHERE id = ?", (delete_id,)).fetchone() is not None
 
     def pending_uploads(self, limit: int = -1) -> list[Inode]:
         """Linked inodes whose content or marker the store lacks (dirty or mid-upload), oldest work first."""

@@ -117,3 +117,31 @@ def test_renaming_a_directory_reads_its_subtree_not_the_namespace(tmp_path: Path
     assert journal.pending_delete_keys_under("step_0007/") == {"step_0007/sub/"}
     assert journal.pending_delete_keys_under("") == {"step_0007/sub/"}
     assert journal.pending_delete_keys_under("step_0007/sub/x") == set()
+
+
+def test_many_inodes_and_deletes_are_read_a_batch_at_a_time(tmp_path: Path) -> None:
+    """A flush waiting on 2,000 small files read the journal once per file every 50 ms (Drain._drop_durable),
+    taking the GIL from the uploads it waited on. get_many and deletes_pending answer for any number of ids
+    in a few queries, and leave out what is gone."""
+    journal = Journal(tmp_path / "journal.db")
+    _uploaded_namespace(journal, 2000)
+    ids = [row[0] for row in journal.db.execute("SELECT id FROM inodes WHERE id != ? ORDER BY id", (ROOT_ID,))]
+    with journal.transaction():
+        gone = journal.get(ids[1500])
+        assert gone is not None
+        journal.detach(gone)
+        journal.purge(gone.id)
+        deletes = [journal.queue_delete(f"gone/{i}") for i in range(1200)]
+        for delete_id in deletes[::3]:
+            journal.delete_done(delete_id)
+    statements: list[str] = []
+    journal.db.set_trace_callback(statements.append)
+    try:
+        found = journal.get_many([*ids, 10**9])
+        pending = journal.deletes_pending(deletes)
+    finally:
+        journal.db.set_trace_callback(None)
+    assert len(statements) <= 6, statements
+    assert set(found) == set(ids) - {ids[1500]}
+    assert all(found[i] == journal.get(i) for i in ids[::97] if i != ids[1500])
+    assert pending == set(deletes) - set(deletes[::3])
