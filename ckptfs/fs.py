@@ -77,12 +77,32 @@ class RoomNeeded(Exception):
     """The cache is over its budget: await Filesystem.wait_for_room(), then repeat the write."""
 
 
+# A read of a file opened while it was remote (streamed from the store) leaves the bytes it served in the
+# kernel's page cache of the mount's file; the cache file's own pages of them are a second copy, as large
+# as the checkpoint. Those more than SHED_LAG behind the reader are advised away every SHED_STEP: the first
+# advice starts their writeback (dirty pages are never dropped), the next one, SHED_LAG later, drops them.
+SHED_LAG = 32 << 20
+SHED_STEP = 8 << 20
+
+
+def _shed_served_pages(handle: OpenFile, offset: int, served_to: int) -> None:
+    if offset < handle.shed_to:
+        # A jump back (torch.load reads a zip's directory at the end first): shed from here on.
+        handle.shed_to = offset
+        return
+    mark = served_to - SHED_LAG
+    if mark - handle.shed_to >= SHED_STEP:
+        start = max(0, handle.shed_to - SHED_LAG)
+        os.posix_fadvise(handle.fd, start, mark - start, os.POSIX_FADV_DONTNEED)
+        handle.shed_to = mark
+
+
 class OpenFile:
     """One open() of a file: the cache file descriptor, its space accounting entry, whether this handle
     has dirtied the file, whether it bypasses the kernel's page cache (write-only handles do: see
     Filesystem.caching), and for a read-only open of a remote file, its reader of the partial file."""
 
-    __slots__ = ("direct", "dirtied", "fd", "inode_id", "local", "reader", "writable")
+    __slots__ = ("direct", "dirtied", "fd", "inode_id", "local", "reader", "shed_to", "writable")
 
     def __init__(
         self, inode_id: int, fd: int, local: CacheFile, writable: bool, dirtied: bool, direct: bool,
@@ -95,6 +115,7 @@ class OpenFile:
         self.dirtied = dirtied
         self.direct = direct
         self.reader = reader
+        self.shed_to = 0  # with a reader: the cache file's pages below this were advised away
 
 
 @dataclass
@@ -746,7 +767,10 @@ class Filesystem:
         if offset < handle.local.freed:
             raise FsError(errno.EIO, "this part of the file was uploaded and freed from the cache to make room"
                                      " (a spill); it can be read again once the whole file is uploaded")
-        return os.pread(handle.fd, size, offset)
+        data = os.pread(handle.fd, size, offset)
+        if reader is not None:
+            _shed_served_pages(handle, offset, offset + len(data))
+        return data
 
     def write(self, fh: int, offset: int, data: bytes) -> int:
         handle = self.handles[fh]
