@@ -808,10 +808,10 @@ class Drain:
             """The files read that are still what was chosen, each with its write-ahead delete queued."""
             wanted = []
             with self.journal.transaction():
-                now = self.journal.get_many([chosen[index][1].id for index in read])
+                rows = self.journal.get_many([chosen[index][1].id for index in read])
                 for index in read:
                     _, inode = chosen[index]
-                    current = now.get(inode.id)
+                    current = rows.get(inode.id)
                     if current is None or current.key != inode.key or current.version != inode.version:
                         continue  # changed, moved or gone: not put (see _upload)
                     write_aheads[index] = self._queue_write_ahead(inode.key)  # type: ignore[arg-type]
