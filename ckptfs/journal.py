@@ -178,6 +178,14 @@ _COLUMNS = ", ".join(Inode._fields)
 _IDS_PER_QUERY = 900
 
 
+def _id_groups(ids: Collection[int]) -> Iterator[tuple[tuple[int, ...], str]]:
+    """`ids` in groups small enough for one query each, with each group's placeholders ("?, ?, ...")."""
+    items = list(ids)
+    for start in range(0, len(items), _IDS_PER_QUERY):
+        group = tuple(items[start:start + _IDS_PER_QUERY])
+        yield group, ", ".join("?" * len(group))
+
+
 def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:
     return Inode(*row)
 
@@ -275,24 +283,18 @@ class Journal:
         return self._one(f"SELECT {_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
 
     def get_many(self, inode_ids: Collection[int]) -> dict[int, Inode]:
-        """The inodes among `inode_ids` that exist, by id: one query per thousand ids, not one each."""
-        ids = list(inode_ids)
+        """The inodes among `inode_ids` that exist, by id: one query per _IDS_PER_QUERY ids, not one each."""
         found: dict[int, Inode] = {}
-        for start in range(0, len(ids), _IDS_PER_QUERY):
-            chunk = ids[start:start + _IDS_PER_QUERY]
-            marks = ", ".join("?" * len(chunk))
-            for inode in self._all(f"SELECT {_COLUMNS} FROM inodes WHERE id IN ({marks})", tuple(chunk)):
+        for chunk, marks in _id_groups(inode_ids):
+            for inode in self._all(f"SELECT {_COLUMNS} FROM inodes WHERE id IN ({marks})", chunk):
                 found[inode.id] = inode
         return found
 
     def deletes_pending(self, delete_ids: Collection[int]) -> set[int]:
         """Those of `delete_ids` still waiting in pending_deletes."""
-        ids = list(delete_ids)
         pending: set[int] = set()
-        for start in range(0, len(ids), _IDS_PER_QUERY):
-            chunk = ids[start:start + _IDS_PER_QUERY]
-            marks = ", ".join("?" * len(chunk))
-            rows = self.db.execute(f"SELECT id FROM pending_deletes WHERE id IN ({marks})", tuple(chunk))
+        for chunk, marks in _id_groups(delete_ids):
+            rows = self.db.execute(f"SELECT id FROM pending_deletes WHERE id IN ({marks})", chunk)
             pending.update(row[0] for row in rows)
         return pending
 
