@@ -544,7 +544,8 @@ class Filesystem:
     # -- files -----------------------------------------------------------------------------------------
 
     async def _make_local(self, inode: Inode, *, keep_content: bool) -> None:
-        """Give a remote-only file a cache file: fetched, or empty when its content is about to go."""
+        """Give a remote-only file a cache file: fetched, or empty when its content is about to go (then
+        the change has begun: see _begin_change)."""
         if inode.state != REMOTE:
             return
         if keep_content:
@@ -553,13 +554,18 @@ class Filesystem:
             if self.streams is not None:
                 self.streams.discard(inode.id)  # its readers keep the old version's partial file
             os.close(self.cache.create_data(inode.id))
-            with self.journal.transaction():
-                self.journal.finish_fetch(inode.id, size=0, mtime_ns=time.time_ns())
+            self._begin_change(inode.id, emptied_remote=True)
 
-    def _begin_change(self, inode_id: int) -> None:
-        """Record, before the first byte changes, that the content is changing (a new version)."""
+    def _begin_change(self, inode_id: int, *, emptied_remote: bool = False) -> None:
+        """Record, before the first byte changes, that the content is changing (a new version).
+        `emptied_remote`: the file was only in the store and now has an empty cache file; that is recorded
+        in the same transaction, since an empty file journaled as a clean copy of the object on its own
+        would outlive a kill before the change was recorded (found by the crash harness: the mount then
+        showed the file empty and the store kept the old bytes)."""
         if inode_id not in self._changed:
             with self.journal.transaction():
+                if emptied_remote:
+                    self.journal.finish_fetch(inode_id, size=0, mtime_ns=time.time_ns())
                 self.journal.mark_dirty(inode_id)
             self._changed.add(inode_id)
             local = self.cache.files.get(inode_id)

@@ -307,6 +307,34 @@ async def test_open_for_writing_waits_for_the_whole_verified_file(stack: Stack) 
     assert stack.store_files()["w.bin"] == b"NEW" + content[3:]
 
 
+async def test_a_kill_while_a_remote_file_is_opened_with_o_trunc_leaves_it_remote_or_dirty(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Crash harness, seed 64 round 21 (file://): the empty cache file of a remote file opened with O_TRUNC
+    was journaled as a clean copy of the object, and only then as changed. Killed in between, the daemon
+    came back with the file clean and empty while the store kept its bytes: never uploaded, and different
+    again once evicted. A journal write failing there stands in for the kill: what was committed must be
+    the remote file as it was, or a new version to upload, never an empty clean copy."""
+    ino, _ = await remote_file(stack, "latest", 29)
+
+    def killed(_inode_id: int) -> None:
+        raise RuntimeError("killed between the journal writes")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(stack.journal, "mark_dirty", killed)
+        with pytest.raises(RuntimeError):
+            await stack.fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+    committed = stack.journal.get(ino)
+    assert committed is not None
+    assert committed.state == REMOTE or committed.state == "dirty", committed
+    # And the open, done again, rewrites the file in the store.
+    fh = await stack.fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+    stack.fs.write(fh, 0, b"new marker")
+    stack.fs.release(fh)
+    await stack.flush()
+    assert stack.store_files()["latest"] == b"new marker"
+
+
 async def test_a_reader_keeps_its_version_when_the_file_is_rewritten(stack: Stack) -> None:
     ino, content = await remote_file(stack, "t.bin", 6 * CHUNK)
     reader = await stack.fs.open(ino, os.O_RDONLY)
