@@ -9,7 +9,9 @@ Layout (all 0700 / 0600):
                            start-up: a partial file is never mistaken for a local copy.
 
 Space accounting (trio thread only: the write path updates it without a lock): `used` is the sum of
-the apparent sizes of the data files (minus ranges already freed by a spill, see drain.py) plus
+the apparent sizes of the data files, minus ranges already freed by a spill (see drain.py) and minus the
+holes that a truncate or a write past the end left (the filesystem under the cache stores nothing for
+them; a file with holes is measured again from its st_blocks now and then, see `remeasure`), plus
 `reserved`: the chunks of partial files that are present or in flight (fetch.py reserves a chunk before
 it is fetched and unreserves it when it is punched out or its file dropped or adopted into data/);
 `limit` is the budget: `cache_size`,
@@ -41,10 +43,14 @@ class CacheFile:
     """What the accounting knows of one data file. Open handles share it, so the write path updates
     it without a dict lookup."""
 
-    __slots__ = ("changes", "freed", "sealed", "size", "staged")
+    __slots__ = ("changes", "freed", "holes", "inode_id", "sealed", "size", "staged")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, inode_id: int, size: int, holes: int = 0) -> None:
+        self.inode_id = inode_id
         self.size = size  # apparent size as far as the accounting has seen it
+        # Bytes within `size` (beyond `freed`) that were never written: a truncate or a write past the end
+        # extended the file over them. Writes that fill them later are charged at the next remeasure.
+        self.holes = holes
         # Content changes begun (fs.py, before their first byte): an upload that read the file in another
         # thread compares it with what it saw when it chose the file (Transfers.put_files).
         self.changes = 0
@@ -57,7 +63,7 @@ class CacheFile:
 
     @property
     def charge(self) -> int:
-        return self.size - self.freed
+        return self.size - self.freed - self.holes
 
 
 # The working room never takes the last of the filesystem: the journal must still be able to record
@@ -70,6 +76,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _fallocate = _libc.fallocate
 _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _fallocate.restype = ctypes.c_int
+
+
+def _holes(st: os.stat_result) -> int:
+    """Bytes of a file's apparent size that its filesystem stores no block for (0 for a dense file)."""
+    return max(0, st.st_size - st.st_blocks * 512)
 
 
 def punch_hole_fd(fd: int, offset: int, length: int) -> None:
@@ -97,6 +108,7 @@ class CacheDir:
         self._lock_fd: int | None = None
         self._data_dir_str = str(self.data_dir) + "/"
         self.files: dict[int, CacheFile] = {}
+        self.sparse: set[int] = set()  # ids of the data files with holes (CacheFile.holes)
         self.used = 0
         self.reserved = 0
         # No budget until configure_budget(): the filesystem's own free space is the only limit.
@@ -178,6 +190,7 @@ class CacheDir:
         entry = self.files.pop(inode_id, None)
         if entry is not None:
             self.used -= entry.charge
+        self.sparse.discard(inode_id)
 
     # -- space accounting -----------------------------------------------------------------------------
 
@@ -206,6 +219,7 @@ class CacheDir:
     def scan(self) -> dict[int, float]:
         """Account every data file (at start-up, after recovery); return their last access times."""
         self.files.clear()
+        self.sparse.clear()
         self.used = self.reserved
         atimes = {}
         for inode_id in self.data_ids():
@@ -213,36 +227,53 @@ class CacheDir:
                 st = os.stat(self.data_path(inode_id))
             except FileNotFoundError:
                 continue
-            self._account(inode_id, st.st_size)
+            self._account(inode_id, st.st_size, _holes(st))
             atimes[inode_id] = st.st_atime
         return atimes
 
-    def _account(self, inode_id: int, size: int) -> CacheFile:
+    def _account(self, inode_id: int, size: int, holes: int = 0) -> CacheFile:
         old = self.files.get(inode_id)
         if old is not None:
             self.used -= old.charge
-        entry = CacheFile(size)
+        entry = CacheFile(inode_id, size, holes)
         self.files[inode_id] = entry
-        self.used += size
+        self.used += entry.charge
+        if holes:
+            self.sparse.add(inode_id)
         return entry
 
     def file(self, inode_id: int) -> CacheFile:
         """The accounting entry of a data file that exists (created on first sight)."""
         entry = self.files.get(inode_id)
         if entry is None:
-            entry = self._account(inode_id, os.stat(self.data_path(inode_id)).st_size)
+            st = os.stat(self.data_path(inode_id))
+            entry = self._account(inode_id, st.st_size, _holes(st))
         return entry
 
-    def grow(self, entry: CacheFile, end: int) -> None:
-        """A write extended a data file to `end` bytes (the write path: keep it cheap)."""
-        self.used += end - entry.size
+    def grow(self, entry: CacheFile, offset: int, end: int) -> None:
+        """A write of [offset, end) extended a data file past its end (the write path: keep it cheap). A
+        gap it left after the old end is a hole: neither the filesystem nor the budget pays for it."""
+        if offset > entry.size:
+            entry.holes += offset - entry.size
+            self.sparse.add(entry.inode_id)
+            self.used += end - offset
+        else:
+            self.used += end - entry.size
         entry.size = end
 
     def resize(self, inode_id: int, size: int) -> None:
-        """A data file's apparent size is now `size` (after truncate, close, fsync)."""
+        """A data file's apparent size is now `size` (after truncate, close, fsync). Growing it adds a
+        hole; shrinking a file with holes measures what it still holds."""
         entry = self.files.get(inode_id)
         if entry is None:
             self._account(inode_id, size)
+            self.remeasure(inode_id)
+            return
+        if size >= entry.size:
+            if size > entry.size:
+                entry.holes += size - entry.size
+                self.sparse.add(inode_id)
+            entry.size = size
             return
         self.used += size - entry.size
         entry.size = size
@@ -251,6 +282,32 @@ class CacheDir:
         if entry.freed > size:
             self.used += entry.freed - size
             entry.freed = size
+        if entry.holes:
+            self.remeasure(inode_id)
+
+    def remeasure(self, inode_id: int) -> None:
+        """Charge a data file with holes for the blocks it holds now (writes may have filled its holes,
+        a truncate may have cut them off). The evictor calls this for every such file each round."""
+        entry = self.files.get(inode_id)
+        if entry is None:
+            return
+        try:
+            st = os.stat(self.data_path(inode_id))
+        except FileNotFoundError:
+            return
+        before = entry.charge
+        entry.holes = min(_holes(st), max(0, entry.size - entry.freed))
+        self.used += entry.charge - before
+        if not entry.holes:
+            self.sparse.discard(inode_id)
+
+    def remeasure_sparse(self) -> None:
+        """remeasure() every data file with holes (the evictor, each round)."""
+        for inode_id in list(self.sparse):
+            if inode_id in self.files:
+                self.remeasure(inode_id)
+            else:
+                self.sparse.discard(inode_id)
 
     def punch_hole(self, inode_id: int, offset: int, length: int) -> None:
         """Free `length` bytes at `offset` of a data file, keeping its size (the accounting is `punched`)."""
@@ -266,16 +323,23 @@ class CacheDir:
         if entry is not None and entry.freed < offset + length:
             self.used -= offset + length - entry.freed
             entry.freed = offset + length
+            if entry.holes:  # some of what was punched may have been a hole already
+                self.used += entry.holes
+                entry.holes = 0
+                self.remeasure(inode_id)
 
     def restore_spilled(self, inode_id: int, *, punched: int, staged: int, sealed: bool) -> None:
         """At start-up: a spill had staged the first `staged` bytes of this data file (`sealed`: not to be
         written again) and punched out the first `punched` before the restart."""
         entry = self.files.get(inode_id)
         if entry is not None and punched <= entry.size:
+            # scan() counted the punched start among the file's holes: it is `freed` instead.
+            self.used -= entry.charge
             entry.freed = punched
+            entry.holes = max(0, entry.holes - punched)
             entry.staged = min(staged, entry.size)
             entry.sealed = entry.staged if sealed else 0
-            self.used -= punched
+            self.used += entry.charge
 
     def reserve(self, size: int) -> None:
         """Count a chunk of a partial file (fetch.py) before its bytes arrive, and while they are there."""

@@ -314,6 +314,11 @@ def cmd_status(args: argparse.Namespace) -> int:
               f" {reads['partial_files']} partial files ({_human_bytes(reads['partial_bytes'])});"
               f" {reads['readers_waiting']} reads waiting; {reads['checksum_failures']} checksum failures")
     print(f"last error {status['last_error'] or '-'}")
+    if status.get("failing_count"):
+        print(f"parked     {status['failing_count']} entries fail unexpectedly again and again (retried every"
+              " 10 minutes; see the log):")
+        for failing in status["failing"][:10]:
+            print(f"  {failing['path']}: {failing['job']}: {failing['error']}")
     return 0
 
 

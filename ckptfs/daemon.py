@@ -23,7 +23,7 @@ import signal
 import subprocess
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,12 @@ from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
 from ckptfs.config import Config, parse_size
 from ckptfs.drain import Drain, FlushResult
-from ckptfs.errors import CkptfsError
+from ckptfs.errors import CkptfsError, Faults
 from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations
-from ckptfs.journal import DIR, FILE, ROOT_ID, Inode, Journal, JournalError
+from ckptfs.journal import DIR, FILE, ROOT_ID, Inode, Journal, JournalError, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_addr
 from ckptfs.recovery import DirLister, recover
 from ckptfs.retention import Checkpoint, Plan, pinned_by_pointers, plan
@@ -58,6 +58,22 @@ EXIT_NOT_DRAINED = 3
 STATUS_INTERVAL = 5.0
 METRICS_INTERVAL = 1.0
 EXTEND_SECONDS = 30
+# A background service that failed unexpectedly starts again after this long (doubling up to the cap).
+RESTART_PAUSE = 1.0
+RESTART_PAUSE_CAP = 60.0
+
+
+class _StartedOnce:
+    """The task status of a service that may be restarted: the nursery hears `started` only once."""
+
+    def __init__(self, inner: trio.TaskStatus[None]) -> None:
+        self.inner = inner
+        self.done = False
+
+    def started(self, value: None = None) -> None:
+        if not self.done:
+            self.done = True
+            self.inner.started(value)
 
 
 def check_mountpoint(mountpoint: Path) -> None:
@@ -118,10 +134,15 @@ class Daemon:
         self.journal = journal
         self.mountpoint = ctl.canonical_mountpoint(config.mountpoint)
         self.started_at = time.time()
+        self.faults = Faults()
+        # Set (with the error) when the journal became unusable: the daemon ends, the connection aborted.
+        self._journal_failure: BaseException | None = None
+        self._journal_failed = trio.Event()
         self.drain = Drain(
             journal, cache, engine,
             transfers=config.transfers, upload_delay=config.upload_delay, small_file_wait=config.small_file_wait,
             commit_markers=config.commit_markers, upload_while_writing=config.upload_while_writing,
+            faults=self.faults,
         )
         self.evictor = Evictor(
             journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure
@@ -130,7 +151,7 @@ class Daemon:
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval)
         self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.mount_changed, self.evictor, self.lister,
                              streams=self.fetcher, wait_uploaded=lambda path: self.drain.wait_durable([path]),
-                             discard_upload=self.drain.discard_upload)
+                             discard_upload=self.drain.discard_upload, failure_of=self.drain.failure_of)
         self.lister.vanished = self.fs.vanished
         self._prune_wanted = trio.Event()
         if config.keep_last:
@@ -167,16 +188,18 @@ class Daemon:
         # attributes again before the next lookup.
         if self.config.allow_other or os.geteuid() != 0:
             options.add("default_permissions")
-        self.fuse_ops = FuseOperations(self.fs)
+        self.fuse_ops = FuseOperations(self.fs, faults=self.faults, on_journal_failure=self._on_journal_failure)
         pyfuse3.init(self.fuse_ops, str(self.mountpoint), options)
         unmounted = False
+        journal_failed = False
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._fuse_main, nursery)
-                await nursery.start(self.drain.run)
-                await nursery.start(self.evictor.run)
-                await nursery.start(self.fetcher.run)
-                await nursery.start(self.fs.run)
+                nursery.start_soon(self._watch_journal)
+                await nursery.start(self._supervised, "drain", self.drain.run)
+                await nursery.start(self._supervised, "evictor", self.evictor.run)
+                await nursery.start(self._supervised, "fetcher", self.fetcher.run)
+                await nursery.start(self._supervised, "close recorder", self.fs.run)
                 await nursery.start(self._serve_control)
                 root = await trio.to_thread.run_sync(os.stat, self.mountpoint)
                 read_ahead = parse_size(self.config.read_ahead)
@@ -186,22 +209,68 @@ class Daemon:
                 ready()
                 self.notifier.notify(ready=1, status=self._status_line())
                 if self.notifier.enabled:
-                    nursery.start_soon(self._report_to_systemd)
+                    nursery.start_soon(self._supervised, "systemd notifier", self._report_to_systemd)
                 if self.metrics is not None:
-                    nursery.start_soon(self._publish_metrics)
+                    nursery.start_soon(self._supervised, "metrics", self._publish_metrics)
                 if self.config.keep_last:
-                    nursery.start_soon(self._retention)
+                    nursery.start_soon(self._supervised, "retention", self._retention)
                 nursery.start_soon(self._watch_signals, nursery)
                 await self._stop_requested.wait()
                 await self._shutdown()
                 unmounted = True
                 nursery.cancel_scope.cancel()
+        except BaseException as exc:
+            journal_failed = journal_unusable(exc)
+            if not journal_failed:
+                raise
+            log.critical(
+                "the journal %s cannot be used any more (%s): the daemon ends and leaves the mount aborted"
+                " (Transport endpoint is not connected), so that nothing writes into the bare mountpoint. What"
+                " was written before is in the cache dir; fix its filesystem, then run `ckptfs mount` again",
+                self.journal.path, _innermost(exc))
+            raise CkptfsError(f"the journal {self.journal.path} cannot be used any more: {_innermost(exc)}; fix"
+                              " the cache filesystem, then mount again (the mount is left aborted)") from None
         finally:
-            pyfuse3.close(unmount=True)
-            self.fs.close_all()
+            # Closing our /dev/fuse descriptor without unmounting aborts the connection: every access then
+            # fails with ENOTCONN, none lands on the disk below the mountpoint.
+            pyfuse3.close(unmount=not journal_failed)
+            if not journal_failed:
+                self.fs.close_all()
         if not unmounted or self.result is None or not self.result.ok:
             return EXIT_NOT_DRAINED
         return 0
+
+    async def _supervised(
+        self, name: str, service: Callable[..., Awaitable[None]], *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run a background service; an unexpected error ends only this run of it (logged, counted in
+        ckptfs_internal_errors), and it starts again after a pause. A failure before it started fails the
+        mount, and an unusable journal ends the daemon (see run)."""
+        status = _StartedOnce(task_status)
+        pause = RESTART_PAUSE
+        while True:
+            try:
+                await service(task_status=status)
+                return
+            except Exception as exc:
+                if journal_unusable(exc) or not status.done:
+                    raise
+                log.error("%s failed unexpectedly; starting it again in %.0f s", name, pause, exc_info=exc)
+                self.faults.record(name, repr(_innermost(exc)))
+            await trio.sleep(pause)
+            pause = min(pause * 2, RESTART_PAUSE_CAP)
+
+    def _on_journal_failure(self, exc: BaseException) -> None:
+        """A FUSE request met an unusable journal (it was answered EIO): end the daemon (run)."""
+        if self._journal_failure is None:
+            self._journal_failure = exc
+            self._journal_failed.set()
+
+    async def _watch_journal(self) -> None:
+        await self._journal_failed.wait()
+        assert self._journal_failure is not None
+        raise self._journal_failure
 
     async def _fuse_main(self, nursery: trio.Nursery) -> None:
         await pyfuse3.main()
@@ -224,15 +293,19 @@ class Daemon:
                     nursery.cancel_scope.cancel()
                     return
 
-    async def _retention(self) -> None:
+    async def _retention(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Apply keep_last after each completed checkpoint (a commit marker reached the store)."""
+        task_status.started()
         while True:
             await self._prune_wanted.wait()
             self._prune_wanted = trio.Event()
             try:
                 result = await self.prune(self.config.keep_last, self.config.keep, dry_run=False)
-            except Exception:
+            except Exception as exc:
+                if journal_unusable(exc):
+                    raise
                 log.exception("retention failed; it runs again after the next checkpoint")
+                self.faults.record("retention", repr(exc))
                 continue
             if result.delete:
                 log.info("retention (keep_last %d): deleted %s", self.config.keep_last, ", ".join(result.delete))
@@ -296,8 +369,9 @@ class Daemon:
             if child.kind == DIR:
                 await self._list_subtree(child.id)
 
-    async def _publish_metrics(self) -> None:
+    async def _publish_metrics(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         assert self.metrics is not None
+        task_status.started()
         while True:
             self.metrics.publish(self.metrics_snapshot())
             await trio.sleep(METRICS_INTERVAL)
@@ -332,6 +406,8 @@ class Daemon:
             "ckptfs_upload_seconds": [((), drain.upload_seconds)],
             "ckptfs_spilled_bytes": [((), drain.spilled_bytes)],
             "ckptfs_drain_errors": [((job,), n) for job, n in sorted(drain.errors_by_job.items())],
+            "ckptfs_internal_errors": [((where,), n) for where, n in sorted(self.faults.counts.items())],
+            "ckptfs_drain_parked": [((), len(self.drain.failing()))],
             "ckptfs_cache_hits": [((), self.fs.cache_hits)],
             "ckptfs_cache_misses": [((), self.fs.cache_misses)],
             "ckptfs_fetch_bytes": [((), reads.bytes_downloaded)],
@@ -362,8 +438,9 @@ class Daemon:
         return (f"{what}: {pending_files} files ({_human(pending_bytes)}) not yet uploaded,"
                 f" {self.drain.in_flight()} transfers in flight, cache {_human(self.cache.used)} used")
 
-    async def _report_to_systemd(self) -> None:
+    async def _report_to_systemd(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """STATUS= now and then; while a stop drains and makes progress, ask for more stop time."""
+        task_status.started()
         last_uploaded = self.drain.stats.uploaded_bytes + self.drain.stats.spilled_bytes
         while True:
             await trio.sleep(STATUS_INTERVAL)
@@ -439,6 +516,10 @@ class Daemon:
         stats = self.drain.stats
         moved = self.engine.statistics()
         reads = self.fetcher.statistics()
+        failing = self.drain.failing()
+        last_error, last_error_at = stats.last_error, stats.last_error_at
+        if self.faults.last_at is not None and (last_error_at is None or self.faults.last_at > last_error_at):
+            last_error, last_error_at = self.faults.last, self.faults.last_at
         return {
             "source": self.store.url,
             "mountpoint": str(self.mountpoint),
@@ -496,10 +577,23 @@ class Daemon:
                 "memory_budget_bytes": moved.memory_budget,
             },
             "errors": stats.errors,
-            "last_error": stats.last_error,
-            "last_error_at": stats.last_error_at,
+            "last_error": last_error,
+            "last_error_at": last_error_at,
+            "internal_errors": dict(self.faults.counts),
+            "failing": [
+                {"path": path, "job": parked.job, "error": parked.error, "since": parked.since}
+                for path, parked in failing[:100]
+            ],
+            "failing_count": len(failing),
             "shutting_down": self._stop_requested.is_set(),
         }
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    """The first error inside the exception groups that nurseries wrap errors in."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _effective(config: Config, cache: CacheDir) -> str:

@@ -19,7 +19,8 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -28,8 +29,24 @@ import trio.lowlevel
 
 from ckptfs.backends.base import ObjectMeta, UploadState, backoff_delays
 from ckptfs.cache import CacheDir, CacheFile
-from ckptfs.errors import BackendError, NotFoundBackendError, PermanentBackendError, TransientBackendError
-from ckptfs.journal import DIR, FILE, SYMLINK, UPLOADING, Inode, Journal, PendingDelete, journal_full
+from ckptfs.errors import (
+    BackendError,
+    Faults,
+    NotFoundBackendError,
+    PermanentBackendError,
+    TransientBackendError,
+)
+from ckptfs.journal import (
+    DIR,
+    FILE,
+    SYMLINK,
+    UPLOADING,
+    Inode,
+    Journal,
+    PendingDelete,
+    journal_full,
+    journal_unusable,
+)
 from ckptfs.transfer import Priority, PutFile, SmallFile, SourceChangedError, StagedUpload, Transfers
 
 log = logging.getLogger(__name__)
@@ -67,6 +84,13 @@ SWEEP_AT_FLUSH = 60.0
 # A sweep lists only while no store call runs; it holds new calls off for at most this long waiting for
 # the running ones (a stalled upload), and else tries again later.
 SWEEP_PATIENCE = 5.0
+# A job that fails unexpectedly (a bug, not a store error) this many times in a row is parked: retried
+# only every PARKED_RETRY seconds, and named by `ckptfs status` and `ckptfs flush` until it succeeds.
+PARK_AFTER = 3
+PARKED_RETRY = 600.0
+# After an unexpected error in the scan itself, the next scan waits this long (doubling up to the cap).
+SCAN_FAILURE_PAUSE = 1.0
+SCAN_FAILURE_PAUSE_CAP = 30.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +127,17 @@ class DrainStats:
     last_error_at: float | None = None
 
 
+@dataclass(frozen=True)
+class Parked:
+    """A job parked after failing unexpectedly PARK_AFTER times in a row (see Drain.failing)."""
+
+    job: str  # "upload", "move", "meta", ...
+    inode_id: int  # the pending delete's id for a "delete" job
+    error: str
+    since: float  # wall-clock time it was parked
+    seq: int  # the inode's seq then: once the entry changes (a close, a rename), it is tried again at once
+
+
 @dataclass
 class FlushResult:
     ok: bool
@@ -122,6 +157,7 @@ class Drain:
         commit_markers: tuple[str, ...] = (),
         upload_while_writing: str = "off",
         clock: Callable[[], float] = time.time,
+        faults: Faults | None = None,
     ) -> None:
         self.journal = journal
         self.cache = cache
@@ -135,6 +171,10 @@ class Drain:
         )
         self.clock = clock
         self.stats = DrainStats()
+        self.faults = faults if faults is not None else Faults()
+        # Unexpected failures in a row per job, and the jobs parked after PARK_AFTER of them.
+        self._unexpected: dict[tuple[str, int], int] = {}
+        self._parked: dict[tuple[str, int], Parked] = {}
         self._upload_slots = trio.Semaphore(transfers)
         self._other_slots = trio.Semaphore(transfers * 2)
         self._new_work = trio.Event()
@@ -263,25 +303,70 @@ class Drain:
         return self._sweep_due
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Scan and dispatch until cancelled. Nothing but an unusable journal ends it: a job's failure is
+        the job's (_attempt), one entry's failure in a scan is that entry's (_isolated), and any other
+        failure of a round is logged, counted, and the next round comes after a pause."""
+        pause = SCAN_FAILURE_PAUSE
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:
-                self._new_work = trio.Event()
-                scanned_at = trio.current_time()
-                while self._discarded:
-                    nursery.start_soon(self._abort_discarded, self._discarded.pop())
-                sweep_at = self._sweep_wanted_at()
-                if sweep_at <= scanned_at:
-                    self._sweep_due = math.inf
-                    nursery.start_soon(self._sweep)
-                    sweep_at = math.inf
-                jobs, next_due = self._scan()
-                next_due = min(next_due, sweep_at)
-                if not await self._dispatch(jobs, nursery, scanned_at):
-                    with trio.move_on_at(next_due):
-                        await self._new_work.wait()
-                # Coalesce a burst of notifications (thousands of small files closing) into one scan.
-                await trio.sleep_until(scanned_at + MIN_SCAN_INTERVAL)
+                try:
+                    await self._round(nursery)
+                    pause = SCAN_FAILURE_PAUSE
+                except Exception as exc:
+                    if journal_unusable(exc):
+                        raise
+                    log.error("the drain's scan failed unexpectedly; scanning again in %.0f s", pause, exc_info=exc)
+                    self._fault("scan", exc)
+                    await trio.sleep(pause)
+                    pause = min(pause * 2, SCAN_FAILURE_PAUSE_CAP)
+
+    async def _round(self, nursery: trio.Nursery) -> None:
+        self._new_work = trio.Event()
+        scanned_at = trio.current_time()
+        while self._discarded:
+            nursery.start_soon(self._guarded, "abort", self._abort_discarded, self._discarded.pop())
+        sweep_at = self._sweep_wanted_at()
+        if sweep_at <= scanned_at:
+            self._sweep_due = math.inf
+            nursery.start_soon(self._guarded, "sweep", self._sweep)
+            sweep_at = math.inf
+        jobs, next_due = self._scan()
+        next_due = min(next_due, sweep_at)
+        if not await self._dispatch(jobs, nursery, scanned_at):
+            with trio.move_on_at(next_due):
+                await self._new_work.wait()
+        # Coalesce a burst of notifications (thousands of small files closing) into one scan.
+        await trio.sleep_until(scanned_at + MIN_SCAN_INTERVAL)
+
+    async def _guarded(self, what: str, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """A background step whose unexpected failure is logged and counted, never the drain's end (an
+        abort or a sweep not done now is done later: the store's leftovers are swept again)."""
+        try:
+            await fn(*args)
+        except Exception as exc:
+            if journal_unusable(exc):
+                raise
+            log.error("the drain's %s failed unexpectedly", what, exc_info=exc)
+            self._fault(what, exc)
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        message = f"{what}: {exc!r}"
+        self.faults.record("drain", message)
+        self.stats.errors += 1
+        self.stats.last_error = message
+        self.stats.last_error_at = time.time()
+
+    @contextmanager
+    def _isolated(self, kind: str, inode: Inode) -> Iterator[None]:
+        """Choosing the job of one entry: an unexpected error there is that entry's failure (logged with
+        it, counted, retried later like a failed job), not the end of the scan of all the others."""
+        try:
+            yield
+        except Exception as exc:
+            if journal_unusable(exc):
+                raise
+            self._failed_unexpectedly(Job(kind, inode.id, ()), exc, entry=inode.path)
 
     async def _dispatch(self, jobs: list[Job], nursery: trio.Nursery, scanned_at: float) -> bool:
         """Start the jobs of a scan as slots free up, small uploads in batches of up to SMALL_BATCH (one
@@ -367,7 +452,14 @@ class Drain:
         items = self._outstanding(paths)
         deletes = {d.id: d.key for d in self.journal.pending_deletes() if _in_scope(d.key, paths)}
         self._drop_durable(items, deletes)
-        paths_left = [p for p in (self._path_of(i) for i in items) if p is not None]
+        failing = {parked.inode_id: parked.error for parked in self._parked.values() if parked.job != "delete"}
+        paths_left = []
+        for inode_id in items:
+            path = self._path_of(inode_id)
+            if path is None:
+                continue
+            error = failing.get(inode_id)
+            paths_left.append(path if error is None else f"{path} (failing: {error})")
         return paths_left + [f"(delete) {key}" for key in deletes.values()]
 
     def _path_of(self, inode_id: int) -> str | None:
@@ -442,8 +534,10 @@ class Drain:
                 small_cut_off = cut_off - self.small_file_wait
                 next_due = min(next_due, burst_ends)
 
-        def waiting(job_id: tuple[str, int]) -> bool:
+        def waiting(job_id: tuple[str, int], inode: Inode | None = None) -> bool:
             nonlocal next_due
+            if inode is not None and self._parked:
+                self._unpark_if_changed(job_id, inode)
             if job_id in self._running:
                 return True
             retry_at = self._retry_at.get(job_id)
@@ -454,16 +548,17 @@ class Drain:
 
         misplaced = self.journal.misplaced(SCAN_LIMIT)
         unmarked = self._unmarked_dirs(misplaced, now)
-        for inode in self.journal.uploads_due(cut_off, SCAN_LIMIT, small=(SMALL_FILE, small_cut_off)):
-            if waiting(("upload", inode.id)) or ("spill", inode.id) in self._running or self._marker_blocked(inode):
+        for inode, key in _keyed(self.journal.uploads_due(cut_off, SCAN_LIMIT, small=(SMALL_FILE, small_cut_off))):
+            if waiting(("upload", inode.id), inode) or ("spill", inode.id) in self._running:
                 continue
-            if unmarked and _below(inode.path, unmarked):  # type: ignore[arg-type]
-                continue
-            if self._target_taken(inode, inode.key):  # type: ignore[arg-type]
-                continue
-            small = (inode.kind == FILE and inode.size <= SMALL_FILE and inode.upload_state is None
-                     and not self.is_commit_marker(inode.name))
-            jobs.append(Job("upload", inode.id, (inode.key,), small, inode.size))  # type: ignore[arg-type]
+            with self._isolated("upload", inode):
+                if self._marker_blocked(inode) or (unmarked and _below(key, unmarked)):
+                    continue
+                if self._target_taken(inode, key):
+                    continue
+                small = (inode.kind == FILE and inode.size <= SMALL_FILE and inode.upload_state is None
+                         and not self.is_commit_marker(inode.name))
+                jobs.append(Job("upload", inode.id, (key,), small, inode.size))
         if self._pressure or self.early_spills:
             for inode_id in self.journal.open_dirty_files():
                 if waiting(("spill", inode_id)) or ("upload", inode_id) in self._running:
@@ -475,18 +570,19 @@ class Drain:
                 elif not self._pressure:
                     # Writes do not notify the drain (the write path stays free of it): look again soon.
                     next_due = min(next_due, now + EARLY_SPILL_POLL)
-        for inode in misplaced:
-            if waiting(("move", inode.id)) or self._marker_blocked(inode):
+        for inode, key in _keyed(misplaced):
+            if inode.remote_key is None or waiting(("move", inode.id), inode):
                 continue
-            if unmarked and _below(inode.path, unmarked):  # type: ignore[arg-type]
+            with self._isolated("move", inode):
+                if self._marker_blocked(inode) or (unmarked and _below(key, unmarked)):
+                    continue
+                if self._target_taken(inode, key) and not self._breaks_move_cycle(inode, key):
+                    continue
+                jobs.append(Job("move", inode.id, (inode.remote_key, key)))
+        for inode, key in _keyed(self.journal.meta_stale(SCAN_LIMIT)):
+            if waiting(("meta", inode.id), inode):
                 continue
-            if self._target_taken(inode, inode.key) and not self._breaks_move_cycle(inode):  # type: ignore[arg-type]
-                continue
-            jobs.append(Job("move", inode.id, (inode.remote_key, inode.key)))  # type: ignore[arg-type]
-        for inode in self.journal.meta_stale(SCAN_LIMIT):
-            if waiting(("meta", inode.id)):
-                continue
-            jobs.append(Job("meta", inode.id, (inode.key,)))  # type: ignore[arg-type]
+            jobs.append(Job("meta", inode.id, (key,)))
         for delete in self.journal.pending_deletes(SCAN_LIMIT):
             if waiting(("delete", delete.id)):
                 continue
@@ -525,12 +621,13 @@ class Drain:
         # A directory's marker holds only metadata: its owner writes it again (Journal.release_key).
         return owner is not None and owner.id != inode.id and not owner.has_local_data and owner.kind != DIR
 
-    def _breaks_move_cycle(self, inode: Inode) -> bool:
+    def _breaks_move_cycle(self, inode: Inode, key: str) -> bool:
         """Misplaced objects that wait for each other's keys (a swap: `mv x t; mv y x; mv t y` on files
         without local data) never move on their own. The one with the lowest id in such a cycle breaks it:
-        its move goes to a parking key first (see _move), which frees its old key for the next one."""
+        its move goes to a parking key first (see _move), which frees its old key (`key` is its new one)
+        for the next one."""
         lowest = inode.id
-        owner = self.journal.key_owner(inode.key)  # type: ignore[arg-type]
+        owner = self.journal.key_owner(key)
         for _ in range(MOVE_CYCLE_LIMIT):
             if owner is None or owner.key is None or owner.remote_key == owner.key or not self._target_taken(
                 owner, owner.key
@@ -544,7 +641,13 @@ class Drain:
 
     def _claim(self, job: Job) -> bool:
         job_id = (job.kind, job.ident)
-        if job_id in self._running or any(k in self._busy_keys for k in job.keys) or self._overlaps_a_marker(job):
+        try:
+            if job_id in self._running or any(k in self._busy_keys for k in job.keys) or self._overlaps_a_marker(job):
+                return False
+        except Exception as exc:
+            if journal_unusable(exc):
+                raise
+            self._failed_unexpectedly(job, exc)
             return False
         self._running.add(job_id)
         self._busy_keys.update(job.keys)
@@ -575,6 +678,8 @@ class Drain:
             try:
                 rest = await self._upload_small(jobs)
             except Exception as exc:
+                if journal_unusable(exc):
+                    raise
                 for job in jobs:
                     self._failed_unexpectedly(job, exc)
                 return
@@ -597,15 +702,21 @@ class Drain:
             else:
                 await self._delete(job.ident)
         except Exception as exc:
+            if journal_unusable(exc):
+                raise
             self._failed_unexpectedly(job, exc)
         else:
             self._succeeded(job)
 
     def _succeeded(self, job: Job) -> None:
-        self._retry_at.pop((job.kind, job.ident), None)
-        self._attempts.pop((job.kind, job.ident), None)
+        job_id = (job.kind, job.ident)
+        self._retry_at.pop(job_id, None)
+        self._attempts.pop(job_id, None)
+        self._unexpected.pop(job_id, None)
+        if self._parked.pop(job_id, None) is not None:
+            log.info("%s job of inode %d succeeded again; no longer parked", job.kind, job.ident)
 
-    def _failed_unexpectedly(self, job: Job, exc: Exception) -> None:
+    def _failed_unexpectedly(self, job: Job, exc: Exception, *, entry: str | None = None) -> None:
         job_id, op = (job.kind, job.ident), job.kind
         if isinstance(exc, BackendError):
             self._failed(job_id, op, exc)
@@ -614,10 +725,56 @@ class Drain:
             # result now. Nothing is lost: the job is retried as a store error would be.
             self._failed(job_id, op, TransientBackendError(f"the journal cannot grow: {exc}"))
         else:
-            # A bug must not take the mount down with it: report it loudly, keep the work journaled,
-            # and retry with backoff like a store error.
-            log.error("unexpected error in %s job %s; it will be retried", op, job.ident, exc_info=exc)
+            # A bug must not take the mount down with it: report it loudly with its entry, keep the work
+            # journaled, and retry with backoff like a store error; park it where retrying keeps failing.
+            if entry is None:
+                entry = self._entry_of(job.kind, job.ident)
+            failures = self._unexpected.get(job_id, 0) + 1
+            self._unexpected[job_id] = failures
+            log.error("unexpected error in the %s job of %s (inode %d, failure %d); it will be retried", op,
+                      entry if entry is not None else "an unlinked entry", job.ident, failures, exc_info=exc)
+            self.faults.record("drain", f"{op} {entry}: {exc!r}")
             self._failed(job_id, op, TransientBackendError(f"internal error: {exc!r}"), logged=True)
+            if failures >= PARK_AFTER:
+                if job_id not in self._parked:
+                    log.error("parking the %s job of %s after %d unexpected failures: retried every %.0f s,"
+                              " named by `ckptfs status`", op, entry, failures, PARKED_RETRY)
+                inode = None if job.kind == "delete" else self.journal.get(job.ident)
+                self._parked[job_id] = Parked(op, job.ident, repr(exc), time.time(), inode.seq if inode else -1)
+                self._retry_at[job_id] = trio.current_time() + PARKED_RETRY
+
+    def _unpark_if_changed(self, job_id: tuple[str, int], inode: Inode) -> None:
+        """A parked entry that changed since (closed again, renamed) is tried again now."""
+        parked = self._parked.get(job_id)
+        if parked is not None and parked.seq != inode.seq:
+            del self._parked[job_id]
+            self._retry_at.pop(job_id, None)
+            self._unexpected.pop(job_id, None)
+
+    def _entry_of(self, kind: str, ident: int) -> str | None:
+        """What a job works on, for messages: the inode's path, or the key of a pending delete (None: gone)."""
+        if kind == "delete":
+            delete = self.journal.get_pending_delete(ident)
+            return None if delete is None else f"(delete) {delete.key}"
+        return self._path_of(ident)
+
+    def failure_of(self, inode_id: int) -> str | None:
+        """Why a job of this inode is parked (None: none is); the xattr user.ckptfs.error shows it."""
+        for (kind, ident), parked in self._parked.items():
+            if ident == inode_id and kind != "delete":
+                return f"{kind}: {parked.error}"
+        return None
+
+    def failing(self) -> list[tuple[str, Parked]]:
+        """The parked jobs whose entries still exist, with their paths: what `ckptfs status` names."""
+        out = []
+        for job_id, parked in list(self._parked.items()):
+            entry = self._entry_of(*job_id)
+            if entry is None:
+                del self._parked[job_id]  # removed meanwhile: nothing left to do
+                continue
+            out.append((entry, parked))
+        return out
 
     def _settle(self, jobs: list[Job], slots: trio.Semaphore) -> None:
         """Jobs ended (done, failed or cancelled): free their keys and slot, wake flushes and the scanner."""
@@ -787,7 +944,8 @@ class Drain:
             if inode is None:
                 self._succeeded(job)  # nothing to do now, as in _upload
                 continue
-            assert inode.key is not None  # _still_due checked
+            key = inode.key
+            assert key is not None  # _still_due checked
             entry = self.cache.files.get(inode.id)
             if (inode.kind != FILE or inode.upload_state is not None or entry is None or entry.freed
                     or entry.size > SMALL_FILE):
@@ -795,10 +953,11 @@ class Drain:
                 continue
             chosen.append((job, inode))
             size += entry.size
-            files.append(SmallFile(inode.key, self.cache.data_path(inode.id), self._meta(inode),
+            files.append(SmallFile(key, self.cache.data_path(inode.id), self._meta(inode),
                                    _change_detector(self.cache, inode.id, entry)))
         if not chosen:
             return rest
+        keys = [file.key for file in files]
         with self.journal.transaction():
             for _, inode in chosen:
                 self.journal.begin_upload(inode.id)
@@ -814,7 +973,7 @@ class Drain:
                     current = rows.get(inode.id)
                     if current is None or current.key != inode.key or current.version != inode.version:
                         continue  # changed, moved or gone: not put (see _upload)
-                    write_aheads[index] = self._queue_write_ahead(inode.key)  # type: ignore[arg-type]
+                    write_aheads[index] = self._queue_write_ahead(keys[index])
                     wanted.append(index)
             return wanted
 
@@ -833,8 +992,8 @@ class Drain:
             write_ahead = write_aheads.get(index)
             if isinstance(outcome, PutFile):
                 assert write_ahead is not None
-                done.append(Uploaded(inode.id, inode.key, inode.version, outcome.checksum,  # type: ignore[arg-type]
-                                     outcome.size, write_ahead))
+                done.append(Uploaded(inode.id, keys[index], inode.version, outcome.checksum, outcome.size,
+                                     write_ahead))
                 self._succeeded(job)
                 continue
             current = self.journal.get(inode.id)
@@ -909,8 +1068,8 @@ class Drain:
             state = None
         if state is None:
             earlier = _journaled_state(inode)
-            if earlier is not None and not earlier.spilled:  # a staged upload of an earlier close
-                self.discard_upload(inode.upload_state)  # type: ignore[arg-type]
+            if earlier is not None and not earlier.spilled and inode.upload_state is not None:
+                self.discard_upload(inode.upload_state)  # a staged upload of an earlier close
             early = not self._pressure
             state = await self.engine.spill_begin(self.spill_part_size, early=early)
             with self.journal.transaction():
@@ -1025,14 +1184,15 @@ class Drain:
                 with self.journal.transaction():
                     self.journal.save_upload_state(inode_id, state.to_json())
             current = self.journal.get(inode_id)
-            if current is None or current.version != version or current.path is None:
+            current_key = current.key if current is not None else None
+            if current is None or current.version != version or not current_key:
                 # Rewritten (O_TRUNC) or removed: _spill_state discards the spill next time.
                 with self.journal.transaction():
                     self.journal.abort_upload(inode_id)
                 return
             meta = self._meta(current)
-            write_ahead = self._write_ahead(current.key)  # type: ignore[arg-type]
-            await self.engine.spill_commit(state, current.key, meta)  # type: ignore[arg-type]
+            write_ahead = self._write_ahead(current_key)
+            await self.engine.spill_commit(state, current_key, meta)
         except BaseException:
             with self.journal.transaction():
                 self.journal.abort_upload(inode_id)
@@ -1040,10 +1200,10 @@ class Drain:
         self.stats.uploaded_files += 1
         self.stats.uploaded_bytes += state.size
         self.stats.upload_seconds += trio.current_time() - started
-        self._record_upload(inode_id, current.key, version, state.checksum, state.size, write_ahead)  # type: ignore[arg-type]
+        self._record_upload(inode_id, current_key, version, state.checksum, state.size, write_ahead)
         # Early spills are routine (DEBUG, as other uploads); a spill forced by a full cache is worth a line.
         (log.debug if state.early else log.info)("uploaded %s (%d bytes, started while it was written)",
-                                                   current.key, state.size)
+                                                   current_key, state.size)
         if state.punched:
             self.on_spilled(inode_id)
 
@@ -1120,7 +1280,7 @@ class Drain:
             return
         old, new = inode.remote_key, inode.key
         if self._target_taken(inode, new):
-            if not self._breaks_move_cycle(inode):
+            if not self._breaks_move_cycle(inode, new):
                 return  # the owner of `new` moved on meanwhile or not: the next scan decides again
             new = _parking_key(new, inode.id)
         write_ahead = self._write_ahead(new)
@@ -1215,8 +1375,18 @@ def _parent_dirs(path: str) -> Iterator[str]:
 
 
 def _below(path: str, dirs: set[str]) -> bool:
-    """`path` lies under one of the directory paths in `dirs`."""
-    return any(parent in dirs for parent in _parent_dirs(path))
+    """`path` (or the store key of a path) lies under one of the directory paths in `dirs`."""
+    return any(parent in dirs for parent in _parent_dirs(path.rstrip("/")))
+
+
+def _keyed(inodes: Iterable[Inode]) -> Iterator[tuple[Inode, str]]:
+    """Each inode that has a place in the store now, with its key. The journal's work queries return
+    linked inodes only; an unlinked one (an open file or directory removed meanwhile) has no key, and
+    the root has none: neither is ever given a job."""
+    for inode in inodes:
+        key = inode.key
+        if key:
+            yield inode, key
 
 
 def _journaled_state(inode: Inode | None) -> UploadState | None:

@@ -1,4 +1,4 @@
-"""The error types of ckptfs, and nothing else.
+"""The error types of ckptfs, and the record of the unexpected errors the daemon survived (Faults).
 
 Inner layers raise these; each is translated exactly once at the edge that owns the translation:
 `FsError` becomes a `pyfuse3.FUSEError` in fuse_ops.py, `BackendError` decides retry-or-report in the drain
@@ -9,6 +9,7 @@ and is mapped to an errno by `BACKEND_ERRNO` where a FUSE request waits on the s
 from __future__ import annotations
 
 import errno
+import time
 
 
 class CkptfsError(Exception):
@@ -112,3 +113,21 @@ def errno_for_backend_error(exc: BackendError) -> int:
         if cls in BACKEND_ERRNO:
             return BACKEND_ERRNO[cls]
     return errno.EIO
+
+
+class Faults:
+    """Unexpected errors that one entry, one request or one background task met and that the daemon
+    survived (ckptfs_internal_errors): counted by where they happened (a bounded set of names: "drain",
+    "fuse", "evictor", ...), the last one kept for `ckptfs status`."""
+
+    __slots__ = ("counts", "last", "last_at")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.last: str | None = None
+        self.last_at: float | None = None
+
+    def record(self, where: str, message: str) -> None:
+        self.counts[where] = self.counts.get(where, 0) + 1
+        self.last = f"{where}: {message}"
+        self.last_at = time.time()

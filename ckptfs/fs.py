@@ -38,6 +38,8 @@ NAME_MAX = 255
 # S3 keys are at most 1024 bytes; leave room for a prefix.
 PATH_MAX_BYTES = 1000
 STATE_XATTR = b"user.ckptfs.state"
+# Present while the drain has parked a job of the file after it failed unexpectedly again and again: why.
+ERROR_XATTR = b"user.ckptfs.error"
 CLOSE_RETRY_INTERVAL = 1.0  # seconds between attempts to record closes a full journal refused
 # Stores keep their own bookkeeping (temp files, upload markers) under names with this prefix.
 RESERVED_PREFIX = b".ckptfs-tmp."
@@ -199,6 +201,7 @@ class Filesystem:
         streams: ReadStreams[Any] | None = None,
         wait_uploaded: Callable[[str], Awaitable[None]] | None = None,
         discard_upload: Callable[[str], None] = lambda state: None,
+        failure_of: Callable[[int], str | None] = lambda inode_id: None,
     ) -> None:
         self.journal = journal
         self.cache = cache
@@ -210,6 +213,8 @@ class Filesystem:
         self._wait_uploaded = wait_uploaded
         # Takes the journaled upload_state of a purged file: its staged upload or spill is to be aborted.
         self._discard_upload = discard_upload
+        # Why the drain parked the inode's upload, move or metadata update (None: it did not).
+        self._failure_of = failure_of
         self.evictor = evictor if evictor is not None else Evictor(journal, cache, in_use=self.in_use)
         self.lister: Lister = lister if lister is not None else _NothingToList()
         self.handles: dict[int, OpenFile] = {}
@@ -501,19 +506,23 @@ class Filesystem:
             if inode.kind != FILE:
                 raise FsError(errno.EISDIR if inode.kind == DIR else errno.EINVAL, "not a regular file")
             await self._make_local(inode, keep_content=changes.size > 0)
-            self._begin_change(inode_id)
-            local = self.cache.file(inode_id)
-            if 0 < changes.size < local.sealed:
-                raise FsError(errno.EIO, "the start of this file was already uploaded to make room in the cache"
-                                         " (a spill): it can be truncated to 0 or beyond that part only")
-            if changes.size > local.size:
-                await self.wait_for_room(changes.size - local.size)
             try:
-                os.truncate(self.cache.data_path(inode_id), changes.size)
-            except OSError as exc:
-                raise FsError(exc.errno or errno.EIO, f"truncate: {exc.strerror}") from None
-            self.cache.resize(inode_id, changes.size)
-            self._end_change_if_unopened(inode_id)
+                if 0 < changes.size < self.cache.file(inode_id).sealed:
+                    raise FsError(errno.EIO, "the start of this file was already uploaded to make room in the"
+                                             " cache (a spill): it can be truncated to 0 or beyond that part only")
+                self._begin_change(inode_id)
+                # Growing a file by truncate writes nothing: the filesystem under the cache stores a hole, and
+                # the budget charges none of it (cache.resize). Writes into it are charged as they come. A
+                # size the cache filesystem cannot hold fails here at once (EFBIG).
+                try:
+                    os.truncate(self.cache.data_path(inode_id), changes.size)
+                except OSError as exc:
+                    raise FsError(exc.errno or errno.EIO, f"truncate: {exc.strerror}") from None
+                self.cache.resize(inode_id, changes.size)
+            finally:
+                # Also when it failed: a change begun and never ended would look open for writing for ever
+                # (never uploaded; a flush waiting for it).
+                self._end_change_if_unopened(inode_id)
         columns: dict[str, object] = {}
         if changes.mode is not None:
             columns["mode"] = (inode.mode & ~0o7777) | (changes.mode & 0o7777)
@@ -646,7 +655,7 @@ class Filesystem:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         direct = (flags & os.O_ACCMODE) == os.O_WRONLY
         # A partial file is not a data file yet: its chunks are the fetcher's to account.
-        local = self.cache.file(inode_id) if reader is None else CacheFile(0)
+        local = self.cache.file(inode_id) if reader is None else CacheFile(inode_id, 0)
         self.handles[fh] = OpenFile(inode_id, fd, local, writable, dirtied, direct, reader)
         self.evictor.touch(inode_id)
         if direct and dirtied:
@@ -794,7 +803,7 @@ class Filesystem:
             raise FsError(exc.errno or errno.EIO, f"write to cache failed: {exc.strerror}") from None
         end = offset + written
         if end > handle.local.size:
-            cache.grow(handle.local, end)
+            cache.grow(handle.local, offset, end)
         return written
 
     async def wait_for_room(self, needed: int = 0) -> None:
@@ -913,19 +922,24 @@ class Filesystem:
     # -- xattrs -------------------------------------------------------------------------------------------
 
     def getxattr(self, inode_id: int, name: bytes) -> bytes:
-        if name != STATE_XATTR:
-            # The kernel asks for security.capability before every write(2): answer without SQL.
-            raise FsError(errno.ENODATA, "no such attribute")
-        return self._get(inode_id).state.encode()
+        if name == STATE_XATTR:
+            return self._get(inode_id).state.encode()
+        if name == ERROR_XATTR:
+            self._get(inode_id)
+            failure = self._failure_of(inode_id)
+            if failure is not None:
+                return failure.encode()
+        # The kernel asks for security.capability before every write(2): answer without SQL.
+        raise FsError(errno.ENODATA, "no such attribute")
 
     def listxattr(self, inode_id: int) -> list[bytes]:
         self._get(inode_id)
-        return [STATE_XATTR]
+        return [STATE_XATTR] if self._failure_of(inode_id) is None else [STATE_XATTR, ERROR_XATTR]
 
     def setxattr(self, inode_id: int, name: bytes) -> None:
         self._get(inode_id)
-        if name == STATE_XATTR:
-            raise FsError(errno.EPERM, "user.ckptfs.state is read-only")
+        if name in (STATE_XATTR, ERROR_XATTR):
+            raise FsError(errno.EPERM, f"{name.decode()} is read-only")
         raise FsError(errno.ENOTSUP, "extended attributes are not stored")
 
     # -- lifecycle ---------------------------------------------------------------------------------------

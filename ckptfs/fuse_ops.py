@@ -31,8 +31,9 @@ from pyfuse3 import (
     XAttrNameT,
 )
 
-from ckptfs.errors import FsError
+from ckptfs.errors import Faults, FsError
 from ckptfs.fs import Attr, Filesystem, RoomNeeded, SetAttrs
+from ckptfs.journal import journal_unusable
 from ckptfs.metrics import OpStats
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,15 @@ def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
     return entry
 
 
-def _fuse_error(exc: BaseException, op: str) -> pyfuse3.FUSEError:
+def _fuse_error(
+    exc: BaseException, op: str, faults: Faults, on_journal_failure: Callable[[BaseException], None]
+) -> pyfuse3.FUSEError:
     """The one error path of every request: what the caller of the syscall sees. An FsError carries its
     errno; an OSError from the cache directory its own (EMFILE when out of file descriptors, ENOSPC, EIO);
-    anything else is a bug here, answered with EIO and one traceback (the log handler rate-limits repeats)
-    instead of ending the FUSE session, which would take the mount away from every process using it."""
+    anything else is a bug here, answered with EIO, one traceback (the log handler rate-limits repeats)
+    and a count in `faults`, instead of ending the FUSE session, which would take the mount away from
+    every process using it. A journal that cannot be used any more is answered EIO too, and reported to
+    `on_journal_failure`, which ends the daemon."""
     if isinstance(exc, pyfuse3.FUSEError):
         return exc
     if isinstance(exc, FsError):
@@ -94,7 +99,11 @@ def _fuse_error(exc: BaseException, op: str) -> pyfuse3.FUSEError:
         # committed stays; this request changes nothing.
         log.warning("%s failed: the journal cannot grow, the cache filesystem is full (%s)", op, exc)
         return pyfuse3.FUSEError(errno.ENOSPC)
+    if journal_unusable(exc):
+        on_journal_failure(exc)
+        return pyfuse3.FUSEError(errno.EIO)
     log.error("%s failed unexpectedly; answering EIO", op, exc_info=exc)
+    faults.record("fuse", f"{op}: {exc!r}")
     return pyfuse3.FUSEError(errno.EIO)
 
 
@@ -102,9 +111,14 @@ class FuseOperations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False  # write() must reach the cache file before it returns (see SEMANTICS)
 
-    def __init__(self, fs: Filesystem) -> None:
+    def __init__(
+        self, fs: Filesystem, *, faults: Faults | None = None,
+        on_journal_failure: Callable[[BaseException], None] = lambda exc: None,
+    ) -> None:
         super().__init__()
         self.fs = fs
+        self.faults = faults if faults is not None else Faults()
+        self.on_journal_failure = on_journal_failure
         # Count, errors and time of every request, per operation (ckptfs_fuse_* metrics). read and write
         # keep theirs inline; the others are wrapped here, on the instance, where pyfuse3 looks them up.
         self.op_stats = OpStats()
@@ -122,7 +136,7 @@ class FuseOperations(pyfuse3.Operations):
                 failed = False
                 return result
             except Exception as exc:  # trio.Cancelled is a BaseException: it passes
-                raise _fuse_error(exc, op) from None
+                raise _fuse_error(exc, op, self.faults, self.on_journal_failure) from None
             finally:
                 record(op, time.perf_counter() - started, failed)
 
@@ -216,7 +230,7 @@ class FuseOperations(pyfuse3.Operations):
             failed = False
             return data
         except Exception as exc:
-            raise _fuse_error(exc, "read") from None
+            raise _fuse_error(exc, "read", self.faults, self.on_journal_failure) from None
         finally:
             self.op_stats.record("read", time.perf_counter() - started, failed)
 
@@ -233,7 +247,7 @@ class FuseOperations(pyfuse3.Operations):
                     pass
                 await self.fs.wait_for_room()
         except Exception as exc:
-            raise _fuse_error(exc, "write") from None
+            raise _fuse_error(exc, "write", self.faults, self.on_journal_failure) from None
         finally:
             self.op_stats.record("write", time.perf_counter() - started, failed)
 

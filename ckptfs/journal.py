@@ -132,6 +132,25 @@ def journal_full(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
 
 
+# Primary SQLite result codes after which the journal cannot be trusted or reached any more.
+_UNUSABLE_CODES = frozenset(
+    (sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CANTOPEN,
+     sqlite3.SQLITE_READONLY)
+)
+
+
+def journal_unusable(exc: BaseException) -> bool:
+    """The journal can no longer record anything: its file cannot be read or written (an I/O error, a
+    corrupt page, a cache filesystem remounted read-only) or its connection is closed. Every promise
+    rests on it, so this alone may end the daemon; any other failure is one entry's or one task's."""
+    if isinstance(exc, BaseExceptionGroup):  # raised out of a nursery
+        return any(journal_unusable(inner) for inner in exc.exceptions)
+    if isinstance(exc, sqlite3.ProgrammingError):
+        return "closed" in str(exc)
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.DatabaseError) and code is not None and code & 0xFF in _UNUSABLE_CODES
+
+
 class Inode(NamedTuple):
     id: int
     parent: int | None
@@ -633,7 +652,9 @@ class Journal:
         """Inodes in their right place in the store whose object metadata is out of date."""
         return self._all(
             f"SELECT {_COLUMNS} FROM inodes INDEXED BY inodes_meta_stale WHERE meta_dirty = 1"
-            " AND state IN ('clean', 'remote')"
+            # An unlinked inode (path NULL, remote_key cleared by detach) matches the key test below too:
+            # it has no object left to update.
+            " AND path IS NOT NULL AND state IN ('clean', 'remote')"
             " AND remote_key IS (CASE kind WHEN 'dir' THEN path || '/' ELSE path END) ORDER BY seq LIMIT ?",
             (limit,),
         )

@@ -248,8 +248,9 @@ def apply_dir_listing(
     present: set[str] = set()
     imported = 0
     with journal.transaction():
-        if listing.marker and directory.remote_key is None and directory.state == CLEAN and directory.id != ROOT_ID:
-            journal.adopt_marker(directory.id, directory.key)  # type: ignore[arg-type]
+        marker_key = directory.key
+        if listing.marker and marker_key and directory.remote_key is None and directory.state == CLEAN:
+            journal.adopt_marker(directory.id, marker_key)  # the root ('' key) has no marker
         for info in listing.entries:
             name = _listed_name(info.key, directory, warned)
             if name is None:

@@ -331,7 +331,8 @@ def make_stack(
     fetcher = Fetcher(journal, cache, engine, evictor=evictor)
     lister = DirLister(journal, cache, store, refresh_interval=0.0)  # type: ignore[arg-type]
     fs = Filesystem(journal, cache, fetcher.fetch, drain.mount_changed, evictor, lister, streams=fetcher,
-                    wait_uploaded=lambda path: drain.wait_durable([path]), discard_upload=drain.discard_upload)
+                    wait_uploaded=lambda path: drain.wait_durable([path]), discard_upload=drain.discard_upload,
+                    failure_of=drain.failure_of)
     lister.vanished = fs.vanished
     in_use.append(fs)
     drain.on_spilled = evictor.evict_if_clean

@@ -13,6 +13,7 @@ import pytest
 import trio
 from fsharness import GID, UID, check_consistency, make_stack
 
+from ckptfs.errors import Faults
 from ckptfs.fuse_ops import _fuse_error
 from ckptfs.journal import CLEAN, REMOTE, ROOT_ID, Journal
 
@@ -22,6 +23,10 @@ def _full() -> sqlite3.OperationalError:
     full = sqlite3.OperationalError("database or disk is full")
     full.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
     return full
+
+
+def _not_expected(exc: BaseException) -> None:
+    raise AssertionError(f"a full journal is not an unusable one: {exc!r}")
 
 
 def _refuse(*args: object, **kwargs: object) -> None:
@@ -53,8 +58,10 @@ def test_a_commit_that_cannot_grow_the_journal_rolls_back_and_the_journal_still_
 
 
 def test_a_full_journal_answers_enospc_not_eio() -> None:
-    assert _fuse_error(_full(), "mkdir").errno == errno.ENOSPC
-    assert _fuse_error(sqlite3.OperationalError("no such table: x"), "mkdir").errno == errno.EIO
+    faults = Faults()
+    assert _fuse_error(_full(), "mkdir", faults, _not_expected).errno == errno.ENOSPC
+    assert _fuse_error(sqlite3.OperationalError("no such table: x"), "mkdir", faults, _not_expected).errno == errno.EIO
+    assert faults.counts == {"fuse": 1}
 
 
 async def test_a_close_the_full_journal_refused_is_recorded_once_there_is_room(

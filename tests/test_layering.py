@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "drain": {"backends", "cache", "errors", "journal", "transfer"},
     "recovery": {"backends", "cache", "errors", "journal", "transfer"},
     "fs": {"cache", "errors", "evict", "journal"},
-    "fuse_ops": {"errors", "fs", "metrics"},
+    "fuse_ops": {"errors", "fs", "journal", "metrics"},
     "client": {"errors"},
     "ctl": {"client", "errors"},
     "daemon": {"backends", "cache", "config", "ctl", "drain", "errors", "evict", "fetch", "fs", "fuse_ops", "journal",
