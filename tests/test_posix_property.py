@@ -135,7 +135,8 @@ def shared_mount(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
 
 
 # CKPTFS_PROPERTY_EXAMPLES=500 for a longer hunt than CI's.
-@settings(max_examples=int(os.environ.get("CKPTFS_PROPERTY_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("CKPTFS_PROPERTY_EXAMPLES", "40")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(op, min_size=1, max_size=30))
 def test_random_posix_sequences_never_end_the_mount_and_the_store_converges(
     shared_mount: Mount, steps: list[tuple]  # type: ignore[type-arg]
