@@ -21,6 +21,9 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
   .venv/bin/pip install -q --upgrade pip
 fi
+# Kernel FUSE passthrough: libfuse 3.17 in /opt/ckptfs-fuse and a patched pyfuse3 built against it, which the
+# pip install below keeps. When that can't be built it warns once and the stock pyfuse3 is installed instead.
+bash scripts/build-fuse.sh
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
 # torch==2.13.0 (in the test extra) resolves to the CPU wheel on this machine's disk.
