@@ -11,7 +11,7 @@ Layout (all 0700 / 0600):
 Space accounting (trio thread only: the write path updates it without a lock): `used` is the sum of
 the apparent sizes of the data files, minus ranges already freed by a spill (see drain.py) and minus the
 holes that a truncate or a write past the end left (the filesystem under the cache stores nothing for
-them; a file with holes is measured again from its st_blocks now and then, see `remeasure`), plus
+them), plus
 `reserved`: the chunks of partial files that are present or in flight (fetch.py reserves a chunk before
 it is fetched and unreserves it when it is punched out or its file dropped or adopted into data/);
 `limit` is the budget: `cache_size`,
@@ -20,7 +20,10 @@ lowered when the cache filesystem would otherwise keep less than `min_free` free
 others fill it past `min_free`, writes go on, uploaded in parts as they are written, instead of waiting
 for room only others can free (what s3fs's ensure_diskfree does). Both are plain
 attributes read on every FUSE write, so the write path pays two attribute loads and a compare. The
-evictor (evict.py) keeps `used` under `limit` and makes writers wait when it cannot.
+evictor (evict.py) keeps `used` under `limit` and makes writers wait when it cannot. Writes the daemon does
+not see (holes filled later; the kernel writing a data file itself, with FUSE passthrough) are charged
+when the file is measured again from its size and st_blocks (`observe`): at close and fsync, and every
+evictor round for the files in `measured`.
 
 It knows inode ids but not the namespace or file states (the journal has those), nor any object store.
 """
@@ -43,7 +46,7 @@ class CacheFile:
     """What the accounting knows of one data file. Open handles share it, so the write path updates
     it without a dict lookup."""
 
-    __slots__ = ("changes", "freed", "holes", "inode_id", "sealed", "size", "staged")
+    __slots__ = ("changes", "freed", "holes", "inode_id", "passthrough_writers", "sealed", "size", "staged")
 
     def __init__(self, inode_id: int, size: int, holes: int = 0) -> None:
         self.inode_id = inode_id
@@ -51,6 +54,9 @@ class CacheFile:
         # Bytes within `size` (beyond `freed`) that were never written: a truncate or a write past the end
         # extended the file over them. Writes that fill them later are charged at the next remeasure.
         self.holes = holes
+        # Handles that write to the file through FUSE passthrough (the kernel writes the data file directly:
+        # `size` is what observe() saw last). A spill never seals such a file: nothing could stop a write.
+        self.passthrough_writers = 0
         # Content changes begun (fs.py, before their first byte): an upload that read the file in another
         # thread compares it with what it saw when it chose the file (Transfers.put_files).
         self.changes = 0
@@ -108,7 +114,9 @@ class CacheDir:
         self._lock_fd: int | None = None
         self._data_dir_str = str(self.data_dir) + "/"
         self.files: dict[int, CacheFile] = {}
-        self.sparse: set[int] = set()  # ids of the data files with holes (CacheFile.holes)
+        # ids of the data files whose accounting is measured from the file each round: those with holes
+        # (CacheFile.holes) and those written through passthrough (CacheFile.passthrough_writers).
+        self.measured: set[int] = set()
         self.used = 0
         self.reserved = 0
         # No budget until configure_budget(): the filesystem's own free space is the only limit.
@@ -190,7 +198,7 @@ class CacheDir:
         entry = self.files.pop(inode_id, None)
         if entry is not None:
             self.used -= entry.charge
-        self.sparse.discard(inode_id)
+        self.measured.discard(inode_id)
 
     # -- space accounting -----------------------------------------------------------------------------
 
@@ -219,7 +227,7 @@ class CacheDir:
     def scan(self) -> dict[int, float]:
         """Account every data file (at start-up, after recovery); return their last access times."""
         self.files.clear()
-        self.sparse.clear()
+        self.measured.clear()
         self.used = self.reserved
         atimes = {}
         for inode_id in self.data_ids():
@@ -239,7 +247,7 @@ class CacheDir:
         self.files[inode_id] = entry
         self.used += entry.charge
         if holes:
-            self.sparse.add(inode_id)
+            self.measured.add(inode_id)
         return entry
 
     def file(self, inode_id: int) -> CacheFile:
@@ -255,15 +263,15 @@ class CacheDir:
         gap it left after the old end is a hole: neither the filesystem nor the budget pays for it."""
         if offset > entry.size:
             entry.holes += offset - entry.size
-            self.sparse.add(entry.inode_id)
+            self.measured.add(entry.inode_id)
             self.used += end - offset
         else:
             self.used += end - entry.size
         entry.size = end
 
     def resize(self, inode_id: int, size: int) -> None:
-        """A data file's apparent size is now `size` (after truncate, close, fsync). Growing it adds a
-        hole; shrinking a file with holes measures what it still holds."""
+        """A truncate made a data file's apparent size `size`. Growing it adds a hole; shrinking a file
+        with holes measures what it still holds."""
         entry = self.files.get(inode_id)
         if entry is None:
             self._account(inode_id, size)
@@ -272,9 +280,14 @@ class CacheDir:
         if size >= entry.size:
             if size > entry.size:
                 entry.holes += size - entry.size
-                self.sparse.add(inode_id)
+                self.measured.add(inode_id)
             entry.size = size
             return
+        self._shrink(entry, size)
+        if entry.holes:
+            self.remeasure(inode_id)
+
+    def _shrink(self, entry: CacheFile, size: int) -> None:
         self.used += size - entry.size
         entry.size = size
         entry.sealed = min(entry.sealed, size)
@@ -282,32 +295,58 @@ class CacheDir:
         if entry.freed > size:
             self.used += entry.freed - size
             entry.freed = size
-        if entry.holes:
-            self.remeasure(inode_id)
+        if entry.holes > size - entry.freed:
+            self.used += entry.holes - (size - entry.freed)
+            entry.holes = size - entry.freed
 
-    def remeasure(self, inode_id: int) -> None:
-        """Charge a data file with holes for the blocks it holds now (writes may have filled its holes,
-        a truncate may have cut them off). The evictor calls this for every such file each round."""
+    def observe(self, inode_id: int, st: os.stat_result) -> None:
+        """The data file as stat'ed now is the truth: its size (writes this daemon did not see, made by the
+        kernel straight to the file with FUSE passthrough) and the blocks it holds (holes filled or cut)."""
         entry = self.files.get(inode_id)
         if entry is None:
+            self._account(inode_id, st.st_size, _holes(st))
+            return
+        if st.st_size < entry.size:
+            self._shrink(entry, st.st_size)
+        before = entry.charge
+        entry.size = st.st_size
+        entry.holes = max(0, entry.size - entry.freed - st.st_blocks * 512)
+        self.used += entry.charge - before
+        if entry.holes or entry.passthrough_writers:
+            self.measured.add(inode_id)
+        else:
+            self.measured.discard(inode_id)
+
+    def remeasure(self, inode_id: int) -> None:
+        """observe() the data file now, if it exists."""
+        if inode_id not in self.files:
             return
         try:
             st = os.stat(self.data_path(inode_id))
         except FileNotFoundError:
             return
-        before = entry.charge
-        entry.holes = min(_holes(st), max(0, entry.size - entry.freed))
-        self.used += entry.charge - before
-        if not entry.holes:
-            self.sparse.discard(inode_id)
+        self.observe(inode_id, st)
 
-    def remeasure_sparse(self) -> None:
-        """remeasure() every data file with holes (the evictor, each round)."""
-        for inode_id in list(self.sparse):
+    def remeasure_all(self) -> None:
+        """remeasure() every data file with holes or written through passthrough (the evictor, each round:
+        writes that filled holes, or that the daemon never saw, are charged within a round)."""
+        for inode_id in list(self.measured):
             if inode_id in self.files:
                 self.remeasure(inode_id)
             else:
-                self.sparse.discard(inode_id)
+                self.measured.discard(inode_id)
+
+    def passthrough_opened(self, inode_id: int) -> None:
+        """A handle that writes through FUSE passthrough opened the file: its writes bypass the daemon, so
+        its accounting is measured from the file (observe) every round until the last such handle closes."""
+        self.file(inode_id).passthrough_writers += 1
+        self.measured.add(inode_id)
+
+    def passthrough_closed(self, inode_id: int) -> None:
+        entry = self.files.get(inode_id)
+        if entry is not None:
+            entry.passthrough_writers -= 1
+            self.remeasure(inode_id)
 
     def punch_hole(self, inode_id: int, offset: int, length: int) -> None:
         """Free `length` bytes at `offset` of a data file, keeping its size (the accounting is `punched`)."""
@@ -324,8 +363,6 @@ class CacheDir:
             self.used -= offset + length - entry.freed
             entry.freed = offset + length
             if entry.holes:  # some of what was punched may have been a hole already
-                self.used += entry.holes
-                entry.holes = 0
                 self.remeasure(inode_id)
 
     def restore_spilled(self, inode_id: int, *, punched: int, staged: int, sealed: bool) -> None:

@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--upload-while-writing", choices=["auto", "on", "off"],
                        help="upload a large file part by part while it is still open: auto where the store needs"
                             " no copy at close for it (file://, gs://), on (also s3://, az://), off (the default)")
+    mount.add_argument("--passthrough", choices=["auto", "off"],
+                       help="let the kernel read and write cached files itself (FUSE passthrough, Linux >= 6.9):"
+                            " auto (the default: on where the kernel and the pyfuse3 build allow it), off")
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
     mount.add_argument("--part-size")
@@ -111,6 +114,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "upload_delay": args.upload_delay,
         "small_file_wait": args.small_file_wait,
         "upload_while_writing": args.upload_while_writing,
+        "passthrough": args.passthrough,
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
         "part_size": args.part_size,
@@ -313,6 +317,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"reads      {_human_bytes(reads['bytes_downloaded'])} downloaded in {reads['chunks_fetched']} chunks;"
               f" {reads['partial_files']} partial files ({_human_bytes(reads['partial_bytes'])});"
               f" {reads['readers_waiting']} reads waiting; {reads['checksum_failures']} checksum failures")
+    passthrough = status.get("passthrough")
+    if passthrough:
+        print(f"passthrough {passthrough['why']} ({passthrough['opens']} opens)")
     print(f"last error {status['last_error'] or '-'}")
     if status.get("failing_count"):
         print(f"parked     {status['failing_count']} entries fail unexpectedly again and again (retried every"

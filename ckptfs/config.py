@@ -74,6 +74,12 @@ class Config:
     file at close; "off" (the default): only a full cache does it. It shortens the time from close to
     durable, and lengthens the save when the writer is as fast as the disk (they share it and the CPU)."""
 
+    passthrough: str = "auto"
+    """Kernel FUSE passthrough (Linux >= 6.9, a libfuse >= 3.17 build of pyfuse3, a root daemon): "auto"
+    lets the kernel read and write the cache file of an open file itself, at the disk's speed, for files
+    whose bytes are all local while the cache has room; it turns itself off (and says why) where it cannot
+    work. "off": every read and write goes through the daemon."""
+
     transfers: int = 8
     """Files (or batches of small files) uploaded in parallel."""
 
@@ -180,6 +186,11 @@ def _coerce(name: str, value: Any) -> Any:
         mode = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value).lower()
         if mode not in ("auto", "on", "off"):
             raise UsageError(f"upload_while_writing must be auto, on or off, not {value!r}")
+        return mode
+    if name == "passthrough":
+        mode = {True: "auto", False: "off"}.get(value, value) if isinstance(value, bool) else str(value).lower()
+        if mode not in ("auto", "off"):
+            raise UsageError(f"passthrough must be auto or off, not {value!r}")
         return mode
     if name in ("allow_other", "daemon"):
         if not isinstance(value, bool):

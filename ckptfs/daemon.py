@@ -40,7 +40,7 @@ from ckptfs.errors import CkptfsError, Faults
 from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
-from ckptfs.fuse_ops import FuseOperations
+from ckptfs.fuse_ops import FuseOperations, KernelBackingFiles, passthrough_build, passthrough_granted
 from ckptfs.journal import DIR, FILE, ROOT_ID, Inode, Journal, JournalError, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_addr
 from ckptfs.recovery import DirLister, recover
@@ -165,6 +165,7 @@ class Daemon:
         self._control_stop = trio.Event()
         self._control_done = trio.Event()
         self.result: FlushResult | None = None
+        self.passthrough_why = "off: not probed yet"
         self.notifier = Notifier()
         self.fuse_ops: FuseOperations | None = None
 
@@ -189,6 +190,7 @@ class Daemon:
         if self.config.allow_other or os.geteuid() != 0:
             options.add("default_permissions")
         self.fuse_ops = FuseOperations(self.fs, faults=self.faults, on_journal_failure=self._on_journal_failure)
+        self.fuse_ops.enable_passthrough = self.config.passthrough != "off"
         pyfuse3.init(self.fuse_ops, str(self.mountpoint), options)
         unmounted = False
         journal_failed = False
@@ -202,6 +204,7 @@ class Daemon:
                 await nursery.start(self._supervised, "close recorder", self.fs.run)
                 await nursery.start(self._serve_control)
                 root = await trio.to_thread.run_sync(os.stat, self.mountpoint)
+                self._probe_passthrough()  # the kernel answered INIT before that stat
                 read_ahead = parse_size(self.config.read_ahead)
                 if read_ahead:
                     set_read_ahead(root.st_dev, read_ahead)
@@ -234,11 +237,41 @@ class Daemon:
             # Closing our /dev/fuse descriptor without unmounting aborts the connection: every access then
             # fails with ENOTCONN, none lands on the disk below the mountpoint.
             pyfuse3.close(unmount=not journal_failed)
+            self.fs.backing = None  # closed with the connection
             if not journal_failed:
                 self.fs.close_all()
         if not unmounted or self.result is None or not self.result.ok:
             return EXIT_NOT_DRAINED
         return 0
+
+    def _probe_passthrough(self) -> None:
+        """Turn FUSE passthrough on where the option, the pyfuse3 build, the kernel and this process's
+        privileges allow it; otherwise the mount works as without it. Never a failure: says which."""
+        if self.config.passthrough == "off":
+            self.passthrough_why = "off: passthrough = off"
+        elif not passthrough_build():
+            self.passthrough_why = ("off: this pyfuse3 is the stock build, without passthrough support"
+                                    " (scripts/install.sh builds one against libfuse >= 3.17)")
+        elif not passthrough_granted():
+            self.passthrough_why = ("off: the kernel did not grant FUSE passthrough (it needs Linux >= 6.9"
+                                    " with CONFIG_FUSE_PASSTHROUGH)")
+        else:
+            backing = KernelBackingFiles()
+            probe = self.cache.tmp_path(0) + ".passthrough-probe"
+            try:
+                fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    backing.close(backing.open(fd))
+                finally:
+                    os.close(fd)
+                    os.unlink(probe)
+            except OSError as exc:
+                need = " (it needs CAP_SYS_ADMIN: run the daemon as root)" if exc.errno == errno.EPERM else ""
+                self.passthrough_why = f"off: the kernel refused a backing file: {exc.strerror}{need}"
+            else:
+                self.fs.backing = backing
+                self.passthrough_why = "on: the kernel reads and writes the cache files of open files itself"
+        log.info("FUSE passthrough %s", self.passthrough_why)
 
     async def _supervised(
         self, name: str, service: Callable[..., Awaitable[None]], *,
@@ -407,6 +440,8 @@ class Daemon:
             "ckptfs_spilled_bytes": [((), drain.spilled_bytes)],
             "ckptfs_drain_errors": [((job,), n) for job, n in sorted(drain.errors_by_job.items())],
             "ckptfs_internal_errors": [((where,), n) for where, n in sorted(self.faults.counts.items())],
+            "ckptfs_passthrough_enabled": [((), 1.0 if self.fs.backing is not None else 0.0)],
+            "ckptfs_passthrough_opens": [((), self.fs.passthrough_opens)],
             "ckptfs_drain_parked": [((), len(self.drain.failing()))],
             "ckptfs_cache_hits": [((), self.fs.cache_hits)],
             "ckptfs_cache_misses": [((), self.fs.cache_misses)],
@@ -535,6 +570,13 @@ class Daemon:
             },
             "oldest_dirty_age_seconds": round(time.time() - oldest, 1) if oldest else None,
             "open_for_write": self.fs.open_writers(),
+            "passthrough": {
+                "enabled": self.fs.backing is not None,
+                "why": self.passthrough_why,
+                "opens": self.fs.passthrough_opens,
+                "files_open": self.fs.passthrough_files(),
+                "refused": self.fs.passthrough_errors,
+            },
             "cache": {
                 "used_bytes": self.cache.used,
                 "budget_bytes": int(self.cache.limit) if self.cache.limit != math.inf else None,

@@ -1037,7 +1037,9 @@ class Drain:
     def _spillable(self, inode_id: int) -> int:
         """Bytes of a file being written that a spill could take now."""
         entry = self.cache.files.get(inode_id)
-        if entry is None:
+        if entry is None or (entry.passthrough_writers and self._pressure):
+            # A spill under pressure seals what it takes, and nothing could hold back a write the kernel
+            # makes to the file itself (FUSE passthrough): such a file is only ever staged early.
             return 0
         return entry.size - self.spill_lookahead - max(entry.sealed, entry.staged)
 

@@ -126,7 +126,7 @@ class Evictor:
                 await self._kick.wait()
             self._kick = trio.Event()
             self.cache.measure()
-            self.cache.remeasure_sparse()
+            self.cache.remeasure_all()
             self._note_squeeze()
             self.evict_if_needed()
             self._set_pressure(self._waiters > 0 or self.cache.used > self.cache.limit)

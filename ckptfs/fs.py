@@ -43,6 +43,10 @@ ERROR_XATTR = b"user.ckptfs.error"
 CLOSE_RETRY_INTERVAL = 1.0  # seconds between attempts to record closes a full journal refused
 # Stores keep their own bookkeeping (temp files, upload markers) under names with this prefix.
 RESERVED_PREFIX = b".ckptfs-tmp."
+# A handle that can write gets passthrough only while the cache budget has at least this much room, and
+# PASSTHROUGH_ROOM_SHARE of the budget: its writes no longer wait for room (see Filesystem._passthrough).
+PASSTHROUGH_ROOM = 1 << 30
+PASSTHROUGH_ROOM_SHARE = 0.1
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
@@ -104,11 +108,11 @@ class OpenFile:
     has dirtied the file, whether it bypasses the kernel's page cache (write-only handles do: see
     Filesystem.caching), and for a read-only open of a remote file, its reader of the partial file."""
 
-    __slots__ = ("direct", "dirtied", "fd", "inode_id", "local", "reader", "shed_to", "writable")
+    __slots__ = ("backing", "direct", "dirtied", "fd", "inode_id", "local", "reader", "shed_to", "writable")
 
     def __init__(
         self, inode_id: int, fd: int, local: CacheFile, writable: bool, dirtied: bool, direct: bool,
-        reader: Reader | None = None,
+        reader: Reader | None = None, backing: int = 0,
     ) -> None:
         self.inode_id = inode_id
         self.fd = fd
@@ -118,6 +122,9 @@ class OpenFile:
         self.direct = direct
         self.reader = reader
         self.shed_to = 0  # with a reader: the cache file's pages below this were advised away
+        # The kernel's backing id of the cache file when the kernel reads and writes it itself (FUSE
+        # passthrough: no read or write of this handle reaches the daemon); 0 when they do.
+        self.backing = backing
 
 
 @dataclass
@@ -158,6 +165,15 @@ class ReadStreams(Protocol[R]):
     async def wait_readable(self, reader: R, offset: int, size: int) -> None: ...
 
     def discard(self, inode_id: int) -> None: ...
+
+
+class BackingFiles(Protocol):
+    """The kernel's registry of backing files for FUSE passthrough (fuse_ops.py implements it)."""
+
+    def open(self, fd: int) -> int:
+        """Register the open file `fd` with the kernel; its backing id for an open or create reply."""
+
+    def close(self, backing_id: int) -> None: ...
 
 
 class Lister(Protocol):
@@ -230,6 +246,15 @@ class Filesystem:
         self._close_retry = trio.Event()
         # Inodes written through page-cache-bypassing handles since the kernel's cached pages were dropped.
         self._uncached_writes: set[int] = set()
+        # FUSE passthrough (None: off). All passthrough handles of an inode share one backing id, the
+        # kernel's rule, registered at the first and closed after the last: inode -> [backing id, handles].
+        self.backing: BackingFiles | None = None
+        self._backing_ids: dict[int, list[int]] = {}
+        # Handles per inode that go through the kernel's page cache of the FUSE file (neither direct nor
+        # passthrough): while there are any, the kernel refuses passthrough opens of the inode (ETXTBSY).
+        self._cached_opens: dict[int, int] = {}
+        self.passthrough_opens = 0  # handles opened with passthrough since start
+        self.passthrough_errors = 0  # registrations the kernel refused (the open then goes through us)
         self.writes_allowed = True
         self.cache_hits = 0  # opens served from local data
         self.cache_misses = 0  # opens that downloaded the file
@@ -641,7 +666,7 @@ class Filesystem:
             st = os.stat(self.cache.data_path(inode_id))
         except FileNotFoundError:
             return
-        self.cache.resize(inode_id, st.st_size)
+        self.cache.observe(inode_id, st)
         with self.journal.transaction():
             self.journal.mark_closed(
                 inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=time.time()
@@ -653,10 +678,23 @@ class Filesystem:
         fh = self._next_fh
         self._next_fh += 1
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        direct = (flags & os.O_ACCMODE) == os.O_WRONLY
         # A partial file is not a data file yet: its chunks are the fetcher's to account.
         local = self.cache.file(inode_id) if reader is None else CacheFile(inode_id, 0)
-        self.handles[fh] = OpenFile(inode_id, fd, local, writable, dirtied, direct, reader)
+        backing = 0 if reader is not None else self._passthrough(inode_id, local, writable)
+        direct = not backing and (flags & os.O_ACCMODE) == os.O_WRONLY
+        if backing:
+            self.passthrough_opens += 1
+            if writable:
+                # Its writes bypass the daemon: the content is changing from now on, and the accounting
+                # follows the file (its size as it grows, for the budget and for spills).
+                if not dirtied:
+                    self._begin_change(inode_id)
+                    dirtied = True
+                self.cache.passthrough_opened(inode_id)
+                self._uncached_writes.add(inode_id)  # see caching(): cached pages go stale behind the kernel
+        elif not direct:
+            self._cached_opens[inode_id] = self._cached_opens.get(inode_id, 0) + 1
+        self.handles[fh] = OpenFile(inode_id, fd, local, writable, dirtied, direct, reader, backing)
         self.evictor.touch(inode_id)
         if direct and dirtied:
             self._uncached_writes.add(inode_id)
@@ -832,12 +870,69 @@ class Filesystem:
         handle = self.handles[fh]
         if handle.direct:
             return True, False
+        if handle.backing:
+            return False, False  # the kernel serves it from the cache file's own pages (no keep_cache)
         inode_id = handle.inode_id
         if inode_id not in self._uncached_writes:
             return False, True
-        if not any(h.direct and h.inode_id == inode_id for h in self.handles.values()):
+        if not any((h.direct or (h.backing and h.writable)) and h.inode_id == inode_id for h in self.handles.values()):
             self._uncached_writes.discard(inode_id)
         return False, False
+
+    def passthrough_files(self) -> int:
+        """Files open with passthrough now."""
+        return len(self._backing_ids)
+
+    def backing_of(self, fh: int) -> int:
+        """The backing id the open or create reply of a new handle names (0: no passthrough)."""
+        return self.handles[fh].backing
+
+    def _passthrough(self, inode_id: int, local: CacheFile, writable: bool) -> int:
+        """The backing id for a new handle of a file whose bytes are in the cache, or 0 (reads and writes
+        then come to the daemon). Passthrough is for files whose bytes are all local (none spilled), and
+        for a handle that can write only while the budget has room: its writes no longer wait for it.
+        Every handle of an inode that has a backing file gets it too (the kernel allows one backing file
+        per inode, and no cached handle beside it), and none while cached handles of the inode are open."""
+        if self.backing is None:
+            return 0
+        held = self._backing_ids.get(inode_id)
+        if held is not None:
+            held[1] += 1
+            return held[0]
+        if self._cached_opens.get(inode_id) or local.freed or local.sealed:
+            return 0
+        if writable:
+            room = self.cache.limit - self.cache.used
+            if room < PASSTHROUGH_ROOM or room < self.cache.limit * PASSTHROUGH_ROOM_SHARE:
+                return 0
+        try:
+            # Its own read-write descriptor: the kernel keeps the file, and a read-only first handle must
+            # not leave later writers a read-only backing file.
+            fd = os.open(self.cache.data_path(inode_id), os.O_RDWR | os.O_CLOEXEC)
+            try:
+                backing_id = self.backing.open(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.passthrough_errors += 1
+            log.debug("no passthrough for inode %d: %s", inode_id, exc)
+            return 0
+        self._backing_ids[inode_id] = [backing_id, 1]
+        return backing_id
+
+    def _release_backing(self, handle: OpenFile) -> None:
+        held = self._backing_ids[handle.inode_id]
+        held[1] -= 1
+        if held[1]:
+            return
+        del self._backing_ids[handle.inode_id]
+        if self.backing is None:
+            return  # the FUSE connection is gone (close_all after unmount), and its backing files with it
+        try:
+            self.backing.close(held[0])
+        except OSError as exc:  # the kernel keeps what open files hold; nothing of ours is lost
+            log.warning("cannot release the passthrough backing file %d of inode %d: %s",
+                        held[0], handle.inode_id, exc)
 
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh)
@@ -845,6 +940,16 @@ class Filesystem:
         inode_id = handle.inode_id
         if handle.reader is not None and self.streams is not None:
             self.streams.close_reader(handle.reader)
+        if handle.backing:
+            self._release_backing(handle)
+            if handle.writable:
+                self.cache.passthrough_closed(inode_id)
+        elif not handle.direct:
+            cached = self._cached_opens[inode_id] - 1
+            if cached:
+                self._cached_opens[inode_id] = cached
+            else:
+                del self._cached_opens[inode_id]
         try:
             if handle.writable:
                 writers = self._writer_count[inode_id] - 1
@@ -877,7 +982,7 @@ class Filesystem:
         inode = self.journal.get(handle.inode_id)
         if inode is not None and inode.kind == FILE:
             st = os.fstat(handle.fd)
-            self.cache.resize(inode.id, st.st_size)
+            self.cache.observe(inode.id, st)
             with self.journal.transaction():
                 self.journal.set_attrs(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns)
         self.journal.sync()

@@ -107,9 +107,37 @@ def _fuse_error(
     return pyfuse3.FUSEError(errno.EIO)
 
 
+# The names a pyfuse3 built with the project's passthrough addition has (scripts/build-fuse.sh,
+# scripts/pyfuse3-passthrough.patch); looked up by name, since the stock build, which lacks them, works too.
+_BACKING_ID = "backing_id"
+
+
+class KernelBackingFiles:
+    """fs.BackingFiles of a pyfuse3 built with passthrough support."""
+
+    def open(self, fd: int) -> int:
+        return int(getattr(pyfuse3, "backing_open")(fd))  # noqa: B009
+
+    def close(self, backing_id: int) -> None:
+        getattr(pyfuse3, "backing_close")(backing_id)  # noqa: B009
+
+
+def passthrough_build() -> bool:
+    """pyfuse3 was built with the project's passthrough addition (else it is the stock one)."""
+    return bool(getattr(pyfuse3, "PASSTHROUGH_BUILD", False)) and hasattr(pyfuse3, "backing_open")
+
+
+def passthrough_granted() -> bool:
+    """The kernel granted FUSE_PASSTHROUGH at INIT (asked for when enable_passthrough is set)."""
+    return passthrough_build() and bool(getattr(pyfuse3, "passthrough_enabled")())  # noqa: B009
+
+
 class FuseOperations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False  # write() must reach the cache file before it returns (see SEMANTICS)
+    # Ask the kernel for FUSE passthrough at INIT (a pyfuse3 built with it reads this; the stock one
+    # ignores it). The daemon turns it off with `passthrough = "off"`.
+    enable_passthrough = True
 
     def __init__(
         self, fs: Filesystem, *, faults: Faults | None = None,
@@ -214,13 +242,19 @@ class FuseOperations(pyfuse3.Operations):
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT, ctx: RequestContext
     ) -> tuple[FileInfo, EntryAttributes]:
         fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
-        direct_io, keep_cache = self.fs.caching(fh)
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache), _entry(attr)
+        return self._file_info(fh), _entry(attr)
 
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         fh = await self.fs.open(inode, flags)
+        return self._file_info(fh)
+
+    def _file_info(self, fh: int) -> FileInfo:
         direct_io, keep_cache = self.fs.caching(fh)
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
+        info = pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
+        backing = self.fs.backing_of(fh)
+        if backing:
+            setattr(info, _BACKING_ID, backing)
+        return info
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
         started = time.perf_counter()

@@ -663,6 +663,8 @@ class RoundConfig:
     # (early spills, on stores that complete a staged upload at any key: file://)
     part_size: str = "64M"
     upload_while_writing: str = "off"  # "on": SeaweedFS rounds stage at a hidden key and copy at close
+    # --passthrough of the daemons: "auto" lets the kernel write and read cached files itself (where it can)
+    passthrough: str = "auto"
 
 
 @dataclass
@@ -775,6 +777,7 @@ class Harness:
             # `mv step_100 step_100.bak` on a fresh node lists nothing first; `rm -r` lists: both, by turns
             unlisted_dir_ops=(rng.random() < 0.5) or self.args.unlisted_dir_ops,  # drawn either way: replays
             part_size=rng.choice(["64M", "1M", "2M"]), upload_while_writing=rng.choice(["off", "auto", "on"]),
+            passthrough=self.args.passthrough or rng.choice(["auto", "off"]),
         )
 
     def new_store(self, index: int) -> StoreView:
@@ -883,7 +886,8 @@ class Harness:
         model = Model()
         step_no = 0
         node = round_dir / "node-a"
-        extra: tuple[str, ...] = ("--part-size", cfg.part_size, "--upload-while-writing", cfg.upload_while_writing)
+        extra: tuple[str, ...] = ("--part-size", cfg.part_size, "--upload-while-writing", cfg.upload_while_writing,
+                                  "--passthrough", cfg.passthrough)
         if cfg.kill == "spill":
             extra = ("--cache-size", "24M", "--part-size", "5M", "--min-free", "0")
         if self.proxy is not None:
@@ -1082,6 +1086,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the directories of rounds that passed")
     parser.add_argument("--stop-on-failure", action="store_true")
     parser.add_argument("--strict", action="store_true", help="rounds that hit a known bug fail the run too")
+    parser.add_argument("--passthrough", choices=["auto", "off"],
+                        help="the daemons' --passthrough (without it, drawn per round from the seed)")
     parser.add_argument("--unlisted-dir-ops", action="store_true",
                         help="every round removes and renames directories without listing them first "
                         "(without it, half the rounds do, drawn from the seed)")

@@ -138,10 +138,10 @@ async def test_a_sparse_extension_is_not_charged_and_filled_holes_are(tmp_path: 
     assert stack.cache.used < 1 << 20
     for offset in range(0, 8 << 20, 1 << 20):  # writes into the hole: charged at the next remeasure
         stack.fs.write(fh, offset, b"y" * (1 << 20))
-    stack.cache.remeasure_sparse()
+    stack.cache.remeasure_all()
     assert 8 << 20 <= stack.cache.used < 9 << 20
     stack.fs.release(fh)
     await stack.fs.setattr(ino, SetAttrs(size=4 << 20), None)
     assert 4 << 20 <= stack.cache.used < 5 << 20
-    assert stack.cache.sparse == set()
+    assert stack.cache.measured == set()
     check_consistency(stack)
