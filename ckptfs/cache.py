@@ -345,7 +345,7 @@ class CacheDir:
     def passthrough_closed(self, inode_id: int) -> None:
         entry = self.files.get(inode_id)
         if entry is not None:
-            entry.passthrough_writers -= 1
+            entry.passthrough_writers = max(0, entry.passthrough_writers - 1)
             self.remeasure(inode_id)
 
     def punch_hole(self, inode_id: int, offset: int, length: int) -> None:
