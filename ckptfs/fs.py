@@ -680,7 +680,7 @@ class Filesystem:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         # A partial file is not a data file yet: its chunks are the fetcher's to account.
         local = self.cache.file(inode_id) if reader is None else CacheFile(inode_id, 0)
-        backing = 0 if reader is not None else self._passthrough(inode_id, local, writable)
+        backing = 0 if reader is not None else self._passthrough(inode_id, fd, local, writable)
         direct = not backing and (flags & os.O_ACCMODE) == os.O_WRONLY
         if backing:
             self.passthrough_opens += 1
@@ -887,7 +887,7 @@ class Filesystem:
         """The backing id the open or create reply of a new handle names (0: no passthrough)."""
         return self.handles[fh].backing
 
-    def _passthrough(self, inode_id: int, local: CacheFile, writable: bool) -> int:
+    def _passthrough(self, inode_id: int, fd: int, local: CacheFile, writable: bool) -> int:
         """The backing id for a new handle of a file whose bytes are in the cache, or 0 (reads and writes
         then come to the daemon). Passthrough is for files whose bytes are all local (none spilled), and
         for a handle that can write only while the budget has room: its writes no longer wait for it.
@@ -906,13 +906,9 @@ class Filesystem:
             if room < PASSTHROUGH_ROOM or room < self.cache.limit * PASSTHROUGH_ROOM_SHARE:
                 return 0
         try:
-            # Its own read-write descriptor: the kernel keeps the file, and a read-only first handle must
-            # not leave later writers a read-only backing file.
-            fd = os.open(self.cache.data_path(inode_id), os.O_RDWR | os.O_CLOEXEC)
-            try:
-                backing_id = self.backing.open(fd)
-            finally:
-                os.close(fd)
+            # The kernel takes the file, not the descriptor, and opens it anew with each handle's own flags
+            # (so a read-only first handle serves later writers too).
+            backing_id = self.backing.open(fd)
         except OSError as exc:
             self.passthrough_errors += 1
             log.debug("no passthrough for inode %d: %s", inode_id, exc)

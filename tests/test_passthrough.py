@@ -325,3 +325,15 @@ def test_stopping_with_a_passthrough_file_open_loses_nothing(mount_factory) -> N
     m.start()
     m.flush()
     assert m.store_files() == {"open.pt": b"o" * 100_000}
+
+
+@needs_passthrough
+def test_a_writer_shares_the_backing_file_a_reader_registered(mount: Mount) -> None:
+    (mount.mnt / "f").write_bytes(b"0" * 10)
+    with open(mount.mnt / "f", "rb") as reader:  # registers the backing file through a read-only handle
+        with open(mount.mnt / "f", "r+b") as writer:
+            writer.write(b"written")
+        assert reader.read() == b"written000"
+    assert mount.status()["passthrough"]["files_open"] == 0
+    mount.flush()
+    assert mount.store_files() == {"f": b"written000"}
