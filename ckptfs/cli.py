@@ -183,16 +183,18 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from ckptfs import daemon
 
     ready_fd = int(os.environ.pop(READY_FD_ENV, "-1"))
+    waiting = [ready_fd >= 0]  # the parent still waits on ready_fd (closed once it heard "ready")
 
     def ready() -> None:
-        if ready_fd >= 0:
+        if waiting[0]:
             os.write(ready_fd, b"ready\n")
             os.close(ready_fd)
+            waiting[0] = False
 
     try:
         return trio.run(daemon.run, config, ready)
     except CkptfsError as exc:
-        if ready_fd >= 0:
+        if waiting[0]:  # a failure after the mount was live goes to the log only
             os.write(ready_fd, f"error {exc.exit_code} {exc}\n".encode())
         raise
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import Mount
@@ -103,3 +105,44 @@ def test_a_write_at_a_far_offset_charges_only_what_it_wrote(small_cache: Mount) 
     os.truncate(path, 5)
     small_cache.flush(timeout=60)
     assert small_cache.store_files()["far"] == b"start"
+
+
+def test_an_unusable_journal_ends_the_daemon_and_leaves_the_mount_aborted_not_unmounted(tmp_path: Path) -> None:
+    """The cache filesystem fails under the daemon (ext4 on a loop device, errors=remount-ro, an error
+    triggered through sysfs): the journal cannot be written. The daemon ends with one clear line, the
+    mountpoint answers ENOTCONN instead of letting writes land on the disk below it, and the next mount
+    (once the filesystem is fixed) detaches the dead one and serves what was written."""
+    image, cachefs = tmp_path / "cachefs.img", tmp_path / "cachefs"
+    cachefs.mkdir()
+    subprocess.run(["truncate", "-s", "256M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(cachefs)], check=True)
+    m = Mount(tmp_path / "m")
+    m.cache = cachefs / "cache"
+    try:
+        source = subprocess.run(["findmnt", "-no", "SOURCE", str(cachefs)], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        m.start()
+        (m.mnt / "kept").write_bytes(b"written before")
+        m.flush()
+        Path(f"/sys/fs/ext4/{os.path.basename(source)}/trigger_fs_error").write_text("ckptfs test\n")
+        with pytest.raises(OSError):
+            os.mkdir(m.mnt / "after")  # the journal cannot record it
+        assert m.proc is not None
+        assert m.proc.wait(timeout=30) == 1
+        m.proc = None
+        with pytest.raises(OSError) as raised:
+            os.listdir(m.mnt)
+        assert raised.value.errno == errno.ENOTCONN  # aborted, still mounted: nothing lands below it
+        assert "cannot be used any more" in m.log.read_text()
+        assert "Traceback" not in m.log.read_text().split("cannot be used any more")[-1]
+        # Fixed (here: the filesystem checked and mounted again), the next mount takes over.
+        subprocess.run(["umount", str(cachefs)], check=True)
+        subprocess.run(["e2fsck", "-fy", str(image)], capture_output=True)
+        subprocess.run(["mount", "-o", "loop", str(image), str(cachefs)], check=True)
+        m.start()
+        assert (m.mnt / "kept").read_bytes() == b"written before"
+        m.umount()
+    finally:
+        m.cleanup()
+        subprocess.run(["umount", "-l", str(cachefs)], check=False)
