@@ -555,6 +555,9 @@ class Filesystem:
             columns["uid"] = changes.uid
         if changes.gid is not None:
             columns["gid"] = changes.gid
+        if (changes.uid is not None or changes.gid is not None) and changes.mode is None and inode.kind == FILE:
+            # A change of owner drops setuid and setgid (the kernel leaves that to us: see fuse_ops).
+            columns["mode"] = inode.mode & ~(stat.S_ISUID | stat.S_ISGID)
         if changes.mtime_ns is not None or changes.atime_ns is not None:
             current = self.attr(self._get(inode_id))
             mtime = changes.mtime_ns if changes.mtime_ns is not None else current.mtime_ns
@@ -569,7 +572,7 @@ class Filesystem:
             columns["ctime_ns"] = now
             with self.journal.transaction():
                 self.journal.set_attrs(inode_id, **columns)
-                if changes.mode is not None or changes.mtime_ns is not None:
+                if "mode" in columns or changes.mtime_ns is not None:
                     # Mode and mtime travel with the object: an uploaded one needs its metadata rewritten.
                     self.journal.mark_meta_dirty(inode_id)
             self._notify_drain()

@@ -408,9 +408,11 @@ class Journal:
         self.db.execute(f"UPDATE inodes SET {assignments} WHERE id = ?", (*columns.values(), inode_id))
 
     def mark_dirty(self, inode_id: int) -> None:
-        """The content is about to change: new version, dirty, not closed (a writer holds it)."""
+        """The content is about to change: new version, dirty, not closed (a writer holds it). Setuid and
+        setgid go, as a write drops them (the daemon asks the kernel to leave that to it: see fuse_ops)."""
         self.db.execute(
-            "UPDATE inodes SET version = version + 1, state = 'dirty', closed_at = NULL WHERE id = ?",
+            "UPDATE inodes SET version = version + 1, state = 'dirty', closed_at = NULL, mode = mode & ~3072"
+            " WHERE id = ?",
             (inode_id,),
         )
 

@@ -337,3 +337,29 @@ def test_a_writer_shares_the_backing_file_a_reader_registered(mount: Mount) -> N
     assert mount.status()["passthrough"]["files_open"] == 0
     mount.flush()
     assert mount.store_files() == {"f": b"written000"}
+
+
+@needs_passthrough
+def test_writes_drop_setuid_and_cost_the_daemon_no_request_each(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """With FUSE_CAP_HANDLE_KILLPRIV_V2 the daemon drops setuid/setgid itself, and the kernel no longer asks
+    it for security.capability before every write (2048 requests for a 2 GiB dd before)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    m = mount_factory(extra_args=("--metrics-addr", f"127.0.0.1:{port}"))
+    path = m.mnt / "s"
+    path.write_bytes(b"0")
+    os.chmod(path, 0o6755)
+    with open(path, "r+b") as f:
+        f.write(b"1")
+    assert path.stat().st_mode & 0o7777 == 0o755
+    os.chmod(path, 0o6755)
+    os.chown(path, 1000, 1000)
+    assert path.stat().st_mode & 0o7777 == 0o755
+    before = _daemon_requests(port, "getxattr")
+    with open(m.mnt / "big", "wb") as f:
+        for _ in range(64):
+            f.write(b"x" * (1 << 20))
+    assert _daemon_requests(port, "getxattr") - before <= 2
+    m.flush()
+    assert m.store_files()["s"] == b"1"
