@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--passthrough", choices=["auto", "off"],
                        help="let the kernel read and write cached files itself (FUSE passthrough, Linux >= 6.9):"
                             " auto (the default: on where the kernel and the pyfuse3 build allow it), off")
+    mount.add_argument("--cross-node-ordering", action=argparse.BooleanOptionalAction, default=None,
+                       help="commit markers also wait for what other nodes mounting this prefix closed before them"
+                            " (the default; --no-cross-node-ordering: this node only, no records in the store)")
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
     mount.add_argument("--part-size")
@@ -97,6 +100,15 @@ def _parser() -> argparse.ArgumentParser:
     flush.add_argument("mountpoint", type=Path)
     flush.add_argument("paths", nargs="*", type=Path)
     flush.add_argument("--timeout", type=float, help="seconds (default: no limit)")
+    flush.add_argument("--all-nodes", action="store_true",
+                       help="then wait until what every other node of this prefix had closed is durable too")
+
+    nodes = sub.add_parser("nodes", help="the nodes whose work on this prefix is not durable yet (cross-node"
+                           " ordering of commit markers); --forget gives up on a node lost for good")
+    nodes.add_argument("mountpoint", type=Path)
+    nodes.add_argument("--forget", metavar="NODE", help="give up on NODE: markers stop waiting for it; a marker"
+                       " that waited for it is held (not uploaded) unless NODE comes back and drains")
+    nodes.add_argument("--json", action="store_true")
     return parser
 
 
@@ -115,6 +127,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "small_file_wait": args.small_file_wait,
         "upload_while_writing": args.upload_while_writing,
         "passthrough": args.passthrough,
+        "cross_node_ordering": args.cross_node_ordering,
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
         "part_size": args.part_size,
@@ -322,6 +335,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     passthrough = status.get("passthrough")
     if passthrough:
         print(f"passthrough {passthrough['why']} ({passthrough['opens']} opens)")
+    nodes = status.get("nodes")
+    if nodes and nodes.get("cross_node_ordering"):
+        unannounced = f"; records not written: {nodes['unannounced']}" if nodes.get("unannounced") else ""
+        print(f"node       {nodes['node']}: {len(nodes['records'])} pending records in the store{unannounced}")
+        for marker in nodes["waiting_markers"]:
+            held = " (held: " + ", ".join(marker["held_by"]) + " given up on)" if marker["held_by"] else ""
+            print(f"  marker {marker['path']} waits for other nodes{held}: {'; '.join(marker['waits_for'])}")
     print(f"last error {status['last_error'] or '-'}")
     if status.get("failing_count"):
         print(f"parked     {status['failing_count']} entries fail unexpectedly again and again (retried every"
@@ -332,7 +352,31 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
-    client.wait_durable(args.mountpoint, args.paths, timeout=args.timeout)  # NotDurableError: exit 3
+    client.wait_durable(args.mountpoint, args.paths, timeout=args.timeout, all_nodes=args.all_nodes)  # exit 3
+    return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    reply = client.nodes(args.mountpoint, forget=args.forget)
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+        return 0
+    if args.forget:
+        print(f"forgot node {args.forget} ({reply['forgot_records']} pending records of it in the store)")
+    print(f"this node  {reply['this_node']}")
+    if not reply["nodes"]:
+        print("no node has work pending in the store")
+    for node in reply["nodes"]:
+        what = " (this node)" if node["this_node"] else " (given up on)" if node["forgotten"] else ""
+        since = node["oldest_written_at"]
+        age = f", for {time.time() - since:.0f} s" if since else ""
+        print(f"{node['node']}{what}: {node['host'] or '?'}, {node['records']} records{age}:"
+              f" {', '.join(node['entries']) or '-'}")
+    for marker in reply["waiting_markers"]:
+        held = f" (held: {', '.join(marker['held_by'])} given up on)" if marker["held_by"] else ""
+        print(f"marker {marker['path']} waits{held} for:")
+        for line in marker["waits_for"]:
+            print(f"  {line}")
     return 0
 
 
@@ -355,7 +399,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
-    "prune": cmd_prune,
+    "prune": cmd_prune, "nodes": cmd_nodes,
 }
 
 

@@ -121,19 +121,39 @@ def mount_relative_paths(mountpoint: StrPath, paths: Iterable[StrPath]) -> list[
     return relative_paths
 
 
-def wait_durable(mountpoint: StrPath, paths: Iterable[StrPath] | None = None, *, timeout: float | None = None) -> None:
+def wait_durable(
+    mountpoint: StrPath, paths: Iterable[StrPath] | None = None, *, timeout: float | None = None,
+    all_nodes: bool = False,
+) -> None:
     """Return once everything under `paths` (default: the whole mount) that was written before the call is
     durable in the store: each file's object is complete at its key. Files still open for writing count as
-    pending, so close them first. Raises NotDurableError (a TimeoutError) if that takes longer than
-    `timeout` seconds (None: no limit), NoDaemonError if nothing serves the mountpoint."""
+    pending, so close them first. With `all_nodes`, then also wait until everything every other node
+    mounting this prefix had closed before the call is durable (its pending records are gone; see
+    docs/SEMANTICS.md, multiple nodes). Raises NotDurableError (a TimeoutError) if that takes longer than
+    `timeout` seconds (None: no limit) or waits for a node given up on, NoDaemonError if nothing serves the
+    mountpoint."""
     relative = mount_relative_paths(mountpoint, [] if paths is None else paths)
     call_timeout = None if timeout is None else timeout + REPLY_GRACE_SECONDS
-    reply = call(mountpoint, {"op": "flush", "paths": relative, "timeout": timeout}, timeout=call_timeout)
+    request: dict[str, Any] = {"op": "flush", "paths": relative, "timeout": timeout}
+    if all_nodes:
+        request["all_nodes"] = True
+    reply = call(mountpoint, request, timeout=call_timeout)
     if reply.get("ok"):
         return
     if "error" in reply:
         raise DaemonError(reply["error"])
     raise NotDurableError(timeout, reply.get("remaining_count") or 0, reply.get("remaining") or [])
+
+
+def nodes(mountpoint: StrPath, *, forget: str | None = None) -> dict[str, Any]:
+    """The nodes with work pending in the store (this one included) and the commit markers that wait for
+    them; `forget` gives up on a node first (see `ckptfs nodes --forget`)."""
+    request: dict[str, Any] = {"op": "nodes"}
+    if forget:
+        request["forget"] = forget
+    reply = _checked(call(mountpoint, request, timeout=60.0), "nodes")
+    reply.pop("ok")
+    return reply
 
 
 def refresh(mountpoint: StrPath) -> None:

@@ -108,6 +108,10 @@ class Config:
     commit_markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS
     """Glob patterns (matched against the file name) of files uploaded only after everything before them."""
 
+    cross_node_ordering: bool = True
+    """Commit markers also wait for the files other nodes (mounts of the same prefix) closed before them
+    (docs/design/cross-node.md): each node keeps a small record of its pending work in the store."""
+
     allow_other: bool = False
     """Let other users access the mount (implies default_permissions)."""
 
@@ -192,7 +196,7 @@ def _coerce(name: str, value: Any) -> Any:
         if mode not in ("auto", "off"):
             raise UsageError(f"passthrough must be auto or off, not {value!r}")
         return mode
-    if name in ("allow_other", "daemon"):
+    if name in ("allow_other", "daemon", "cross_node_ordering"):
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value

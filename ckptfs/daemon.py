@@ -43,6 +43,7 @@ from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations, KernelBackingFiles, passthrough_build, passthrough_granted
 from ckptfs.journal import DIR, FILE, ROOT_ID, Inode, Journal, JournalError, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_addr
+from ckptfs.nodes import HeldError, NodeRecords, PeerRecords, node_id_of
 from ckptfs.recovery import DirLister, recover
 from ckptfs.retention import Checkpoint, Plan, pinned_by_pointers, plan
 from ckptfs.systemd import Notifier
@@ -60,6 +61,7 @@ METRICS_INTERVAL = 1.0
 EXTEND_SECONDS = 30
 # A background service that failed unexpectedly starts again after this long (doubling up to the cap).
 RESTART_PAUSE = 1.0
+RETIRE_RECORDS_WAIT = 10.0  # at a clean unmount: how long the deletion of this node's pending records may take
 RESTART_PAUSE_CAP = 60.0
 
 
@@ -154,8 +156,18 @@ class Daemon:
                              discard_upload=self.drain.discard_upload, failure_of=self.drain.failure_of)
         self.lister.vanished = self.fs.vanished
         self._prune_wanted = trio.Event()
-        if config.keep_last:
-            self.drain.on_marker_uploaded = lambda inode: self._prune_wanted.set()
+        self.drain.on_marker_uploaded = self._marker_uploaded
+        # Cross-node ordering of commit markers (nodes.py): only markers need it.
+        self.node_id = node_id_of(journal, lambda: secrets.token_hex(4))
+        self.records: NodeRecords | None = None
+        self.peers: PeerRecords | None = None
+        if config.cross_node_ordering and config.commit_markers:
+            self.records = NodeRecords(journal, engine, self.node_id)
+            self.peers = PeerRecords(engine, self.node_id)
+            self.peers.on_change = self.drain.notify
+            self.drain.waits_for_nodes = self.peers.blocks
+            self.drain.why_marker_waits = self.peers.why
+            self.fs.announcer = self.records
         self.lister.forget_kernel_data = _forget_kernel_data
         self.lister.forget_kernel_entry = _forget_kernel_entry
         self.drain.on_spilled = self.evictor.evict_if_clean
@@ -171,6 +183,13 @@ class Daemon:
 
     def _in_use(self, inode_id: int) -> bool:
         return self.fs.in_use(inode_id)
+
+    def _marker_uploaded(self, inode: Inode) -> None:
+        """A commit marker is in the store: a checkpoint is complete (retention runs then)."""
+        if self.peers is not None:
+            self.peers.uploaded(inode)
+        if self.config.keep_last:
+            self._prune_wanted.set()
 
     def request_stop(self, timeout: float | None) -> None:
         if not self._stop_requested.is_set():
@@ -202,6 +221,9 @@ class Daemon:
                 await nursery.start(self._supervised, "evictor", self.evictor.run)
                 await nursery.start(self._supervised, "fetcher", self.fetcher.run)
                 await nursery.start(self._supervised, "close recorder", self.fs.run)
+                if self.records is not None and self.peers is not None:
+                    await nursery.start(self._supervised, "node records", self.records.run)
+                    await nursery.start(self._supervised, "other nodes' records", self.peers.run)
                 await nursery.start(self._serve_control)
                 root = await trio.to_thread.run_sync(os.stat, self.mountpoint)
                 self._probe_passthrough()  # the kernel answered INIT before that stat
@@ -354,7 +376,13 @@ class Daemon:
             if pointer.size <= 4096:
                 texts[pointer.name or ""] = (await self._read_small(pointer)).decode("utf-8", "replace")
         candidates = [c for c in top if c not in pointers]
-        checkpoints = [Checkpoint(c.name or "", c.mtime_ns, self._complete(c)) for c in candidates]
+        # What other nodes still have pending work in is not complete, however it looks from here.
+        elsewhere: set[str] = set()
+        if self.peers is not None:
+            await self.peers.refresh()
+            elsewhere = self.peers.pending_entries()
+        checkpoints = [Checkpoint(c.name or "", c.mtime_ns, self._complete(c) and c.name not in elsewhere)
+                       for c in candidates]
         result = plan(checkpoints, keep_last=keep_last, keep_globs=keep_globs,
                       pinned=pinned_by_pointers(texts, [c.name for c in checkpoints]))
         if not dry_run:
@@ -397,7 +425,7 @@ class Daemon:
             self.fs.unlink(ROOT_ID, name.encode())
 
     async def _list_subtree(self, inode_id: int) -> None:
-        await self.lister.ensure(inode_id)
+        await self.lister.ensure(inode_id, required=True, fresh=True)
         for child in self.journal.all_children(inode_id):
             if child.kind == DIR:
                 await self._list_subtree(child.id)
@@ -443,6 +471,7 @@ class Daemon:
             "ckptfs_passthrough_enabled": [((), 1.0 if self.fs.backing is not None else 0.0)],
             "ckptfs_passthrough_opens": [((), self.fs.passthrough_opens)],
             "ckptfs_drain_parked": [((), len(self.drain.failing()))],
+            **self._node_metrics(),
             "ckptfs_cache_hits": [((), self.fs.cache_hits)],
             "ckptfs_cache_misses": [((), self.fs.cache_misses)],
             "ckptfs_fetch_bytes": [((), reads.bytes_downloaded)],
@@ -464,6 +493,19 @@ class Daemon:
             calls, errors, seconds = self.fuse_ops.op_stats.rows()
             out.update(ckptfs_fuse_requests=calls, ckptfs_fuse_errors=errors, ckptfs_fuse_seconds=seconds)
         return out
+
+    def _node_metrics(self) -> Snapshot:
+        if self.records is None or self.peers is None:
+            return {"ckptfs_node_records": [((), 0)], "ckptfs_node_record_failures": [((), 0)],
+                    "ckptfs_markers_waiting_for_nodes": [((), 0)], "ckptfs_waiting_for_node": []}
+        waiting = self.peers.waiting_markers()
+        per_node = self.peers.waiting_per_node()
+        return {
+            "ckptfs_node_records": [((), len(self.records.status()["records"]))],
+            "ckptfs_node_record_failures": [((), self.records.announce_failures)],
+            "ckptfs_markers_waiting_for_nodes": [((), len(waiting))],
+            "ckptfs_waiting_for_node": [((node, entry), n) for (node, entry), n in sorted(per_node.items())],
+        }
 
     def _status_line(self) -> str:
         summary = self.journal.state_summary()
@@ -490,6 +532,10 @@ class Daemon:
         self.notifier.notify(stopping=1, status=self._status_line())
         self.fs.stop_writes()
         self.result = await self.drain.flush(None, _deadline(self._stop_timeout))
+        if self.result.ok and self.records is not None:
+            # Nothing of this node is pending: its records go, so that no other node's marker waits for it.
+            with trio.move_on_after(RETIRE_RECORDS_WAIT):
+                await self.records.retire_all()
         if self.result.ok:
             log.info("drained; unmounting %s", self.mountpoint)
         else:
@@ -519,8 +565,13 @@ class Daemon:
             return {"ok": True, **self.status()}
         if op == "flush":
             paths = [p.strip("/") for p in request.get("paths") or []] or None
-            result = await self.drain.flush(paths, _deadline(request.get("timeout")))
+            deadline = _deadline(request.get("timeout"))
+            result = await self.drain.flush(paths, deadline)
+            if result.ok and request.get("all_nodes"):
+                result = await self._flush_other_nodes(deadline)
             return {"ok": result.ok, "remaining": result.remaining[:100], "remaining_count": len(result.remaining)}
+        if op == "nodes":
+            return await self._nodes(request)
         if op == "prune":
             keep_last = request.get("keep_last")
             if not isinstance(keep_last, int) or keep_last < 1:
@@ -543,6 +594,42 @@ class Daemon:
                 "pid": os.getpid(),
             }
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    async def _flush_other_nodes(self, deadline: float) -> FlushResult:
+        """After this node's flush: wait until every other node's work pending now is durable."""
+        if self.peers is None:
+            raise CkptfsError("--all-nodes needs cross-node ordering (cross_node_ordering = true and commit"
+                              " markers configured)")
+        try:
+            with trio.move_on_at(deadline):
+                await self.peers.wait_all()
+                return FlushResult(True, [])
+        except HeldError as exc:
+            return FlushResult(False, exc.lines)
+        return FlushResult(False, self.peers.describe(self.peers.waited_for()))
+
+    async def _nodes(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`ckptfs nodes`: every node with pending records in the store; `forget` gives one up."""
+        if self.peers is None:
+            return {"ok": False, "error": "cross-node ordering is off on this mount (cross_node_ordering = false,"
+                    " or no commit_markers)"}
+        forget = request.get("forget")
+        forgotten = None
+        if forget:
+            if not isinstance(forget, str) or forget == self.node_id:
+                return {"ok": False, "error": f"cannot forget {forget!r}: name another node (ckptfs nodes lists"
+                        " them)"}
+            forgotten = await self.peers.forget(forget)
+        else:
+            await self.peers.refresh()
+        return {"ok": True, "this_node": self.node_id, "nodes": self.peers.nodes(),
+                "waiting_markers": self.peers.waiting_markers(), "forgot_records": forgotten}
+
+    def _nodes_status(self) -> dict[str, Any]:
+        if self.records is None or self.peers is None:
+            return {"node": self.node_id, "cross_node_ordering": False}
+        return {**self.records.status(), "cross_node_ordering": True,
+                "waiting_markers": self.peers.waiting_markers(), "listing_error": self.peers.last_error}
 
     def status(self) -> dict[str, Any]:
         summary = self.journal.state_summary()
@@ -570,6 +657,7 @@ class Daemon:
             },
             "oldest_dirty_age_seconds": round(time.time() - oldest, 1) if oldest else None,
             "open_for_write": self.fs.open_writers(),
+            "nodes": self._nodes_status(),
             "passthrough": {
                 "enabled": self.fs.backing is not None,
                 "why": self.passthrough_why,

@@ -206,6 +206,11 @@ class Drain:
         self.on_spilled: Callable[[int], None] = lambda inode_id: None
         # Called once a commit marker is in the store: a checkpoint is complete (retention runs then).
         self.on_marker_uploaded: Callable[[Inode], None] = lambda inode: None
+        # Whether a closed commit marker must still wait for other nodes (nodes.PeerRecords.blocks); the
+        # drain is notified when that may have changed.
+        self.waits_for_nodes: Callable[[Inode], bool] = lambda inode: False
+        # Why a commit marker still waits for other nodes (None: it does not), for flush's answer.
+        self.why_marker_waits: Callable[[Inode], str | None] = lambda inode: None
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -455,11 +460,17 @@ class Drain:
         failing = {parked.inode_id: parked.error for parked in self._parked.values() if parked.job != "delete"}
         paths_left = []
         for inode_id in items:
-            path = self._path_of(inode_id)
-            if path is None:
+            inode = self.journal.get(inode_id)
+            if inode is None or inode.path is None:
                 continue
             error = failing.get(inode_id)
-            paths_left.append(path if error is None else f"{path} (failing: {error})")
+            waiting = self.why_marker_waits(inode) if self.is_commit_marker(inode.name) else None
+            if error is not None:
+                paths_left.append(f"{inode.path} (failing: {error})")
+            elif waiting is not None:
+                paths_left.append(f"{inode.path} ({waiting})")
+            else:
+                paths_left.append(inode.path)
         return paths_left + [f"(delete) {key}" for key in deletes.values()]
 
     def _path_of(self, inode_id: int) -> str | None:
@@ -610,8 +621,13 @@ class Drain:
     def _marker_blocked(self, inode: Inode) -> bool:
         """A commit marker waits for all work that became work before it, earlier markers included (a
         tracker naming a step must not reach the store before that step's own marker). A file still open
-        for writing was not closed before the marker, so it does not count. Its completion rescans."""
-        return self.is_commit_marker(inode.name) and bool(self.journal.work_before(inode.seq, 1))
+        for writing was not closed before the marker, so it does not count. Its completion rescans. With
+        cross-node ordering it also waits for the other nodes' work closed before it (`waits_for_nodes`,
+        asked every time so that its listing of the other nodes starts while local work still drains)."""
+        if not self.is_commit_marker(inode.name):
+            return False
+        waits_for_nodes = self.waits_for_nodes(inode)
+        return waits_for_nodes or bool(self.journal.work_before(inode.seq, 1))
 
     def _target_taken(self, inode: Inode, key: str) -> bool:
         """Another inode's object still sits at `key`, waiting to be moved away (a rename after upload,

@@ -205,6 +205,14 @@ def _decode_name(raw: bytes) -> str:
         raise FsError(errno.EINVAL, f"name {raw!r} is not UTF-8; object stores keep UTF-8 keys only") from None
 
 
+class Announcer(Protocol):
+    """Makes this node's pending work known to the other nodes before the request returns (nodes.py)."""
+
+    async def cover(self, inode_id: int, path: str, *, closing: bool = False) -> None: ...
+
+    def released(self, inode_id: int) -> None: ...
+
+
 class Filesystem:
     def __init__(
         self,
@@ -260,6 +268,9 @@ class Filesystem:
         self.cache_misses = 0  # opens that downloaded the file
         self.uid = os.getuid()
         self.gid = os.getgid()
+        # Cross-node ordering (None: off): closes after writing, new directories and symlinks and renames
+        # are announced before they return; with it, writers' closes are sent to the daemon (flush).
+        self.announcer: Announcer | None = None
 
     # -- helpers ---------------------------------------------------------------------------------------
 
@@ -484,7 +495,10 @@ class Filesystem:
         self._maybe_purge(inode.id)
         self._notify_drain()
 
-    def rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes, flags: int) -> None:
+    def rename(
+        self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes, flags: int
+    ) -> int | None:
+        """Returns the moved inode's id, None if nothing moved (a rename onto itself)."""
         if flags & RENAME_EXCHANGE:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         if flags & ~RENAME_NOREPLACE:
@@ -495,7 +509,7 @@ class Filesystem:
         self._child_path(new_parent, new_name)
         target = self.journal.lookup(new_parent_id, new_name)
         if target is not None and target.id == source.id:
-            return
+            return None
         if target is not None and flags & RENAME_NOREPLACE:
             raise FsError(errno.EEXIST, f"{target.path!r} exists")
         if source.kind == DIR and self.journal.is_ancestor(source.id, new_parent_id):
@@ -521,6 +535,7 @@ class Filesystem:
         if target is not None:
             self._maybe_purge(target.id)
         self._notify_drain()
+        return source.id
 
     # -- attributes --------------------------------------------------------------------------------
 
@@ -959,6 +974,31 @@ class Filesystem:
                     self._closed(inode_id)
         finally:
             self._forget_open(inode_id, handle)
+            if handle.writable and self.announcer is not None:
+                self.announcer.released(inode_id)
+
+    def needs_flush(self, fh: int) -> bool:
+        """Must close() of this handle reach the daemon? Only a writer's, and only with cross-node ordering."""
+        return self.announcer is not None and self.handles[fh].writable
+
+    async def flush(self, fh: int) -> None:
+        """close() of a descriptor that may have written: with cross-node ordering, the file's change is
+        announced before close() returns (the job's barrier after it orders it before another node's
+        marker). RELEASE, which records the close, comes after close() has returned."""
+        handle = self.handles.get(fh)
+        if self.announcer is None or handle is None or not handle.writable or handle.inode_id not in self._changed:
+            return
+        inode = self.journal.get(handle.inode_id)
+        if inode is not None and inode.path is not None:
+            await self.announcer.cover(inode.id, inode.path, closing=True)
+
+    async def announce(self, inode_id: int | None) -> None:
+        """A new directory or symlink, or a renamed entry: announced before the request returns."""
+        if self.announcer is None or inode_id is None:
+            return
+        inode = self.journal.get(inode_id)
+        if inode is not None and inode.path is not None:
+            await self.announcer.cover(inode.id, inode.path)
 
     def _forget_open(self, inode_id: int, handle: OpenFile) -> None:
         opens = self._open_count[inode_id] - 1

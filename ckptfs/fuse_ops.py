@@ -112,6 +112,8 @@ def _fuse_error(
 # The names a pyfuse3 built with the project's passthrough addition has (scripts/build-fuse.sh,
 # scripts/pyfuse3-passthrough.patch); looked up by name, since the stock build, which lacks them, works too.
 _BACKING_ID = "backing_id"
+_NOFLUSH = "noflush"  # FOPEN_NOFLUSH: the kernel sends no FLUSH at this handle's close()
+_HAS_NOFLUSH = hasattr(pyfuse3.FileInfo(), _NOFLUSH)
 
 
 class KernelBackingFiles:
@@ -218,12 +220,16 @@ class FuseOperations(pyfuse3.Operations):
         raise AssertionError("link() always raises")
 
     async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, ctx: RequestContext) -> EntryAttributes:
-        return _entry(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        attr = self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid)
+        await self.fs.announce(attr.ino)
+        return _entry(attr)
 
     async def symlink(
         self, parent_inode: InodeT, name: FileNameT, target: FileNameT, ctx: RequestContext
     ) -> EntryAttributes:
-        return _entry(self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        attr = self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid)
+        await self.fs.announce(attr.ino)
+        return _entry(attr)
 
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         self.fs.unlink(parent_inode, name)
@@ -242,7 +248,7 @@ class FuseOperations(pyfuse3.Operations):
         ctx: RequestContext,
     ) -> None:
         await self.fs.prepare_rename(parent_inode_old, name_old, parent_inode_new, name_new)
-        self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        await self.fs.announce(self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags))
 
     async def create(
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT, ctx: RequestContext
@@ -260,6 +266,8 @@ class FuseOperations(pyfuse3.Operations):
         backing = self.fs.backing_of(fh)
         if backing:
             setattr(info, _BACKING_ID, backing)
+        if _HAS_NOFLUSH and not self.fs.needs_flush(fh):
+            setattr(info, _NOFLUSH, True)
         return info
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:
@@ -292,9 +300,13 @@ class FuseOperations(pyfuse3.Operations):
             self.op_stats.record("write", time.perf_counter() - started, failed)
 
     async def flush(self, fh: FileHandleT) -> None:
-        # Nothing to do at close() (RELEASE records the close). ENOSYS tells the kernel to stop sending
-        # FLUSH altogether: one round trip less for every close(): one of the six a small file cost the writer.
-        raise pyfuse3.FUSEError(errno.ENOSYS)
+        # RELEASE records the close. Without cross-node ordering nothing is to be done at close(): ENOSYS
+        # tells the kernel to stop sending FLUSH altogether, one round trip less for every close() (one of
+        # the six a small file cost the writer). With it, a writer's close() announces the change first;
+        # other handles are opened with FOPEN_NOFLUSH where this pyfuse3 can say so (_file_info).
+        if self.fs.announcer is None:
+            raise pyfuse3.FUSEError(errno.ENOSYS)
+        await self.fs.flush(fh)
 
     async def release(self, fh: FileHandleT) -> None:
         self.fs.release(fh)

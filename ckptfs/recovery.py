@@ -161,18 +161,20 @@ class DirLister:
         self._listed.clear()
         self.journal.clear_listed()
 
-    async def ensure(self, inode_id: int, *, required: bool = False) -> None:
+    async def ensure(self, inode_id: int, *, required: bool = False, fresh: bool = False) -> None:
         """List the directory unless its listing is recent. A store failure is logged once and the journal
-        served as it is, unless `required` (a rename or rmdir that must know every entry): then it raises."""
+        served as it is, unless `required` (a rename or rmdir that must know every entry): then it raises.
+        `fresh`: list it now whatever its age (retention deletes a tree: other nodes may have written below
+        a directory that this node made, which it counts as listed)."""
         listed = self._listed.get(inode_id)
         # A listing "from the future" (the clock was set back) counts as stale.
-        if listed is not None and 0 <= time.time() - listed < self.refresh_interval:
+        if not fresh and listed is not None and 0 <= time.time() - listed < self.refresh_interval:
             return
         event = self._in_flight.get(inode_id)
         if event is not None:
             await event.wait()
             if required and inode_id not in self._listed:
-                await self.ensure(inode_id, required=True)  # that listing failed: try once more, ourselves
+                await self.ensure(inode_id, required=True, fresh=fresh)  # that one failed: once more, ourselves
             return
         inode = self.journal.get(inode_id)
         if inode is None or inode.kind != DIR or inode.path is None:
@@ -212,7 +214,7 @@ class DirLister:
             event.set()
             if moved and required:
                 # Only after the plain return above (never while an exception propagates).
-                await self.ensure(inode_id, required=True)
+                await self.ensure(inode_id, required=True, fresh=fresh)
 
 
     def _vanished(self, inode: Inode) -> None:

@@ -203,6 +203,23 @@ class RecordingStore:
                 raise self.list_failures.pop(0)
         return self.inner.list_dir(prefix)
 
+    # Notes (cross-node ordering records): passed through, recorded.
+    def put_note(self, name: str, data: bytes) -> None:
+        self._maybe_fail()
+        self._record("put_note", name)
+        self.inner.put_note(name, data)
+
+    def get_note(self, name: str) -> bytes | None:
+        return self.inner.get_note(name)
+
+    def list_notes(self, prefix: str = "") -> list[str]:
+        return self.inner.list_notes(prefix)
+
+    def delete_note(self, name: str) -> None:
+        self._maybe_fail()
+        self._record("delete_note", name)
+        self.inner.delete_note(name)
+
 
 def _is_spill(key: str) -> bool:
     return key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill.")
@@ -312,15 +329,16 @@ class Stack:
 def make_stack(
     root: Path, *, upload_delay: float = 0.0, markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS,
     cache_size: int | None = None, dirty_wait: float = 600.0, small_file_wait: float = 0.0,
-    upload_while_writing: bool = False,
+    upload_while_writing: bool = False, store_dir: Path | None = None,
 ) -> Stack:
     """Wired like daemon.py. `cache_size` (bytes) sets a budget (min_free 0); the evictor's background
     task runs only if a test starts it (stack.fs.evictor.run)."""
     cache = CacheDir(root / "cache")
     cache.prepare()
     journal = Journal(cache.journal_path)
-    (root / "store").mkdir(exist_ok=True)
-    store = RecordingStore(LocalStore(root / "store"))
+    store_dir = store_dir or root / "store"  # several stacks on one store_dir: several nodes
+    store_dir.mkdir(exist_ok=True)
+    store = RecordingStore(LocalStore(store_dir))
     engine = GatedTransfers(store, parts_in_flight=4)  # type: ignore[arg-type]
     drain = Drain(journal, cache, engine, transfers=2, upload_delay=upload_delay, small_file_wait=small_file_wait,
                   commit_markers=markers, upload_while_writing="auto" if upload_while_writing else "off")

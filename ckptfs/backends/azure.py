@@ -27,6 +27,11 @@ id>` (JSON: key, metadata), written before the first block and deleted after the
 the marker, and the blocks go with the blob's next commit or Azure's garbage collection after a week
 (docs/design/stores.md).
 
+Notes (base.py) are block blobs at `<prefix>/.ckptfs-tmp.notes/<name>`, each written by one Put Blob with
+its MD5 (validate_content): a new version replaces the old atomically, and a read gets one. Azure listings
+are strongly consistent, so list_notes sees every note whose Put Blob has returned. Notes are not under
+`.ckptfs-tmp.uploads/`, the only directory list_leftovers and the upload cleanups list or delete in.
+
 Errors: every SDK failure is translated once, by `translate_error` (the ERROR_CODES table keyed by
 x-ms-error-code, then the HTTP status, plus the transport and credential exceptions). The SDK retries
 once; transfer.py retries the rest.
@@ -34,6 +39,7 @@ once; transfer.py retries the rest.
 
 from __future__ import annotations
 
+import builtins
 import functools
 import json
 import logging
@@ -64,6 +70,7 @@ from azure.storage.blob import BlobBlock, BlobClient, BlobPrefix, BlobServiceCli
 from ckptfs.backends.base import (
     BUSY_STATUSES,
     DIR,
+    NOTES_DIR,
     TEMP_PREFIX,
     DirListing,
     ObjectInfo,
@@ -73,6 +80,8 @@ from ckptfs.backends.base import (
     RangeSink,
     UploadPart,
     UploadRef,
+    check_note_name,
+    check_note_prefix,
     check_patiently,
     crc_text,
     retry_transient,
@@ -684,6 +693,39 @@ class AzureBlobStore:
         metadata = metadata_of(ObjectMeta(meta.mtime_ns, 0o777), stat.S_IFLNK)
         metadata[META_SYMLINK] = encoded
         self._upload_blob(self._full(key), SYMLINK_BODY, metadata, f"create symlink {key}")
+
+    # -- notes: blobs below .ckptfs-tmp.notes/, one request each ---------------------------------------------
+
+    def _note_blob_name(self, name: str) -> str:
+        return f"{self.prefix}{NOTES_DIR}{check_note_name(name)}"
+
+    def put_note(self, name: str, data: bytes) -> None:
+        # A note is small: below the SDK's max_single_put_size (64 MiB) upload_blob is one Put Blob.
+        self._upload_blob(self._note_blob_name(name), bytes(data), None, f"write note {name}")
+
+    def get_note(self, name: str) -> bytes | None:
+        try:
+            with _mapped(f"read note {name}"):
+                data: bytes = self._blob(self._note_blob_name(name)).download_blob().readall()
+        except NotFoundBackendError:
+            return None
+        return data
+
+    def list_notes(self, prefix: str = "") -> builtins.list[str]:
+        """One attempt (not retried here, unlike the store's own listings): the caller retries the listing."""
+        base = f"{self.prefix}{NOTES_DIR}"
+        full = base + check_note_prefix(prefix)
+        names = []
+        with _mapped(f"list notes {prefix!r}"):
+            for props in self._container().list_blobs(name_starts_with=full):
+                name = props.name[len(base):]
+                # Only what put_note can have written (not a stray `x/` marker of another tool).
+                if name and not name.endswith("/") and not any(p.startswith(TEMP_PREFIX) for p in name.split("/")):
+                    names.append(name)
+        return sorted(names)
+
+    def delete_note(self, name: str) -> None:
+        self._delete_name(self._note_blob_name(name), f"delete note {name}")
 
 
 __all__ = ["ERROR_CODES", "AzureBlobStore", "translate_error"]

@@ -17,27 +17,35 @@ The primitives:
     streamed to a sink piece by piece), `head`, `list_dir` (one level), `list` (recursive).
   - namespace: `copy` (server-side, optionally with new metadata), `delete`, `put_dir`, `put_symlink`,
     `set_meta`.
+  - notes: `put_note`, `get_note`, `list_notes`, `delete_note`: small bookkeeping objects that every node
+    of a multi-node job reads and writes (cross-node ordering records), at <prefix>/NOTES_DIR<name>. A
+    write replaces a note atomically and a listing sees every note written before it started (S3, GCS
+    and Azure listings are strongly consistent; so is a directory). Names are checked by
+    `check_note_name`, the same for every store.
 
 Whole-object checksums are 'crc32:<hex>' everywhere (the journal, object metadata, LocalStore): parts are
 combined with `crc32_combine`, so a file's checksum is known without reading it twice.
 
 Basenames starting with TEMP_PREFIX are reserved for the stores' and the engine's own bookkeeping (temp
-files, upload markers, spill staging objects): listings never return them and a key containing such a
-component must not be written by a user.
+files, upload markers, spill staging objects, notes): listings never return them and a key containing such
+a component must not be written by a user. Notes have a directory of their own (NOTES_DIR), apart from
+every store's upload bookkeeping, so that no sweep of leftovers ever lists or removes them.
 """
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from ckptfs.errors import BackendError, TransientBackendError
+from ckptfs.errors import BackendError, PermanentBackendError, TransientBackendError
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -48,6 +56,13 @@ FILE = "file"
 DIR = "dir"
 SYMLINK = "symlink"
 TEMP_PREFIX = ".ckptfs-tmp."
+# Notes live at <store prefix>/NOTES_DIR<name>: hidden like all bookkeeping, and in a directory no sweep of
+# upload leftovers (S3/Azure `.ckptfs-tmp.uploads/`, GCS `.ckptfs-tmp.parts/`, file:// staging) looks into.
+NOTES_DIR = f"{TEMP_PREFIX}notes/"
+# A note's name: '/'-separated components of these characters. Short enough for every store: a component
+# is a file name on file:// (255 bytes), and the whole name plus the store prefix fits an S3 key (1024).
+NOTE_COMPONENT = re.compile(r"[A-Za-z0-9._-]{1,255}")
+MAX_NOTE_NAME = 512
 
 
 @dataclass(frozen=True)
@@ -274,9 +289,57 @@ class ObjectStore(Protocol):
         Raises NotFoundBackendError if the key is missing."""
         ...
 
+    # -- notes: small bookkeeping objects shared by the nodes of a job ------------------------------------
+    # Each is one attempt (one request on object stores, per listing page for list_notes): the caller
+    # (Transfers.call) retries TransientBackendError. A bad name raises PermanentBackendError.
+    # `builtins.list`: below the method `list`, a bare `list[str]` would name the method.
+
+    def put_note(self, name: str, data: bytes) -> None:
+        """Write or replace note `name` atomically: a reader sees the old bytes or the new, never a mix or a
+        part (a single PUT on object stores, a fsynced temp file renamed into place on file://)."""
+        ...
+
+    def get_note(self, name: str) -> bytes | None:
+        """The bytes of note `name`; None if there is no such note."""
+        ...
+
+    def list_notes(self, prefix: str = "") -> builtins.list[str]:
+        """The names of all notes that start with `prefix` (a plain string prefix, not only whole components:
+        'pending/' and 'pending/node-a/' both work), at any depth, sorted. Sees every note whose put_note
+        returned before it was called. The part of `prefix` up to its last '/' must be a valid name."""
+        ...
+
+    def delete_note(self, name: str) -> None:
+        """Remove note `name`; a missing note is not an error."""
+        ...
+
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def check_note_name(name: str) -> str:
+    """`name` if it may name a note, else PermanentBackendError: one or more '/'-separated components of
+    [A-Za-z0-9._-], none empty, '.' or '..' (file:// maps names to paths, which must not leave the notes
+    directory) and none starting with TEMP_PREFIX (the stores' own temp files there)."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NOTE_NAME:
+        raise PermanentBackendError(f"note name {name!r}: not 1 to {MAX_NOTE_NAME} characters")
+    for part in name.split("/"):
+        if not NOTE_COMPONENT.fullmatch(part) or part in (".", "..") or part.startswith(TEMP_PREFIX):
+            raise PermanentBackendError(
+                f"note name {name!r}: each '/'-separated component must be made of A-Z a-z 0-9 . _ -, and be"
+                f" neither empty, '.', '..' nor start with {TEMP_PREFIX}"
+            )
+    return name
+
+
+def check_note_prefix(prefix: str) -> str:
+    """`prefix` if a note's name may start with it: its part up to the last '/' is a valid name (so that on
+    file:// it names a directory inside the notes directory); the rest is any start of a component."""
+    head, slash, _tail = prefix.rpartition("/")
+    if slash:
+        check_note_name(head)
+    return prefix
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:

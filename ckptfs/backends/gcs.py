@@ -26,6 +26,11 @@ an abort sees its manifest gone and removes itself). Everything an upload
 leaves behind is under its owner's directory, so `list_leftovers` lists only `<owner>/` and never touches
 another node's uploads. The final key has no create-only precondition: overwriting is the semantics.
 
+Notes (base.py) are objects at `<prefix>/.ckptfs-tmp.notes/<name>`, each written by one upload with its
+CRC32C (a new generation replaces the old atomically; a read gets one generation). GCS listings are strongly
+consistent, so list_notes sees every note whose upload has returned. Notes are not under `.ckptfs-tmp.parts/`,
+the only directory list_leftovers and the upload cleanups list or delete in.
+
 Errors: every SDK failure is translated once, by `translate_error` (the STATUS_ERRORS table keyed by HTTP
 status, plus the transport and credential exception classes). The SDK's own retries are off for the
 transfer primitives (one attempt per call; transfer.py retries) and on for listings.
@@ -34,6 +39,7 @@ transfer primitives (one attempt per call; transfer.py retries) and on for listi
 from __future__ import annotations
 
 import base64
+import builtins
 import functools
 import json
 import logging
@@ -64,6 +70,7 @@ from google.cloud.storage.retry import DEFAULT_RETRY
 from ckptfs.backends.base import (
     BUSY_STATUSES,
     DIR,
+    NOTES_DIR,
     TEMP_PREFIX,
     DirListing,
     ObjectInfo,
@@ -73,6 +80,8 @@ from ckptfs.backends.base import (
     RangeSink,
     UploadPart,
     UploadRef,
+    check_note_name,
+    check_note_prefix,
     check_patiently,
     crc_text,
     retry_transient,
@@ -717,6 +726,39 @@ class GcsStore:
         metadata = metadata_of(ObjectMeta(meta.mtime_ns, 0o777), stat.S_IFLNK)
         metadata[META_SYMLINK] = encoded
         self._upload_bytes(self._new_blob(self._full(key), metadata), SYMLINK_BODY, f"create symlink {key}")
+
+    # -- notes: objects below .ckptfs-tmp.notes/, one request each ------------------------------------------
+
+    def _note_blob_name(self, name: str) -> str:
+        return f"{self.prefix}{NOTES_DIR}{check_note_name(name)}"
+
+    def put_note(self, name: str, data: bytes) -> None:
+        self._upload_bytes(self._new_blob(self._note_blob_name(name)), bytes(data), f"write note {name}")
+
+    def get_note(self, name: str) -> bytes | None:
+        blob = self._bucket().blob(self._note_blob_name(name))
+        try:
+            with _mapped(f"read note {name}"):
+                data: bytes = blob.download_as_bytes(retry=None, timeout=self.timeout)
+        except NotFoundBackendError:
+            return None
+        return data
+
+    def list_notes(self, prefix: str = "") -> builtins.list[str]:
+        """One attempt (retry=None, unlike the store's own listings): the caller retries the whole listing."""
+        base = f"{self.prefix}{NOTES_DIR}"
+        full = base + check_note_prefix(prefix)
+        names = []
+        with _mapped(f"list notes {prefix!r}"):
+            for blob in self._client().list_blobs(self._bucket(), prefix=full, retry=None, timeout=self.timeout):
+                name = blob.name[len(base):]
+                # Only what put_note can have written (not a stray `x/` marker of another tool).
+                if name and not name.endswith("/") and not any(p.startswith(TEMP_PREFIX) for p in name.split("/")):
+                    names.append(name)
+        return sorted(names)
+
+    def delete_note(self, name: str) -> None:
+        self._delete_name(self._note_blob_name(name), f"delete note {name}")
 
 
 __all__ = ["STATUS_ERRORS", "GcsStore", "translate_error"]

@@ -26,6 +26,12 @@ reports the uploads they name (for a marker without id: the uploads of that key 
 claims). So it never aborts another node's upload, and a crash at any point leaves nothing unaccounted
 for. `list` hides every key component starting with TEMP_PREFIX.
 
+Notes (base.py) are plain objects at `<prefix>/.ckptfs-tmp.notes/<name>`, each written by one PutObject
+(atomic: a GET sees the old object or the new) with its CRC32 for the server to verify. S3's listings are
+strongly consistent (AWS since 2020, SeaweedFS and moto by construction), so list_notes sees every note
+whose PutObject has returned. They are apart from the markers' `.ckptfs-tmp.uploads/`, which is all that
+list_leftovers and the sweeps ever list.
+
 Errors: every SDK failure is translated once, by `translate_error` (the ERROR_CODES table), into the
 BackendError classes. botocore retries once (standard mode); the engine retries transfers; listings and
 the upload markers, which the store makes on its own behalf, retry a few times here.
@@ -34,6 +40,7 @@ the upload markers, which the store makes on its own behalf, retry a few times h
 from __future__ import annotations
 
 import base64
+import builtins
 import hashlib
 import json
 import logging
@@ -57,6 +64,7 @@ from ckptfs.backends.base import (
     BUSY_STATUSES,
     DIR,
     FILE,
+    NOTES_DIR,
     RANGE_PIECE,
     SYMLINK,
     TEMP_PREFIX,
@@ -68,6 +76,8 @@ from ckptfs.backends.base import (
     RangeSink,
     UploadPart,
     UploadRef,
+    check_note_name,
+    check_note_prefix,
     check_patiently,
     crc32,
     crc_of,
@@ -869,6 +879,55 @@ class S3Store:
         metadata = _metadata(ObjectMeta(meta.mtime_ns, 0o777), stat.S_IFLNK, **{META_SYMLINK: encoded})
         self._call(f"create symlink {key}", "put_object", Key=self._full(key), Body=SYMLINK_BODY,
                    ChecksumCRC32=_crc_b64(crc32(SYMLINK_BODY)), Metadata=metadata)
+
+    # -- notes: objects below .ckptfs-tmp.notes/, one request each ------------------------------------------
+
+    def _note_key(self, name: str) -> str:
+        return f"{self.prefix}{NOTES_DIR}{check_note_name(name)}"
+
+    def put_note(self, name: str, data: bytes) -> None:
+        self._call(f"write note {name}", "put_object", Key=self._note_key(name), Body=data, ContentLength=len(data),
+                   ChecksumCRC32=_crc_b64(crc32(data)))
+
+    def get_note(self, name: str) -> bytes | None:
+        what = f"read note {name}"
+        try:
+            response = self._call(what, "get_object", Key=self._note_key(name))
+        except NotFoundBackendError:
+            return None
+        body = response["Body"]
+        try:
+            with _mapped(what):
+                data: bytes = body.read()  # one response is one version of the note, whole
+        finally:
+            body.close()
+        return data
+
+    def list_notes(self, prefix: str = "") -> builtins.list[str]:
+        """Page by page, one request each and none retried here (the caller retries the whole listing)."""
+        base = f"{self.prefix}{NOTES_DIR}"
+        full = base + check_note_prefix(prefix)
+        names = []
+        token: str | None = None
+        while True:
+            page_args: dict[str, Any] = {"Prefix": full}
+            if token:
+                page_args["ContinuationToken"] = token
+            page = self._call(f"list notes {prefix!r}", "list_objects_v2", **page_args)
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(base):]
+                # Only what put_note can have written (not a stray `x/` marker of another tool).
+                if name and not name.endswith("/") and not any(p.startswith(TEMP_PREFIX) for p in name.split("/")):
+                    names.append(name)
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return sorted(names)
+
+    def delete_note(self, name: str) -> None:
+        try:
+            self._call(f"delete note {name}", "delete_object", Key=self._note_key(name))
+        except NotFoundBackendError:
+            pass
 
 
 __all__ = ["ERROR_CODES", "S3Store", "translate_error"]

@@ -1,0 +1,234 @@
+"""Cross-node ordering of commit markers (nodes.py, issue 28), kernel-free: two stacks wired like two
+daemons on one file:// store. A marker on node A waits for what node B closed before it; records made
+after the marker's snapshot do not hold it; a node given up on holds the markers that waited for it;
+records of an earlier run go once nothing is pending; a store that refuses the record does not block a
+close for longer than ANNOUNCE_WAIT."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+from fsharness import GID, UID, Stack, make_stack
+
+from ckptfs import nodes as nodes_module
+from ckptfs.backends.base import TransientBackendError
+from ckptfs.journal import ROOT_ID
+from ckptfs.nodes import PENDING, NodeRecords, PeerRecords
+
+
+class Node:
+    """One stack and its records, as daemon.py wires them."""
+
+    def __init__(self, root: Path, store: Path, name: str) -> None:
+        self.stack: Stack = make_stack(root / name, store_dir=store)
+        self.name = name
+        self.records = NodeRecords(self.stack.journal, self.stack.drain.engine, name, host=f"host-{name}")
+        self.peers = PeerRecords(self.stack.drain.engine, name)
+        self.peers.on_change = self.stack.drain.notify
+        self.stack.drain.waits_for_nodes = self.peers.blocks
+        self.stack.fs.announcer = self.records
+
+    async def start(self, nursery: trio.Nursery, *, drain: bool = True) -> None:
+        await nursery.start(self.records.run)
+        await nursery.start(self.peers.run)
+        if drain:
+            await nursery.start(self.stack.drain.run)
+
+    def mkdir(self, path: str) -> int:
+        parent = self.stack.resolve_dir(path.rsplit("/", 1)[0]) if "/" in path else ROOT_ID
+        return self.stack.fs.mkdir(parent, path.rsplit("/", 1)[-1].encode(), 0o755, UID, GID).ino
+
+    async def close_file(self, path: str, data: bytes) -> int:
+        """create, write, close() (FLUSH, which announces), then RELEASE: what the kernel sends."""
+        parent = self.stack.resolve_dir(path.rsplit("/", 1)[0]) if "/" in path else ROOT_ID
+        fh, attr = self.stack.fs.create(parent, path.rsplit("/", 1)[-1].encode(), 0o644,
+                                        os.O_WRONLY | os.O_CREAT, UID, GID)
+        self.stack.fs.write(fh, 0, data)
+        await self.stack.fs.flush(fh)
+        self.stack.fs.release(fh)
+        return attr.ino
+
+    def pending_records(self) -> list[str]:
+        return self.stack.store.inner.list_notes(f"{PENDING}{self.name}/")
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nodes_module, "LINGER", 0.0)
+    monkeypatch.setattr(nodes_module, "CHECK_INTERVAL", 0.05)
+    monkeypatch.setattr(nodes_module, "POLL_FIRST", 0.05)
+    monkeypatch.setattr(nodes_module, "POLL_MAX", 0.2)
+
+
+async def _until(condition, seconds: float = 10) -> None:  # type: ignore[no-untyped-def]
+    with trio.fail_after(seconds):
+        while not condition():  # noqa: ASYNC110 (polling the store directory and the journal)
+            await trio.sleep(0.02)
+
+
+async def test_a_marker_waits_for_the_files_another_node_closed_before_it(
+    tmp_path: Path, nursery: trio.Nursery, quick: None
+) -> None:
+    store = tmp_path / "store"
+    a, b = Node(tmp_path, store, "node-a"), Node(tmp_path, store, "node-b")
+    await a.start(nursery)
+    await b.start(nursery, drain=False)  # node B's uploads are held back
+    a.mkdir("step_1")
+    b.mkdir("step_1")
+    await b.close_file("step_1/shard_b", b"b" * 1000)
+    assert b.pending_records(), "the record is in the store before close() returns"
+    # The barrier; then node A writes its shard and the marker.
+    await a.close_file("step_1/shard_a", b"a" * 1000)
+    await a.close_file("step_1/.metadata", b"meta")
+    await _until(lambda: "step_1/shard_a" in a.stack.store_files())
+    await trio.sleep(0.5)
+    assert "step_1/.metadata" not in a.stack.store_files()
+    [waiting] = a.peers.waiting_markers()
+    assert waiting["path"] == "step_1/.metadata" and waiting["nodes"] == ["node-b"]
+    assert "host-node-b" in waiting["waits_for"][0] and "step_1" in waiting["waits_for"][0]
+    # Node B drains: its shard lands, its record goes, then the marker lands.
+    await nursery.start(b.stack.drain.run)
+    await _until(lambda: "step_1/.metadata" in a.stack.store_files())
+    assert "step_1/shard_b" in a.stack.store_files()
+    await _until(lambda: not a.pending_records() and not b.pending_records())
+    assert a.peers.waiting_markers() == []
+
+
+async def test_work_closed_after_the_marker_does_not_hold_it(
+    tmp_path: Path, nursery: trio.Nursery, quick: None
+) -> None:
+    store = tmp_path / "store"
+    a, b = Node(tmp_path, store, "node-a"), Node(tmp_path, store, "node-b")
+    await a.start(nursery)
+    await b.start(nursery, drain=False)
+    # Node A's shard upload is held, so its marker waits for it locally, with its snapshot already taken.
+    gate = threading.Event()
+    a.stack.store.key_gates["shard_a"] = gate
+    await a.close_file("shard_a", b"a")
+    await a.close_file("latest", b"step_1")
+    await _until(lambda: bool(a.peers._snapshots))
+    # Node B closes a file after that (the next checkpoint): it does not hold node A's marker.
+    await b.close_file("next_b", b"b")
+    assert b.pending_records()
+    gate.set()
+    await _until(lambda: "latest" in a.stack.store_files())
+    assert b.pending_records() and "next_b" not in a.stack.store_files()
+
+
+async def test_a_busy_node_announces_once_per_checkpoint_entry(
+    tmp_path: Path, nursery: trio.Nursery, quick: None
+) -> None:
+    b = Node(tmp_path, tmp_path / "store", "node-b")
+    await b.start(nursery, drain=False)
+    b.mkdir("step_1")
+    for i in range(10):
+        await b.close_file(f"step_1/shard_{i}", b"z")
+    assert b.records.records_written == 1
+    b.mkdir("step_2")
+    await b.close_file("step_2/shard_0", b"z")
+    assert b.records.records_written == 2  # the same record, now naming step_2 too
+    [name] = b.pending_records()
+    assert sorted(b.peers.nodes() or []) == []  # nothing listed yet
+    await b.peers.refresh()
+    assert b.peers.nodes()[0]["entries"] == ["step_1", "step_2"] and name.startswith(f"{PENDING}node-b/")
+
+
+async def test_a_forgotten_node_holds_the_markers_that_waited_for_it(
+    tmp_path: Path, nursery: trio.Nursery, quick: None
+) -> None:
+    store = tmp_path / "store"
+    a, b = Node(tmp_path, store, "node-a"), Node(tmp_path, store, "node-b")
+    await a.start(nursery)
+    await b.start(nursery, drain=False)
+    await b.close_file("step_1.shard_b", b"b")
+    await a.close_file("latest", b"step_1")
+    await _until(lambda: bool(a.peers.waiting_markers()) and bool(a.peers.waiting_markers()[0]["nodes"]))
+    assert await a.peers.forget("node-b") == 1
+    await trio.sleep(0.5)
+    assert "latest" not in a.stack.store_files()
+    [held] = a.peers.waiting_markers()
+    assert held["held_by"] == ["node-b"]
+    assert a.peers.pending_entries() == {"step_1.shard_b"}  # retention counts it incomplete
+    # The job writes the marker again: a new snapshot leaves the forgotten node out.
+    fh = await a.stack.fs.open(a.stack.journal.by_path("latest").id, os.O_WRONLY | os.O_TRUNC)  # type: ignore[union-attr]
+    a.stack.fs.write(fh, 0, b"step_2")
+    await a.stack.fs.flush(fh)
+    a.stack.fs.release(fh)
+    await _until(lambda: a.stack.store_files().get("latest") == b"step_2")
+
+
+async def test_a_forgotten_node_that_comes_back_and_drains_lets_the_held_marker_land(
+    tmp_path: Path, nursery: trio.Nursery, quick: None
+) -> None:
+    store = tmp_path / "store"
+    a, b = Node(tmp_path, store, "node-a"), Node(tmp_path, store, "node-b")
+    await a.start(nursery)
+    await b.start(nursery, drain=False)
+    await b.close_file("shard_b", b"b")
+    await a.close_file("latest", b"step_1")
+    await _until(lambda: bool(a.peers.waiting_markers()) and bool(a.peers.waiting_markers()[0]["nodes"]))
+    await a.peers.forget("node-b")
+    await nursery.start(b.stack.drain.run)
+    await _until(lambda: "latest" in a.stack.store_files())
+    assert "shard_b" in a.stack.store_files()
+
+
+async def test_records_of_an_earlier_run_go_once_nothing_is_pending(
+    tmp_path: Path, nursery: trio.Nursery, quick: None
+) -> None:
+    b = Node(tmp_path, tmp_path / "store", "node-b")
+    await nursery.start(b.records.run)
+    await b.close_file("shard", b"b")
+    [left] = b.pending_records()
+    # A restart (kill -9): a new NodeRecords on the same journal finds the record and keeps it while the
+    # journal has anything pending.
+    again = NodeRecords(b.stack.journal, b.stack.drain.engine, "node-b")
+    b.stack.fs.announcer = again
+    await nursery.start(again.run)
+    await _until(lambda: bool(again.status()["records"]))
+    assert again.status()["records"][0]["from_before"]
+    await trio.sleep(0.3)
+    assert b.pending_records() == [left]
+    await nursery.start(b.stack.drain.run)
+    await b.stack.flush()
+    await _until(lambda: not b.pending_records())
+
+
+async def test_a_store_refusing_the_record_delays_a_close_at_most_announce_wait(
+    tmp_path: Path, nursery: trio.Nursery, quick: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nodes_module, "ANNOUNCE_WAIT", 0.5)
+    b = Node(tmp_path, tmp_path / "store", "node-b")
+    b.stack.drain.engine.attempts = 1
+    await nursery.start(b.records.run)
+    b.stack.store.failures = [TransientBackendError("503 Slow Down")] * 3
+    started = trio.current_time()
+    await b.close_file("shard", b"b")
+    assert trio.current_time() - started < 2
+    assert b.records.unannounced is not None
+    # The checker writes it once the store takes it.
+    await _until(lambda: bool(b.pending_records()))
+    await _until(lambda: b.records.unannounced is None)
+
+
+async def test_a_marker_waits_for_a_directory_renamed_into_place_on_another_node(
+    tmp_path: Path, nursery: trio.Nursery, quick: None
+) -> None:
+    store = tmp_path / "store"
+    a, b = Node(tmp_path, store, "node-a"), Node(tmp_path, store, "node-b")
+    await a.start(nursery)
+    await b.start(nursery, drain=False)
+    b.mkdir("tmp_b")
+    await b.close_file("tmp_b/shard", b"b")
+    moved = b.stack.fs.rename(ROOT_ID, b"tmp_b", ROOT_ID, b"step_1_b", 0)
+    await b.stack.fs.announce(moved)
+    await a.close_file("latest", b"step_1")
+    await trio.sleep(0.5)
+    assert "latest" not in a.stack.store_files()
+    await nursery.start(b.stack.drain.run)
+    await _until(lambda: "latest" in a.stack.store_files())
+    assert "step_1_b/shard" in a.stack.store_files()
