@@ -4,11 +4,15 @@ per-rank optimizer shards, through a ckptfs mount against a plain directory on t
 
 The workload, per run: --files files of 4 to 256 KiB (sizes drawn from --seed), each written to
 `.NAME.tmp`, fsync-free, closed and renamed to `NAME.bin` (the way most savers commit a file), then the
-directory listed, then every tenth file deleted. Three ways, interleaved, --runs times:
+directory listed, then every tenth file deleted. Three ways, --runs times, in an order that rotates each
+run, each timed run starting with the disk quiet (`sync`, then a pause: a run must not pay for the
+previous one's writeback):
 
   local     a fresh directory on the disk that holds the cache dir (the baseline)
   ckptfs    a fresh mount of file://STORE (fresh cache dir, default options); reported: the workload
             (what a training job waits for) and durable (the workload plus `ckptfs flush`)
+  ckptfs-1node  the same with --no-cross-node-ordering (no pending records, no FLUSH per close): what
+            cross-node ordering of commit markers costs a single node
 
 The ratio that issue 13 targets is ckptfs workload / local workload (<= 3x). JSON in
 bench/results/small_files_bench.json.
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,6 +40,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from s3_drain_bench import ckptfs, write_report  # noqa: E402
 
 KIB = 1 << 10
+QUIET_PAUSE = 3.0  # seconds after sync before a timed run
 DEFAULT_JSON = REPO / "bench" / "results" / "small_files_bench.json"
 
 
@@ -57,6 +63,7 @@ def run_local(root: Path, tag: str, files: int, seed: int) -> dict[str, float]:
     target = root / f"local-{tag}"
     target.mkdir()
     try:
+        quiet_disk(QUIET_PAUSE)
         started = time.perf_counter()
         workload(target, files, seed)
         return {"workload": time.perf_counter() - started}
@@ -64,14 +71,20 @@ def run_local(root: Path, tag: str, files: int, seed: int) -> dict[str, float]:
         shutil.rmtree(target, ignore_errors=True)
 
 
-def run_ckptfs(root: Path, tag: str, files: int, seed: int) -> dict[str, float]:
+def quiet_disk(pause: float) -> None:
+    subprocess.run(["sync"], check=False)
+    time.sleep(pause)
+
+
+def run_ckptfs(root: Path, tag: str, files: int, seed: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
     store, mnt, cache = root / f"store-{tag}", root / f"mnt-{tag}", root / f"cache-{tag}"
     store.mkdir()
     mnt.mkdir()
     env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(root / "run"))
     ckptfs("mount", f"file://{store}", str(mnt), "--cache-dir", str(cache), "--metrics-addr", "off", "--daemon",
-           env=env)
+           *extra, env=env)
     try:
+        quiet_disk(QUIET_PAUSE)
         started = time.perf_counter()
         workload(mnt, files, seed)
         done = time.perf_counter()
@@ -101,8 +114,12 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="ckptfs-small-bench.", dir=args.dir))
     results: dict[str, list[float]] = {}
     try:
+        ways: list[tuple[str, Callable[..., dict[str, float]]]] = [
+            ("local", run_local), ("ckptfs", run_ckptfs),
+            ("ckptfs-1node", lambda *a: run_ckptfs(*a, extra=("--no-cross-node-ordering",))),
+        ]
         for run in range(args.runs):
-            for way, fn in (("local", run_local), ("ckptfs", run_ckptfs)):
+            for way, fn in ways[run % len(ways):] + ways[:run % len(ways)]:
                 times = fn(root, f"{way}-{run}", args.files, args.seed + run)
                 for name, value in times.items():
                     results.setdefault(f"{way} {name}", []).append(value)
@@ -115,12 +132,14 @@ def main() -> None:
     ratios = {
         "ckptfs workload / local workload": medians["ckptfs workload"] / medians["local workload"],
         "ckptfs durable / local workload": medians["ckptfs durable"] / medians["local workload"],
+        "ckptfs workload / ckptfs-1node workload": medians["ckptfs workload"] / medians["ckptfs-1node workload"],
+        "ckptfs durable / ckptfs-1node durable": medians["ckptfs durable"] / medians["ckptfs-1node durable"],
     }
     print(f"\nmedians of {args.runs} interleaved runs, {args.files} files of 4-256 KiB, temp + rename, 10% deleted")
     for name, value in medians.items():
-        print(f"  {name:<20} {value:8.2f} s  ({value / args.files * 1e3:.2f} ms per file)")
+        print(f"  {name:<26} {value:8.2f} s  ({value / args.files * 1e3:.2f} ms per file)")
     for name, value in ratios.items():
-        print(f"  {name:<36} {value:6.2f}x")
+        print(f"  {name:<42} {value:6.2f}x")
     write_report(args.json, {"files": args.files, "runs": args.runs, "seed": args.seed}, results, medians, ratios)
 
 

@@ -7,11 +7,12 @@ FUSE, trio or cloud SDK module):
     import ckptfs
     ckptfs.wait_durable("/checkpoints", ["step_100"], timeout=600)   # NotDurableError after 600 s
     ckptfs.status("/checkpoints")                                    # as `ckptfs status --json`
+    ckptfs.wait_durable("/checkpoints", all_nodes=True)              # every node's files, too
 
 See docs/INTEGRATIONS.md for the few lines each training library needs.
 """
 
-from ckptfs.client import PruneResult, prune, refresh, status, unmount, wait_durable
+from ckptfs.client import PruneResult, nodes, prune, refresh, status, unmount, wait_durable
 from ckptfs.errors import CkptfsError, DaemonError, NoDaemonError, NotDrainedError, NotDurableError, UsageError
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "NotDurableError",
     "PruneResult",
     "UsageError",
+    "nodes",
     "prune",
     "refresh",
     "status",

@@ -69,33 +69,47 @@ def _dcp_load(mount: Mount, name: str) -> dict[str, torch.Tensor]:
     return target
 
 
-def _fresh_node(mount_factory, name: str, shared: Path) -> Mount:  # type: ignore[no-untyped-def]
-    return mount_factory(name, source=f"file://{shared}")  # type: ignore[no-any-return]
+def _store_view(
+    store: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> tuple[str, tuple[str, ...], Callable[[], set[str]]]:
+    """(source, mount args, the keys in the store now) of a fresh prefix on file:// or SeaweedFS."""
+    if store == "file":
+        shared = tmp_path / "shared"
+        shared.mkdir()
+
+        def files() -> set[str]:
+            return {str(p.relative_to(shared)) for p in shared.rglob("*")
+                    if p.is_file() and ".ckptfs-tmp." not in str(p)}
+        return f"file://{shared}", (), files
+    server: S3Server = request.getfixturevalue("seaweedfs_s3")
+    bucket_cm = s3_bucket(server)
+    bucket = bucket_cm.__enter__()
+    request.addfinalizer(lambda: bucket_cm.__exit__(None, None, None))
+    return f"s3://{bucket}/run-1", ("--endpoint-url", server.endpoint), _objects_s3(server, bucket)
 
 
+@pytest.mark.parametrize("store", ["file", "s3"])
 def test_dcp_metadata_waits_for_a_killed_nodes_shards_and_lands_after_it_restarts(
-    mount_factory, tmp_path: Path  # type: ignore[no-untyped-def]
+    mount_factory, tmp_path: Path, store: str, request: pytest.FixtureRequest  # type: ignore[no-untyped-def]
 ) -> None:
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    rank0: Mount = mount_factory("node0", source=f"file://{shared}", extra_args=("--keep-last", "1"))
-    rank1: Mount = mount_factory("node1", source=f"file://{shared}")
+    source, extra, keys = _store_view(store, tmp_path, request)
+    rank0: Mount = mount_factory("node0", source=source, extra_args=(*extra, "--keep-last", "1"))
+    rank1: Mount = mount_factory("node1", source=source, extra_args=extra)
     _dcp_save([rank0, rank1], "step_1", 1)
     rank0.flush()
     rank1.flush()
-    _wait(lambda: (shared / "step_1" / ".metadata").exists(), what="step_1's marker")
+    _wait(lambda: "step_1/.metadata" in keys(), what="step_1's marker")
 
     # Step 2: rank 1's node holds its shard back and dies before it is uploaded.
     rank1.umount()
-    rank1.extra_args = HOLD
+    rank1.extra_args = (*extra, *HOLD)
     rank1.start()
     _dcp_save([rank0, rank1], "step_2", 2)
     rank1.kill9()
-    rank0.allowed_log_words.append("cross-node")
-    _wait(lambda: (shared / "step_2" / "__0_0.distcp").exists(), what="rank 0's own shard")
+    _wait(lambda: "step_2/__0_0.distcp" in keys(), what="rank 0's own shard")
     time.sleep(2)
-    assert not (shared / "step_2" / ".metadata").exists(), "the marker went before rank 1's shard"
-    assert not (shared / "step_2" / "__1_0.distcp").exists()
+    assert "step_2/.metadata" not in keys(), "the marker went before rank 1's shard"
+    assert "step_2/__1_0.distcp" not in keys()
     # What waits is named: status, `ckptfs nodes`, the flush of all nodes.
     waiting = rank0.status()["nodes"]["waiting_markers"]
     assert [w["path"] for w in waiting] == ["step_2/.metadata"], waiting
@@ -107,20 +121,21 @@ def test_dcp_metadata_waits_for_a_killed_nodes_shards_and_lands_after_it_restart
     # Retention keeps the last checkpoint complete on every node: step_2 is not, whatever rank 0 sees.
     pruned = rank0.cli("prune", str(rank0.mnt), "--keep-last", "1")
     assert pruned.returncode == 0 and "kept    step_1" in pruned.stdout, pruned.stdout
-    assert (shared / "step_1" / ".metadata").exists()
-    fresh = _fresh_node(mount_factory, "fresh", shared)
+    assert "step_1/.metadata" in keys()
+    fresh: Mount = mount_factory("fresh", source=source, extra_args=extra)
     loaded = _dcp_load(fresh, "step_1")
     assert int(loaded["shared.step"]) == 1 and torch.equal(loaded["rank1.weight"], torch.full((1 << 16,), 11.0))
     fresh.umount()
 
     # Rank 1's node comes back with its cache: its shard lands, then the marker.
-    rank1.extra_args = ()
+    rank1.extra_args = extra
     rank1.start()
-    _wait(lambda: (shared / "step_2" / ".metadata").exists(), seconds=60, what="step_2's marker")
-    assert (shared / "step_2" / "__1_0.distcp").exists()
+    _wait(lambda: "step_2/.metadata" in keys(), seconds=60, what="step_2's marker")
+    assert "step_2/__1_0.distcp" in keys()
     assert rank0.cli("flush", str(rank0.mnt), "--all-nodes", "--timeout", "60").returncode == 0
-    _wait(lambda: not (shared / "step_1").exists(), what="retention after the complete step_2")
-    fresh = _fresh_node(mount_factory, "fresh2", shared)
+    # Retention (keep_last 1, after the marker) deletes step_1 whole, rank 1's shard included.
+    _wait(lambda: not any(k.startswith("step_1/") for k in keys()), what="retention after the complete step_2")
+    fresh = mount_factory("fresh2", source=source, extra_args=extra)
     loaded = _dcp_load(fresh, "step_2")
     assert int(loaded["shared.step"]) == 2
     assert torch.equal(loaded["rank0.weight"], torch.full((1 << 16,), 20.0))
