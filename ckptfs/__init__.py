@@ -12,7 +12,7 @@ FUSE, trio or cloud SDK module):
 See docs/INTEGRATIONS.md for the few lines each training library needs.
 """
 
-from ckptfs.client import PruneResult, nodes, prune, refresh, status, unmount, wait_durable
+from ckptfs.client import PruneResult, pending_nodes, prune, refresh, status, unmount, wait_durable
 from ckptfs.errors import CkptfsError, DaemonError, NoDaemonError, NotDrainedError, NotDurableError, UsageError
 
 __version__ = "0.1.0"
@@ -25,7 +25,7 @@ __all__ = [
     "NotDurableError",
     "PruneResult",
     "UsageError",
-    "nodes",
+    "pending_nodes",
     "prune",
     "refresh",
     "status",

@@ -357,7 +357,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
-    reply = client.nodes(args.mountpoint, forget=args.forget)
+    reply = client.pending_nodes(args.mountpoint, forget=args.forget)
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
         return 0

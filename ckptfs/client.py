@@ -145,7 +145,7 @@ def wait_durable(
     raise NotDurableError(timeout, reply.get("remaining_count") or 0, reply.get("remaining") or [])
 
 
-def nodes(mountpoint: StrPath, *, forget: str | None = None) -> dict[str, Any]:
+def pending_nodes(mountpoint: StrPath, *, forget: str | None = None) -> dict[str, Any]:
     """The nodes with work pending in the store (this one included) and the commit markers that wait for
     them; `forget` gives up on a node first (see `ckptfs nodes --forget`)."""
     request: dict[str, Any] = {"op": "nodes"}

@@ -567,6 +567,11 @@ class Daemon:
             paths = [p.strip("/") for p in request.get("paths") or []] or None
             deadline = _deadline(request.get("timeout"))
             result = await self.drain.flush(paths, deadline)
+            if result.ok and self.records is not None:
+                # Flushed: this node's records whose work is done go now, not after LINGER, so that no
+                # other node's marker waits for them and the store holds no bookkeeping of a quiet node.
+                with trio.move_on_at(min(deadline, trio.current_time() + RETIRE_RECORDS_WAIT)):
+                    await self.records.tidy(final=True)
             if result.ok and request.get("all_nodes"):
                 result = await self._flush_other_nodes(deadline)
             return {"ok": result.ok, "remaining": result.remaining[:100], "remaining_count": len(result.remaining)}

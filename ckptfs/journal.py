@@ -553,6 +553,13 @@ class Journal:
             (limit,),
         )
 
+    def has_closed_pending(self) -> bool:
+        """Is any upload pending of a directory, a symlink or a file no writer holds open?"""
+        return self.db.execute(
+            "SELECT 1 FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
+            " AND (kind != 'file' OR closed_at IS NOT NULL) LIMIT 1"
+        ).fetchone() is not None
+
     def misplaced(self, limit: int = -1) -> list[Inode]:
         """Inodes whose store copy sits under an old name (renamed after upload), not dirty."""
         return self._all(

@@ -39,6 +39,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -70,6 +71,7 @@ MiB = 1 << 20
 MARKER = "latest"
 MARKER_PREFIX = b"ckpt-marker "
 TEMP_PREFIX = ".ckptfs-tmp."
+NOTES_DIR = f"{TEMP_PREFIX}notes"  # the stores' bookkeeping notes (pending records of cross-node ordering)
 WRITE_CHUNK = 1 * MiB  # one plan op per chunk: a kill lands between chunks as often as inside one
 KEEP_STEPS = 2
 S3_PREFIX_ROOT = "crash"
@@ -378,10 +380,17 @@ class Model:
         finished) and the failed operations, as text. eio_at_kill: the last entry, if it is an EIO, is the
         kernel's answer to a request the killed daemon never answered: in flight, not a failure. So is one
         followed only by closes: close(2) returns 0 on a dead mount (the release is never answered either)."""
+        cursor = LogCursor()
+        failures = self.apply_lines(plan, log_path.read_text().splitlines(), cursor, eio_at_kill=eio_at_kill)
+        return cursor.in_flight(plan), failures
+
+    def apply_lines(self, plan: list[Op], lines: list[str], cursor: LogCursor, *,
+                    eio_at_kill: bool = False) -> list[str]:
+        """Apply log lines (all of a log, or the next ones: `cursor` says where the plan is) and return the
+        failed operations, as text (see apply_log)."""
         failures: list[str] = []
-        next_index = 0
-        partial: dict[int, int] = {}
-        lines = log_path.read_text().splitlines()
+        next_index = cursor.next_index
+        partial = cursor.partial
         closes_after = 0  # entries at the end of the log that are successful closes
         for line in reversed(lines):
             with contextlib.suppress(ValueError):
@@ -413,15 +422,29 @@ class Model:
             else:
                 self.apply(op)
                 next_index = index + 1
-        in_flight = plan[next_index] if next_index < len(plan) else None
-        if in_flight is not None and next_index in partial:  # a short write already in the mount, in part
-            in_flight = dict(in_flight, already=partial[next_index])
-        return in_flight, failures
+        cursor.next_index = next_index
+        return failures
+
+
+@dataclass
+class LogCursor:
+    """How far a writer's log has been applied to a model."""
+
+    next_index: int = 0  # the first operation not applied yet
+    partial: dict[int, int] = field(default_factory=dict)  # short writes: op index -> bytes in the mount
+
+    def in_flight(self, plan: list[Op]) -> Op | None:
+        in_flight = plan[self.next_index] if self.next_index < len(plan) else None
+        if in_flight is not None and self.next_index in self.partial:  # a short write in the mount, in part
+            in_flight = dict(in_flight, already=self.partial[self.next_index])
+        return in_flight
 
 
 def describe(op: Op) -> str:
     if op["op"] == "rename":
         return f"rename {op['src']} -> {op['dst']}"
+    if op["op"] == "wait":
+        return f"wait for {Path(op['file']).name}"
     extra = ""
     if op["op"] in ("write", "write_bytes"):
         extra = f" offset={op['offset']} size={op.get('size', len(op.get('hex', '')) // 2)}"
@@ -440,9 +463,13 @@ class Tree:
     temps: list[str] = field(default_factory=list)
     # file:// only: temps that are hard links of the object at their final name (see KnownBug uses)
     linked_temps: list[str] = field(default_factory=list)
+    # notes below .ckptfs-tmp.notes/ (names relative to it): bookkeeping, not objects (pending/<node>/<gen>)
+    notes: list[str] = field(default_factory=list)
 
 
-def read_mount(root: Path) -> Tree:
+def read_mount(root: Path, keep: Callable[[str], bool] | None = None) -> Tree:
+    """The tree under `root`, with the bytes of every file (of those `keep` accepts: other nodes' files are
+    not read through a node's mount, which would fetch them)."""
     files: dict[str, bytes] = {}
     dirs: set[str] = set()
     for top, dirnames, filenames in os.walk(root):
@@ -451,6 +478,8 @@ def read_mount(root: Path) -> Tree:
             dirs.add(os.path.normpath(os.path.join(rel_top, d)))
         for name in filenames:
             rel = os.path.normpath(os.path.join(rel_top, name))
+            if keep is not None and not keep(rel):
+                continue
             with open(os.path.join(top, name), "rb") as f:
                 files[rel] = f.read()
     return Tree(files, dirs)
@@ -500,6 +529,9 @@ class StoreView(Protocol):
 
     def snapshot(self) -> Tree: ...
     def leftover_uploads(self) -> list[str]: ...
+    # cheap reads for the continuous check of multi-node rounds: a token changes when an object is replaced
+    def listing(self) -> dict[str, Any]: ...
+    def fetch(self, path: str) -> tuple[Any, bytes] | None: ...
 
 
 class FileStore:
@@ -512,6 +544,10 @@ class FileStore:
     def snapshot(self) -> Tree:
         tree = Tree({}, set())
         staging = self.root / f"{TEMP_PREFIX}staging"  # LocalStore's temp files: <owner>.<token>.<quoted key>
+        notes = self.root / NOTES_DIR
+        for top, _, filenames in os.walk(notes):
+            tree.notes += sorted(os.path.relpath(os.path.join(top, n), notes) for n in filenames
+                                 if not n.startswith(TEMP_PREFIX))
         for name in sorted(os.listdir(staging)) if staging.is_dir() else []:
             tree.temps.append(f"{staging.name}/{name}")
             with contextlib.suppress(OSError):
@@ -519,7 +555,7 @@ class FileStore:
                     tree.linked_temps.append(f"{staging.name}/{name}")
         for top, dirnames, filenames in os.walk(self.root):
             rel_top = os.path.relpath(top, self.root)
-            dirnames[:] = [d for d in dirnames if d != staging.name]
+            dirnames[:] = [d for d in dirnames if d not in (staging.name, NOTES_DIR)]
             for d in dirnames:
                 tree.dirs.add(os.path.normpath(os.path.join(rel_top, d)))
             for name in filenames:
@@ -534,6 +570,29 @@ class FileStore:
     def leftover_uploads(self) -> list[str]:
         return []
 
+    def listing(self) -> dict[str, Any]:
+        """Every object at a final name (no temp, no note), with a token of its version."""
+        out: dict[str, Any] = {}
+        for top, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX)]
+            rel_top = os.path.relpath(top, self.root)
+            for name in filenames:
+                if name.startswith(TEMP_PREFIX):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.lstat(os.path.join(top, name))
+                    out[os.path.normpath(os.path.join(rel_top, name))] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return out
+
+    def fetch(self, path: str) -> tuple[Any, bytes] | None:
+        try:
+            fd = os.open(self.root / path, os.O_RDONLY | os.O_NOFOLLOW)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)  # the version read, even if another replaced the name since it was listed
+            return (st.st_ino, st.st_size, st.st_mtime_ns), f.read()
+
 
 class S3Store:
     def __init__(self, server: Any, bucket: str, prefix: str, endpoint: str) -> None:
@@ -541,14 +600,16 @@ class S3Store:
         self.bucket = bucket
         self.prefix = prefix
         self.source = f"s3://{bucket}/{prefix}"
-        self.daemon_args = ("--endpoint-url", endpoint)
+        self.daemon_args: tuple[str, ...] = ("--endpoint-url", endpoint)
 
     def snapshot(self) -> Tree:
         tree = Tree({}, set())
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
             for obj in page.get("Contents", []):
                 rel = obj["Key"][len(self.prefix):]
-                if TEMP_PREFIX in rel:
+                if rel.startswith(NOTES_DIR + "/"):
+                    tree.notes.append(rel[len(NOTES_DIR) + 1:])
+                elif TEMP_PREFIX in rel:
                     tree.temps.append(rel)
                 elif rel.endswith("/"):
                     tree.dirs.add(rel.rstrip("/"))
@@ -560,6 +621,22 @@ class S3Store:
     def leftover_uploads(self) -> list[str]:
         answer = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix)
         return [u["Key"] for u in answer.get("Uploads", [])]
+
+    def listing(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for obj in page.get("Contents", []):
+                rel = obj["Key"][len(self.prefix):]
+                if TEMP_PREFIX not in rel and not rel.endswith("/"):
+                    out[rel] = (obj["ETag"], obj["Size"])
+        return out
+
+    def fetch(self, path: str) -> tuple[Any, bytes] | None:
+        try:
+            answer = self.client.get_object(Bucket=self.bucket, Key=self.prefix + path)
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return (answer["ETag"], answer["ContentLength"]), answer["Body"].read()
 
 
 # -- invariants --------------------------------------------------------------------------------------------
@@ -609,10 +686,12 @@ def check_store_matches(store: Tree, mount: Tree, leftovers: list[str]) -> None:
         raise RoundFailed(f"store after flush: multipart uploads left behind: {leftovers[:5]}")
 
 
-def check_journal_against_store(journal_path: Path, store: Tree) -> None:
+def check_journal_against_store(journal_path: Path, store: Tree, only: set[str] | None = None) -> None:
     """The journal, read-only, against the store itself (not the cache): after a flush every linked inode is
     in the store at its own key ('clean', or 'remote' when the cache holds none or only part of it: evicted,
-    imported, or read by chunks), and the object there has the journal's size (and crc32, where it keeps one)."""
+    imported, or read by chunks), and the object there has the journal's size (and crc32, where it keeps one).
+    `only`: the paths this node wrote (multi-node rounds: what it imported from others' listings may be
+    stale until its next refresh, and the store holds much it never saw)."""
     db = sqlite3.connect(f"file:{journal_path}?mode=ro", uri=True, timeout=10)
     try:
         if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
@@ -622,6 +701,8 @@ def check_journal_against_store(journal_path: Path, store: Tree) -> None:
         deletes = db.execute("SELECT key FROM pending_deletes").fetchall()
     finally:
         db.close()
+    if only is not None:
+        rows = [r for r in rows if r[0] in only]
     for path, kind, state, remote_key, size, checksum in sorted(rows):
         key = path + "/" if kind == "dir" else path
         if state not in ("clean", "remote") or remote_key != key:
@@ -640,9 +721,570 @@ def check_journal_against_store(journal_path: Path, store: Tree) -> None:
             raise RoundFailed(f"journal after flush: {path}: the journal's {checksum} is not the store object's")
     if deletes:
         raise RoundFailed(f"journal after flush: pending deletes left: {[d[0] for d in deletes][:5]}")
+    if only is not None:
+        return
     journal_paths = {r[0] for r in rows}
     for path in sorted((set(store.files) | store.dirs) - journal_paths):
         raise RoundFailed(f"journal after flush: the store holds {path}, the journal does not know it")
+
+
+# -- several nodes (--nodes N) --------------------------------------------------------------------------------
+#
+# N daemons mount one store, each with its own cache dir. Node n writes its shards of each step
+# (step_K/shard_<n>_<i>, some through temp + rename, some changed again before the barrier) and sometimes
+# model_<n>.pt (temp + rename over it, every few steps: a file replaced after a barrier). The harness is the
+# job's barrier: once every node's writer has logged its last operation of step K (its closes returned),
+# it creates the file the writers' "wait" op waits for, and node 0 writes the step's commit marker
+# (step_K/.metadata, the top-level `latest`, or both; directly or through a temp renamed over it). Other
+# nodes wait at the barrier too (lockstep) or go on with the next step at once, as a trainer does after an
+# asynchronous save. SIGKILLs hit any node at any moment; a killed node restarts on its cache dir and its
+# writer starts its step again (from the barrier, if it had got there). The check, run every POLL_STORE s
+# while the round runs, at each kill and at the end: a marker in the store means that every file closed on
+# any node before the barrier of its step is there with the bytes it had then, unless an operation after
+# the barrier (or one in flight) changed, moved or removed it.
+
+MULTI_MARKERS = ("latest", ".metadata")
+MULTI_DELAYS = (0.0, 0.1, 0.3, 1.0, 2.0)  # each node's --upload-delay: the race is between unequal nodes
+POLL_STORE = 0.03
+MULTI_ROUND_LIMIT = 300.0
+
+
+def is_marker_path(path: str) -> bool:
+    return path.rpartition("/")[2] in MULTI_MARKERS
+
+
+def multi_size(rng: random.Random) -> int:
+    roll = rng.random()
+    if roll < 0.1:
+        return 0
+    if roll < 0.75:
+        return rng.randint(1, 64 * KiB)
+    if roll < 0.97:
+        return rng.randint(64 * KiB, 2 * MiB)
+    return rng.randint(4 * MiB, 12 * MiB)
+
+
+@dataclass
+class Segment:
+    """One node's part of one step: ops[:arrive] before the barrier (the node has arrived once they all
+    returned), then the wait for the barrier (node 0, and every node in lockstep rounds), then node 0's
+    markers. A segment can be run again from its start (before the barrier) or from `arrive`: it only
+    writes what it creates itself (with O_TRUNC), pwrites at fixed offsets, and renames what it made."""
+
+    step: int
+    ops: list[Op]
+    arrive: int
+
+
+@dataclass
+class MultiPlan:
+    steps: int
+    segments: list[list[Segment]]  # node -> step -> segment
+    markers: dict[str, int]  # digest of a marker's content -> its step
+    owned: list[set[str]]  # node -> every file path its plan names
+
+
+def step_name(step: int) -> str:
+    return f"step_{step + 1:05d}"
+
+
+def build_multi_plan(rng: random.Random, nodes: int, tag: str, barriers: Path, lockstep: bool) -> MultiPlan:
+    steps = rng.randint(2, 4)
+    segments: list[list[Segment]] = [[] for _ in range(nodes)]
+    markers: dict[str, int] = {}
+    for k in range(steps):
+        step = step_name(k)
+        for n in range(nodes):
+            b = PlanBuilder(rng, tag, {}, set())
+            b.add({"op": "mkdir", "path": step, "exist_ok": True})  # every node makes it; one of them first
+            made = []
+            for i in range(rng.randint(1, 3)):
+                made.append(f"{step}/shard_{n}_{i}")
+                b.write_file(made[-1], multi_size(rng))
+            for _ in range(rng.choice([0, 0, 1, 2])):
+                change_own_shard(b, made)
+            if rng.random() < 0.4:
+                b.write_file(f"model_{n}.pt", multi_size(rng), style="temp_rename")
+            arrive = len(b.ops)
+            if n == 0 or lockstep:
+                b.add({"op": "wait", "file": str(barriers / f"go-{k}")})
+            if n == 0:
+                kind = rng.choice(["metadata", "latest", "both"])
+                names = ([f"{step}/.metadata"] if kind != "latest" else []) + (["latest"] if kind != "metadata" else [])
+                for path in names:
+                    content = MARKER_PREFIX + f"{step} {tag}:{k} {path}\n".encode()
+                    markers[digest(content)] = k
+                    parent, _, name = path.rpartition("/")
+                    target = path if rng.random() < 0.5 else f"{parent}/.{name.lstrip('.')}.tmp".lstrip("/")
+                    b.add({"op": "open", "path": target, "trunc": True})
+                    b.add({"op": "write_bytes", "path": target, "offset": 0, "hex": content.hex()})
+                    b.add({"op": "fsync", "path": target})
+                    b.add({"op": "close", "path": target})
+                    if target != path:
+                        b.add({"op": "rename", "src": target, "dst": path})
+            segments[n].append(Segment(k, b.ops, arrive))
+    owned = [{op[key] for seg in segs for op in seg.ops if op["op"] not in ("mkdir", "wait")
+              for key in ("path", "src", "dst") if key in op} for segs in segments]
+    return MultiPlan(steps, segments, markers, owned)
+
+
+def change_own_shard(b: PlanBuilder, made: list[str]) -> None:
+    """One more change to a shard this segment wrote (so that running the segment again is valid)."""
+    if not made:
+        return
+    path = b.rng.choice(made)
+    size = b.files[path]
+    kind = b.rng.choice(["append", "overwrite", "truncate", "rename", "unlink", "rewrite"])
+    if kind in ("append", "overwrite"):
+        offset = size if kind == "append" else b.rng.randint(0, size)
+        n = b.rng.randint(1, 128 * KiB)
+        b.add({"op": "open", "path": path, "trunc": False})
+        b.write_chunks(path, offset, n)
+        b.add({"op": "close", "path": path})
+        b.files[path] = max(size, offset + n)
+    elif kind == "truncate":
+        new = b.rng.choice([0, size // 2, size + b.rng.randint(1, 100 * KiB)])
+        b.add({"op": "truncate", "path": path, "size": new})
+        b.files[path] = new
+    elif kind == "rename":
+        dst = f"{path}.moved"
+        if dst in made:
+            return
+        b.add({"op": "rename", "src": path, "dst": dst})
+        b.files[dst] = b.files.pop(path)
+        made[made.index(path)] = dst
+    elif kind == "unlink":
+        b.add({"op": "unlink", "path": path})
+        del b.files[path]
+        made.remove(path)
+    else:
+        b.write_file(path, multi_size(b.rng), style="temp_rename")
+
+
+@dataclass
+class KillPlan:
+    kind: str  # "ops": once the writers logged `at` operations in all; "barrier": once step `at`'s barrier
+    # opened (node 0 writes the marker then, and the marker waits); "drain": after every writer finished
+    node: int
+    at: int
+    sleep: float  # seconds after the trigger
+    restart_after: float  # seconds the node stays dead (others go on; a marker must wait for its records)
+
+    def label(self) -> str:
+        where = {"ops": f"ops{self.at}", "barrier": f"barrier{self.at + 1}", "drain": "drain"}[self.kind]
+        return f"{where}@n{self.node}"
+
+
+def draw_kills(rng: random.Random, delays: list[float], plan: MultiPlan) -> list[KillPlan]:
+    total = sum(len(seg.ops) for segs in plan.segments for seg in segs)
+    kills = []
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(["ops", "ops", "barrier", "barrier", "drain"])
+        at = rng.randint(1, total) if kind == "ops" else rng.randrange(plan.steps) if kind == "barrier" else 0
+        sleep = (rng.uniform(0, 0.03) if kind == "ops" else rng.uniform(0, 0.2 + max(delays)) if kind == "barrier"
+                 else rng.uniform(0, max(delays) + BURST_QUIET + 0.3))
+        kills.append(KillPlan(kind, rng.randrange(len(delays)), at, sleep, rng.uniform(0, 1.5)))
+    order = {"ops": lambda k: k.at / total * plan.steps, "barrier": lambda k: k.at + 0.5, "drain": lambda k: math.inf}
+    return sorted(kills, key=lambda k: order[k.kind](k))
+
+
+@dataclass
+class NodeRun:
+    """One writer process of a node: its plan (segments from some point on) and how far its log got."""
+
+    plan: list[Op]
+    where: list[tuple[int, int]]  # per op: (step, index in the segment)
+    arrivals: list[tuple[int, int]]  # (plan index, step): the node arrives at the step's barrier there
+    proc: subprocess.Popen[bytes]
+    log: Path
+    cursor: LogCursor = field(default_factory=LogCursor)
+    read: int = 0  # bytes of the log consumed
+    killed: bool = False
+
+    def new_lines(self) -> list[str]:
+        with open(self.log, "rb") as f:
+            f.seek(self.read)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.read += end
+        return data[:end].decode().splitlines()
+
+
+@dataclass
+class NodeState:
+    index: int
+    model: Model
+    mount: Mount | None = None
+    arrived: dict[int, int] = field(default_factory=dict)  # step -> len(model.applied) at its barrier
+    closed_at_arrival: dict[int, dict[str, str]] = field(default_factory=dict)  # step -> path -> digest
+    run: NodeRun | None = None
+    runs: int = 0
+    done: bool = False  # the node's whole workload returned
+    dead: bool = False
+    awaiting_writer: bool = False  # killed: its writer has not seen the dead mount yet
+    killed_at: float = 0.0
+    restart_at: float = 0.0
+    in_flight: list[Op] = field(default_factory=list)  # killed: the op that may or may not have been applied
+    resume: tuple[int, int] | None = None  # killed: (step, index in the segment) its writer starts again at
+    log_start: int = 0  # size of daemon.log when the daemon last started
+
+    def unapplied(self) -> list[Op]:
+        """Operations that may have changed the store but are not in the model (yet)."""
+        if self.run is not None:
+            rest = self.run.plan[self.run.cursor.next_index:]
+            return rest if self.run.killed else rest[:1]  # killed: its log is read once the writer is gone
+        return self.in_flight
+
+    def arrive(self) -> None:
+        run = self.run
+        assert run is not None
+        while run.arrivals and run.cursor.next_index >= run.arrivals[0][0]:
+            _, step = run.arrivals.pop(0)
+            if step not in self.arrived:
+                self.arrived[step] = len(self.model.applied)
+                self.closed_at_arrival[step] = {p: digest(d) for p, d in self.model.files.items()
+                                                if p not in self.model.open_paths}
+
+
+def own_view(tree: Tree, owned: set[str], dirs: set[str]) -> Tree:
+    """What of a node's mount its own model speaks for: the files it writes, and of the directories those
+    it made (the others' show up in its listings when they do)."""
+    return Tree({p: d for p, d in tree.files.items() if p in owned}, tree.dirs & dirs)
+
+
+class CrossNodeCheck:
+    """No commit marker in the store before every file closed on any node before the barrier of its step is
+    there with the bytes it had when closed, unless an operation after the barrier (or in flight) changed,
+    moved or removed it. With `full`: also no torn object (every object is a version a file had closed)."""
+
+    def __init__(self, markers: dict[str, int]) -> None:
+        self.markers = markers  # digest of a marker's content -> step
+        self.required: dict[int, dict[str, tuple[int, str]]] = {}  # step -> path -> (node, digest)
+        self._digests: dict[tuple[str, Any], str] = {}
+        self.polls = 0
+        self.marker_polls = 0  # polls that found a marker in the store (and checked what it commits)
+        self.held_polls = 0  # polls while node 0's newest closed marker was not in the store yet
+
+    def open_barrier(self, step: int, nodes: list[NodeState]) -> None:
+        self.required[step] = {path: (ns.index, want) for ns in nodes
+                               for path, want in ns.closed_at_arrival[step].items() if not is_marker_path(path)}
+
+    def _digest(self, store: StoreView, path: str, token: Any) -> str | None:
+        if (path, token) in self._digests:
+            return self._digests[(path, token)]
+        got = store.fetch(path)
+        if got is None:
+            return None
+        self._digests[(path, got[0])] = value = digest(got[1])
+        return value
+
+    def check(self, store: StoreView, nodes: list[NodeState], refresh: Callable[[], None], *,
+              full: bool = False, what: str = "store") -> None:
+        self.polls += 1
+        found: dict[str, bytes] = {}
+        for path in sorted(store.listing()):
+            if is_marker_path(path) and (marker := store.fetch(path)) is not None:
+                found[path] = marker[1]
+        in_store = {self.markers.get(digest(data)) for data in found.values()}
+        closed = [self.markers[d] for d in nodes[0].model.versions if d in self.markers]
+        if closed and max(closed) not in in_store:
+            self.held_polls += 1
+        if not found and not full:
+            return
+        self.marker_polls += bool(found)
+        listing = store.listing()  # after the markers were read: what they commit must be there by now
+        wanted = set(listing) if full else {p for data in found.values()
+                                            for p in self.required.get(self.markers.get(digest(data), -1), {})}
+        have = {p: self._digest(store, p, listing[p]) if p in listing else None for p in sorted(wanted)}
+        refresh()  # whatever changed those objects before they were read is in the models now, or in flight
+        versions = set().union(*(ns.model.versions for ns in nodes))
+        for path, data in sorted(found.items()):
+            text = data.strip().decode(errors="replace")[:80]
+            step = self.markers.get(digest(data))
+            if step is None:
+                if digest(data) in versions:
+                    continue  # a marker file a kill cut short (its writer starts it again): no commit
+                raise RoundFailed(f"{what}: {path} holds {data[:60]!r}, which no node closed")
+            if step not in self.required:
+                raise RoundFailed(f"{what}: {path} ({text}) is in the store before the barrier of its step opened")
+            touched = {ns.index: touched_paths(ns.model.applied[ns.arrived[step]:] + ns.unapplied()) for ns in nodes}
+            for req, (node, want) in sorted(self.required[step].items()):
+                if any(req == t or req.startswith(t + "/") for t in touched[node]):
+                    continue
+                if have.get(req) is None:
+                    raise RoundFailed(f"{what}: {path} ({text}) is in the store but {req}, closed on node {node} "
+                                      f"before the barrier of {step_name(step)}, is not")
+                if have[req] != want:
+                    raise RoundFailed(f"{what}: {path} ({text}) is in the store but {req} holds other bytes than "
+                                      f"it had when node {node} closed it before the barrier of {step_name(step)}")
+        if full:
+            for ns in nodes:
+                pending = ns.unapplied()
+                if any(op["op"] in ("close", "truncate") for op in pending):
+                    after = ns.model.copy()
+                    with contextlib.suppress(KeyError, IndexError):
+                        for op in pending:
+                            after.apply(op)
+                    versions |= after.versions
+            for path, got in sorted(have.items()):
+                if got is not None and got not in versions:
+                    raise RoundFailed(f"{what}: store object {path} is no version any file had when it was closed "
+                                      "(a torn or stale object)")
+
+
+def touched_paths(ops: list[Op]) -> set[str]:
+    return {op[k] for op in ops if op["op"] not in ("listdir", "read", "fsync", "wait", "mkdir")
+            for k in ("path", "src", "dst") if k in op}
+
+
+class MultiNodeRound:
+    """One round of --nodes N (see the comment above MULTI_MARKERS)."""
+
+    def __init__(self, harness: Harness, cfg: RoundConfig, plan: MultiPlan, store: StoreView, round_dir: Path,
+                 result: RoundResult) -> None:
+        self.harness = harness
+        self.cfg = cfg
+        self.plan = plan
+        self.store = store
+        self.round_dir = round_dir
+        self.result = result
+        self.barriers = round_dir / "barriers"
+        self.opened: dict[int, float] = {}
+        self.check = CrossNodeCheck(plan.markers)
+        extra: tuple[str, ...] = ("--part-size", cfg.part_size, "--upload-while-writing", cfg.upload_while_writing,
+                                  "--passthrough", cfg.passthrough)
+        if harness.args.no_cross_node_ordering:  # the harness's own test: its check must fail then
+            extra += ("--no-cross-node-ordering",)
+        self.nodes = []
+        for n in range(cfg.nodes):
+            m = harness.mount(round_dir / f"node-{n}", store, cfg, *extra, upload_delay=cfg.delays[n])
+            self.nodes.append(NodeState(n, Model(), m))
+
+    def poll(self) -> None:
+        for ns in self.nodes:
+            self.poll_node(ns)
+
+    def poll_node(self, ns: NodeState) -> None:
+        run = ns.run
+        if run is None or run.killed:
+            return
+        for line in run.new_lines():
+            failures = ns.model.apply_lines(run.plan, [line], run.cursor)
+            if failures:
+                raise RoundFailed(f"node {ns.index}: writer: {failures[0]}")
+            ns.arrive()
+
+    def start_run(self, ns: NodeState, step: int, offset: int) -> None:
+        plan: list[Op] = []
+        where: list[tuple[int, int]] = []
+        arrivals: list[tuple[int, int]] = []
+        for seg in self.plan.segments[ns.index][step:]:
+            first = offset if seg.step == step else 0
+            for j in range(first, len(seg.ops)):
+                if j == seg.arrive:
+                    arrivals.append((len(plan), seg.step))
+                plan.append(seg.ops[j])
+                where.append((seg.step, j))
+            if seg.arrive == len(seg.ops) and first <= seg.arrive:
+                arrivals.append((len(plan), seg.step))
+        mount = ns.mount
+        assert mount is not None
+        proc, log = self.harness.run_writer(plan, self.round_dir, mount.mnt, f"node{ns.index}-run{ns.runs}")
+        ns.runs += 1
+        ns.run = NodeRun(plan, where, arrivals, proc, log)
+        ns.arrive()
+
+    def open_barriers(self) -> None:
+        for k in range(self.plan.steps):
+            if k not in self.opened and all(k in ns.arrived for ns in self.nodes):
+                self.check.open_barrier(k, self.nodes)  # what the marker commits, fixed before it can exist
+                (self.barriers / f"go-{k}").touch()
+                self.opened[k] = time.monotonic()
+
+    def watch(self) -> None:
+        """Writers that finished (all of their plan, or a failure) and daemons that died by themselves."""
+        for ns in self.nodes:
+            mount = ns.mount
+            assert mount is not None
+            if not ns.dead and mount.proc is not None and mount.proc.poll() is not None:
+                raise RoundFailed(f"node {ns.index}: the daemon exited {mount.proc.returncode} by itself")
+            run = ns.run
+            if run is None or run.killed or run.proc.poll() is None:
+                continue
+            self.poll_node(ns)
+            if run.proc.returncode != 0 or run.cursor.next_index < len(run.plan):
+                stderr = (self.round_dir / f"node{ns.index}-run{ns.runs - 1}.stderr").read_text()[-300:]
+                raise RoundFailed(f"node {ns.index}: writer exited {run.proc.returncode} at op "
+                                  f"{run.cursor.next_index} of {len(run.plan)}: {stderr}")
+            ns.run = None
+            ns.done = True
+
+    def triggered(self, kill: KillPlan) -> bool:
+        if kill.kind == "ops":
+            return sum(len(ns.model.applied) for ns in self.nodes) >= kill.at
+        if kill.kind == "barrier":
+            return kill.at in self.opened
+        return all(ns.done for ns in self.nodes)
+
+    def kill(self, ns: NodeState, kill: KillPlan) -> None:
+        mount = ns.mount
+        assert mount is not None and mount.proc is not None
+        mount.proc.send_signal(signal.SIGKILL)
+        mount.proc.wait(timeout=30)
+        mount.proc = None
+        ns.dead = ns.awaiting_writer = True
+        ns.killed_at = time.monotonic()
+        ns.restart_at = ns.killed_at + kill.restart_after
+        if ns.run is not None:
+            ns.run.killed = True
+        self.result.kills_done.append(kill.label())
+
+    def revive(self, ns: NodeState) -> None:
+        """A killed node: once its writer saw the dead mount, read the rest of its log and check the store
+        (the kill point); once its time is up, restart it on its cache dir and start its writer again."""
+        mount = ns.mount
+        assert mount is not None
+        now = time.monotonic()
+        if ns.awaiting_writer:
+            run = ns.run
+            if run is not None:
+                if run.proc.poll() is None:
+                    if now > ns.killed_at + 60:
+                        raise RoundFailed(f"node {ns.index}: the writer hung on the dead mount")
+                    return
+                code = run.proc.returncode
+                if code not in (0, EXIT_MOUNT_GONE):
+                    raise RoundFailed(f"node {ns.index}: writer exited {code} after the kill")
+                with open(mount.log, "rb") as f:
+                    f.seek(ns.log_start)
+                    answered = EIO_ANSWERED.search(f.read().decode(errors="replace"))
+                failures = ns.model.apply_lines(run.plan, run.new_lines(), run.cursor,
+                                                eio_at_kill=code == EXIT_MOUNT_GONE and not answered)
+                if failures:
+                    raise RoundFailed(f"node {ns.index}: writer: {failures[0]}")
+                run.killed = False
+                ns.arrive()
+                in_flight = run.cursor.in_flight(run.plan)
+                ns.in_flight = [in_flight] if in_flight is not None else []
+                if run.cursor.next_index < len(run.plan):
+                    step, j = run.where[run.cursor.next_index]
+                    arrive = self.plan.segments[ns.index][step].arrive
+                    ns.resume = (step, arrive if j >= arrive else 0)
+                ns.run = None
+            subprocess.run(["fusermount3", "-u", "-z", "-q", str(mount.mnt)], check=False)
+            ns.awaiting_writer = False
+            self.check.check(self.store, self.nodes, self.poll, full=True, what=f"kill point (node {ns.index})")
+        if now < ns.restart_at:
+            return
+        ns.log_start = mount.log.stat().st_size
+        mount.start()
+        ns.dead = False
+        in_flight = ns.in_flight[0] if ns.in_flight else None
+        dirs = ns.model.dirs | ({in_flight["path"]} if in_flight is not None and in_flight["op"] == "mkdir" else set())
+        owned = self.plan.owned[ns.index]
+        view = own_view(read_mount(mount.mnt, owned.__contains__), owned, dirs)
+        final, problem = match_in_flight(view, ns.model, in_flight)
+        if problem:
+            raise RoundFailed(f"node {ns.index}: {problem}")
+        for path in final.open_paths:  # their descriptors died with the writer: what they hold is closed now
+            final.versions.add(digest(final.files[path]))
+        final.open_paths.clear()
+        ns.model = final
+        ns.in_flight = []
+        if ns.resume is not None:
+            self.start_run(ns, *ns.resume)
+            ns.resume = None
+
+    def progress(self) -> str:
+        return "; ".join(f"node {ns.index}: {'dead' if ns.dead else 'done' if ns.done else 'running'} "
+                         f"at op {ns.run.cursor.next_index if ns.run else '-'}, arrived {sorted(ns.arrived)}"
+                         for ns in self.nodes) + f"; barriers opened {sorted(self.opened)}"
+
+    def run(self) -> None:
+        for ns in self.nodes:
+            self.start_run(ns, 0, 0)
+        kills = list(self.cfg.kill_plan)
+        fire_at: float | None = None
+        deadline = time.monotonic() + MULTI_ROUND_LIMIT
+        next_check = 0.0
+        while True:
+            now = time.monotonic()
+            if now > deadline:
+                raise RoundFailed(f"round stuck: {self.progress()}")
+            self.poll()
+            self.open_barriers()
+            self.watch()
+            for ns in self.nodes:
+                if ns.dead:
+                    self.revive(ns)
+            if now >= next_check:
+                self.check.check(self.store, self.nodes, self.poll)
+                next_check = now + POLL_STORE
+            if any(ns.dead for ns in self.nodes):
+                pass
+            elif kills:
+                if fire_at is None and self.triggered(kills[0]):
+                    fire_at = now + kills[0].sleep
+                if fire_at is not None and now >= fire_at:
+                    kill = kills.pop(0)
+                    self.kill(self.nodes[kill.node], kill)
+                    fire_at = None
+            elif all(ns.done for ns in self.nodes):
+                break
+            time.sleep(0.01)
+        self.finish()
+
+    def flush(self, m: Mount, *args: str) -> None:
+        """`ckptfs flush MNT ARGS`, the store polled by the check meanwhile (the last markers land now)."""
+        with subprocess.Popen([sys.executable, "-m", "ckptfs", "flush", str(m.mnt), "--timeout", "240", *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=m.env) as proc:
+            deadline = time.monotonic() + 270
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise RoundFailed(f"ckptfs flush {m.mnt} {' '.join(args)} did not return")
+                self.check.check(self.store, self.nodes, self.poll)
+                time.sleep(POLL_STORE)
+            _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RoundFailed(f"ckptfs flush {m.root.name} {' '.join(args)} exited {proc.returncode}: "
+                              f"{err.strip()[-300:]}")
+
+    def finish(self) -> None:
+        """Every node alive and its workload done: flush them all, then the end checks."""
+        mounts = [ns.mount for ns in self.nodes]
+        for m in [*mounts[1:], mounts[0]]:
+            assert m is not None
+            self.flush(m)
+        assert mounts[0] is not None
+        if not self.harness.args.no_cross_node_ordering:
+            self.flush(mounts[0], "--all-nodes")
+        self.check.check(self.store, self.nodes, self.poll, full=True, what="after flush")
+        files = {p: bytes(d) for ns in self.nodes for p, d in ns.model.files.items()}
+        dirs = set().union(*(ns.model.dirs for ns in self.nodes))
+        for ns, m in zip(self.nodes, mounts, strict=True):
+            assert m is not None
+            owned = self.plan.owned[ns.index]
+            view = own_view(read_mount(m.mnt, owned.__contains__), owned, ns.model.dirs)
+            problem = first_difference(view, ns.model.files, ns.model.dirs, f"node {ns.index} after flush")  # type: ignore[arg-type]
+            if problem:
+                raise RoundFailed(problem)
+        stored = self.store.snapshot()
+        check_store_matches(stored, Tree(files, dirs), self.store.leftover_uploads())
+        for ns, m in zip(self.nodes, mounts, strict=True):
+            assert m is not None
+            check_journal_against_store(m.cache / "journal.db", stored, only=self.plan.owned[ns.index] | ns.model.dirs)
+        for ns, m in zip(self.nodes, mounts, strict=True):
+            assert m is not None
+            self.harness.stop(m, f"node {ns.index}")
+        left = [n for n in self.store.snapshot().notes if n.startswith("pending/")]
+        if left:
+            raise RoundFailed(f"store after every node stopped cleanly: pending records left: {left[:4]}")
+        fresh = self.harness.mount(self.round_dir / "node-fresh", self.store, self.cfg)
+        problem = first_difference(read_mount(fresh.mnt), files, dirs, "fresh node")  # type: ignore[arg-type]
+        if problem:
+            raise RoundFailed(problem)
+        self.harness.stop(fresh, "fresh node")
 
 
 # -- one round ----------------------------------------------------------------------------------------------
@@ -665,6 +1307,12 @@ class RoundConfig:
     upload_while_writing: str = "off"  # "on": SeaweedFS rounds stage at a hidden key and copy at close
     # --passthrough of the daemons: "auto" lets the kernel write and read cached files itself (where it can)
     passthrough: str = "auto"
+    # --nodes N: N daemons on one store (the kill plan replaces kill/kill_at/upload_delay)
+    nodes: int = 1
+    delays: list[float] = field(default_factory=list)  # each node's --upload-delay
+    lockstep: bool = False  # every node waits at the barrier (else only node 0, which writes the marker)
+    steps: int = 0
+    kill_plan: list[KillPlan] = field(default_factory=list)
 
 
 @dataclass
@@ -681,6 +1329,10 @@ class RoundResult:
     known: str = ""  # the regression test of the known bug this round hit
     waits: int = 0  # back-pressure episodes the daemons logged ("cache full ...")
     spills: int = 0  # files uploaded while they were written
+    kills_done: list[str] = field(default_factory=list)  # multi-node rounds: the kills that happened
+    polls: int = 0  # multi-node rounds: store polls of the cross-node check
+    marker_polls: int = 0  # ... that found a marker in the store (and checked what it commits)
+    held_polls: int = 0  # ... while node 0's newest closed marker was not in the store yet
 
 
 CASCADE_ERRNOS = ("ENOSPC", "ENOENT", "EBADF", "ENOTEMPTY", "EEXIST", "ENOTDIR", "EISDIR")
@@ -724,6 +1376,7 @@ class Harness:
         self.proxy: Any = None
         self.live: list[Mount] = []
         self.tmpfs: list[Path] = []
+        self.writers: list[subprocess.Popen[bytes]] = []
 
     # server lifetime: once per run, reused by every round
     def __enter__(self) -> Harness:
@@ -752,6 +1405,11 @@ class Harness:
 
     def reap(self) -> None:
         """Kill every daemon this round started (by its own pid) and undo its mounts."""
+        for w in self.writers:  # a writer waiting at a barrier that will not open now
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+        self.writers.clear()
         for m in self.live:
             if m.proc is not None:
                 m.proc.kill()
@@ -764,6 +1422,8 @@ class Harness:
         self.tmpfs.clear()
 
     def choose(self, rng: random.Random) -> RoundConfig:
+        if self.args.nodes > 1:
+            return self.choose_multi(rng)
         kills = ["workload", "workload", "workload", "drain", "drain", "fetch"]
         if self.store_kind == "seaweedfs" and not self.args.full_cache:
             kills.append("spill")
@@ -780,6 +1440,16 @@ class Harness:
             passthrough=self.args.passthrough or rng.choice(["auto", "off"]),
         )
 
+    def choose_multi(self, rng: random.Random) -> RoundConfig:
+        delays = [rng.choice(MULTI_DELAYS) for _ in range(self.args.nodes)]
+        return RoundConfig(
+            kill="", upload_delay=max(delays), prephase="none", kill_at=0, kill_sleep=0.0, faults=[],
+            full_cache=False, filler_mib=0, part_size=rng.choice(["64M", "1M", "2M"]),
+            upload_while_writing=rng.choice(["off", "auto", "on"]),
+            passthrough=self.args.passthrough or rng.choice(["auto", "off"]),
+            nodes=self.args.nodes, delays=delays, lockstep=rng.random() < 0.5,
+        )
+
     def new_store(self, index: int) -> StoreView:
         if self.store_kind == "file":
             return FileStore(self.workdir / f"round-{index}" / "store")
@@ -787,11 +1457,13 @@ class Harness:
         prefix = f"{S3_PREFIX_ROOT}-{self.seed}-{index}-{secrets.token_hex(3)}/"
         return S3Store(self.server, self.bucket, prefix, endpoint)
 
-    def mount(self, root: Path, store: StoreView, cfg: RoundConfig, *extra: str) -> Mount:
+    def mount(self, root: Path, store: StoreView, cfg: RoundConfig, *extra: str,
+              upload_delay: float | None = None) -> Mount:
         args = [*store.daemon_args, *extra]
         if cfg.full_cache:
             args += ["--dirty-wait", "3"]
-        m = Mount(root, upload_delay=cfg.upload_delay, source=store.source, extra_args=tuple(args))
+        delay = cfg.upload_delay if upload_delay is None else upload_delay
+        m = Mount(root, upload_delay=delay, source=store.source, extra_args=tuple(args))
         if cfg.full_cache and not m.cache.exists():
             # A small filesystem of its own under the cache dir, partly filled by someone else.
             fs_root = root / "cachefs"
@@ -843,6 +1515,7 @@ class Harness:
         log_path.touch()
         proc = subprocess.Popen([sys.executable, str(TESTS / "crash_writer.py"), str(plan_path), str(log_path),
                                  str(mnt)], stderr=open(dir_ / f"{name}.stderr", "wb"))  # noqa: SIM115
+        self.writers.append(proc)
         return proc, log_path
 
     def round(self, index: int) -> RoundResult:
@@ -878,7 +1551,29 @@ class Harness:
         result.seconds = time.monotonic() - started
         return result
 
+    def _multi_round(self, index: int, rng: random.Random, cfg: RoundConfig, round_dir: Path,
+                     result: RoundResult) -> None:
+        store = self.new_store(index)
+        (round_dir / "barriers").mkdir()
+        plan = build_multi_plan(rng, cfg.nodes, str(index), round_dir / "barriers", cfg.lockstep)
+        cfg.steps = plan.steps
+        cfg.kill_plan = draw_kills(rng, cfg.delays, plan)
+        cfg.kill = "+".join(k.kind for k in cfg.kill_plan)
+        ops = [op for segs in plan.segments for seg in segs for op in seg.ops]
+        result.ops_planned = len(ops)
+        result.bytes_written = sum(op.get("size", 0) for op in ops)
+        multi = MultiNodeRound(self, cfg, plan, store, round_dir, result)
+        try:
+            multi.run()
+        finally:
+            result.ops_done = sum(len(ns.model.applied) for ns in multi.nodes)
+            result.polls, result.marker_polls = multi.check.polls, multi.check.marker_polls
+            result.held_polls = multi.check.held_polls
+
     def _round(self, index: int, rng: random.Random, cfg: RoundConfig, round_dir: Path, result: RoundResult) -> None:
+        if cfg.nodes > 1:
+            self._multi_round(index, rng, cfg, round_dir, result)
+            return
         store = self.new_store(index)
         names: dict[str, int] = {}
         dirs: set[str] = set()
@@ -1029,6 +1724,13 @@ def describe_round(index: int, r: RoundResult) -> str:
     cfg = r.config
     assert cfg is not None
     verdict = "ok  " if r.ok else "KNOWN" if r.known else "FAIL"
+    if cfg.nodes > 1:
+        return "  ".join([
+            f"round {index:4d}", verdict, f"nodes={cfg.nodes}", f"steps={cfg.steps}",
+            "lockstep" if cfg.lockstep else "async   ", "delays=" + "/".join(f"{d:g}" for d in cfg.delays),
+            "kills=" + ",".join(k.label() for k in cfg.kill_plan) + f" ({len(r.kills_done)} done)",
+            f"ops={r.ops_done}/{r.ops_planned}", f"bytes={r.bytes_written / MiB:.1f}MiB",
+            f"polls={r.polls} with-marker={r.marker_polls} marker-held={r.held_polls}", f"{r.seconds:.1f}s"])
     parts = [f"round {index:4d}", verdict, f"kill={cfg.kill:8s}", f"pre={cfg.prephase:11s}",
              f"delay={cfg.upload_delay:<4}", f"ops={r.ops_done}/{r.ops_planned}",
              f"bytes={r.bytes_written / MiB:.1f}MiB", f"{r.seconds:.1f}s"]
@@ -1054,6 +1756,9 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[R
                 flags = " --faults" if args.faults else ""
                 flags += " --full-cache" if args.full_cache else ""
                 flags += " --unlisted-dir-ops" if args.unlisted_dir_ops else ""
+                flags += f" --nodes {args.nodes}" if args.nodes > 1 else ""
+                flags += f" --passthrough {args.passthrough}" if args.passthrough else ""
+                flags += " --no-cross-node-ordering" if args.no_cross_node_ordering else ""
                 emit(f"  first difference: {r.message}")
                 emit(f"  replay: python -m tests.crash_harness --seed {args.seed} --store {args.store}{flags} "
                      f"--round {index} --rounds 1 --keep   (kept: {harness.workdir / f'round-{index}'})")
@@ -1065,9 +1770,10 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[R
     kills: dict[str, int] = {}
     for r in results:
         assert r.config is not None
-        kills[r.config.kill] = kills.get(r.config.kill, 0) + 1
+        for kind in r.config.kill.split("+"):
+            kills[kind] = kills.get(kind, 0) + 1
     emit(f"summary: {len(results)} rounds, {len(results) - len(failed) - len(known)} ok, {len(failed)} failed, "
-         f"{len(known)} known bugs; store={args.store}"
+         f"{len(known)} known bugs; store={args.store}{f' nodes={args.nodes}' if args.nodes > 1 else ''}"
          f"{' faults' if args.faults else ''}{' full-cache' if args.full_cache else ''} seed={args.seed}; "
          f"kills {kills}; {sum(seconds):.0f}s total, {sum(seconds) / max(1, len(seconds)):.1f}s/round, "
          f"max {max(seconds, default=0):.1f}s")
@@ -1091,9 +1797,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--unlisted-dir-ops", action="store_true",
                         help="every round removes and renames directories without listing them first "
                         "(without it, half the rounds do, drawn from the seed)")
+    parser.add_argument("--nodes", type=int, choices=[1, 2, 3], default=1,
+                        help="daemons on one store, each with its own cache dir: the cross-node order of commit "
+                        "markers (a marker never lands before the files closed on any node before the barrier)")
+    parser.add_argument("--no-cross-node-ordering", action="store_true",
+                        help="with --nodes: run the daemons without cross-node ordering, to see the check fail")
     args = parser.parse_args(argv)
     if args.faults and args.store != "seaweedfs":
         parser.error("--faults needs --store seaweedfs (the fault proxy speaks HTTP)")
+    if args.nodes > 1 and (args.faults or args.full_cache):
+        parser.error("--nodes does not combine with --faults or --full-cache (yet)")
     return args
 
 

@@ -8,6 +8,7 @@ Usage: python tests/crash_writer.py PLAN.json LOG.jsonl MOUNT_ROOT
 The plan is a JSON list of operations; each is one system call on the mount (a write may take several
 `pwrite` calls if the mount answers short writes):
   {"op": "mkdir", "path": p}                  {"op": "rmdir", "path": p}
+  {"op": "mkdir", "path": p, "exist_ok": true}  (mkdir -p of one level: another node may have made it)
   {"op": "open", "path": p, "trunc": bool}    O_WRONLY|O_CREAT (|O_TRUNC); the fd is kept under p
   {"op": "write", "path": p, "offset": o, "seed": s, "size": n}   pwrite of data_for(s, n) on p's fd
                                    ("pause": seconds, on any op: sleep that long after it)
@@ -16,6 +17,8 @@ The plan is a JSON list of operations; each is one system call on the mount (a w
   {"op": "truncate", "path": p, "size": n}    {"op": "unlink", "path": p}
   {"op": "rename", "src": a, "dst": b}        {"op": "read", "path": p}  (reads the whole file)
   {"op": "listdir", "path": p}
+  {"op": "wait", "file": f}                   wait until the file f (outside the mount) exists: the job's
+                                              barrier, opened by the harness (multi-node rounds)
 
 Log lines: {"i": index} when operation i returned; {"i": index, "upto": k} after each pwrite that wrote the
 op's bytes [.., k); {"i": index, "err": errno, "upto": k} when it failed with an errno other than the ones a
@@ -35,6 +38,7 @@ import time
 # The errnos of a mount whose daemon died: the operation in flight may or may not have been applied.
 DEAD_MOUNT = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV}
 EXIT_MOUNT_GONE = 3
+WAIT_LIMIT = 600.0  # seconds a "wait" op waits for its barrier
 
 
 def data_for(seed: int, size: int) -> bytes:
@@ -69,7 +73,11 @@ def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
         written = 0
         try:
             if kind == "mkdir":
-                os.mkdir(full(op["path"]))
+                try:
+                    os.mkdir(full(op["path"]))
+                except FileExistsError:
+                    if not op.get("exist_ok"):
+                        raise
             elif kind == "rmdir":
                 os.rmdir(full(op["path"]))
             elif kind == "open":
@@ -101,6 +109,12 @@ def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
                 os.rename(full(op["src"]), full(op["dst"]))
             elif kind == "listdir":
                 os.listdir(full(op["path"]))
+            elif kind == "wait":
+                deadline = time.monotonic() + WAIT_LIMIT
+                while not os.path.exists(str(op["file"])):
+                    if time.monotonic() > deadline:
+                        raise OSError(errno.ETIMEDOUT, f"barrier {op['file']} never opened")
+                    time.sleep(0.005)
             elif kind == "read":
                 with open(full(op["path"]), "rb") as f:
                     while f.read(1 << 20):
