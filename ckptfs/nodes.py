@@ -58,6 +58,7 @@ ROTATE_AFTER = 30.0
 ANNOUNCE_WAIT = 5.0
 CHECK_INTERVAL = 0.5  # how often this node's records are checked for being done
 CHECK_BATCH = 256  # covered entries read from the journal at once by a check
+FILES_NAMED = 5  # files a record names as examples of its work (status of other nodes shows them)
 POLL_FIRST = 0.5  # a waiting marker's first look at the other nodes' records, doubling up to POLL_MAX
 POLL_MAX = 10.0
 GEN_WIDTH = 12
@@ -114,6 +115,8 @@ class _Record:
     published: frozenset[str] | None = None  # the names its body in the store lists; None: not written yet
     inherited: bool = False  # left by an earlier run of this node: covers whatever is pending
     retiring: bool = False  # being deleted: covers nothing new
+    files_named: int = 0  # files its body names as examples (rewritten in the background up to FILES_NAMED)
+    sample_stale: bool = False  # it covers a file its body does not name yet, and names fewer than FILES_NAMED
 
 
 class NodeRecords:
@@ -132,6 +135,7 @@ class NodeRecords:
         self._gen_of: dict[int, int] = {}  # inode id -> its generation in _covered
         self._closing: dict[int, int] = {}  # inode id -> flushes not yet followed by their release
         self._lock = trio.Lock()  # one write or delete of this node's records at a time
+        self._tidying = trio.Lock()
         self._check = trio.Event()
         # Set while a record could not be written: closes then go on without it (cross-node order weakened).
         self.unannounced: str | None = None
@@ -162,6 +166,9 @@ class NodeRecords:
         name = top_entry(path)
         record.names.add(name)
         if record.published is not None and name in record.published:
+            if closing and record.files_named < FILES_NAMED:
+                record.sample_stale = True  # named by a rewrite in the background, not before close() returns
+                self._check.set()
             return
         with trio.move_on_after(ANNOUNCE_WAIT) as waited:
             await self._publish(record)
@@ -189,16 +196,23 @@ class NodeRecords:
         return record
 
     def _body(self, record: _Record, names: Iterable[str]) -> bytes:
+        """What an operator on another node sees: who, since when, which checkpoints, a few of the files."""
+        covered = list(itertools.islice(self._covered.get(record.gen, ()), 4 * FILES_NAMED))
+        files = sorted(i.path for i in self.journal.get_many(covered).values()
+                       if i.path is not None and i.kind == FILE)[:FILES_NAMED]
+        record.files_named = len(files)
         return json.dumps({
             "node": self.node, "host": self.host, "gen": record.gen, "written_at": time.time(),
-            "entries": sorted(names),
+            "entries": sorted(names), "files": files,
         }).encode()
 
     async def _publish(self, record: _Record) -> None:
         async with self._lock:
             names = frozenset(record.names)
-            if record.retiring or (record.published is not None and names <= record.published):
+            if record.retiring or (record.published is not None and names <= record.published
+                                   and not record.sample_stale):
                 return
+            record.sample_stale = False
             try:
                 await self.engine.call(self.store.put_note, record_name(self.node, record.gen),
                                        self._body(record, names))
@@ -312,7 +326,12 @@ class NodeRecords:
         return done
 
     async def tidy(self, *, final: bool = False) -> None:
-        """Delete the records that are done; write the ones not written yet; succeed a long-lived one."""
+        """Delete the records that are done; write the ones not written yet; succeed a long-lived one.
+        One at a time: the checker and a flush both call it."""
+        async with self._tidying:
+            await self._tidy(final=final)
+
+    async def _tidy(self, *, final: bool) -> None:
         for record in self._done(final=final):
             async with self._lock:
                 if record.published is not None or record.inherited:
@@ -324,9 +343,9 @@ class NodeRecords:
                         self._check.set()
                         return
                     self.records_deleted += 1
-                del self._records[record.gen]
+                self._records.pop(record.gen, None)
         for record in list(self._records.values()):
-            if not record.retiring and record.names and (record.published is None
+            if not record.retiring and record.names and (record.published is None or record.sample_stale
                                                          or not record.names <= record.published):
                 await self._publish(record)
         current = self._current
@@ -339,7 +358,7 @@ class NodeRecords:
             if successor.published is not None and self._current is current:
                 self._current = successor
             elif successor.published is None:
-                del self._records[successor.gen]
+                self._records.pop(successor.gen, None)
 
     async def retire_all(self) -> bool:
         """At a clean unmount, after the drain: delete every record if nothing is pending. True if none left."""
@@ -365,6 +384,7 @@ class PeerRecord:
     host: str = ""
     entries: tuple[str, ...] = ()
     written_at: float = 0.0
+    files: tuple[str, ...] = ()  # a few of the files it covered when it was written
 
 
 def _parse_record(name: str) -> tuple[str, int] | None:
@@ -473,12 +493,14 @@ class PeerRecords:
         names = await self.engine.call(self.store.list_notes, PENDING)
         forgotten = await self.engine.call(self.store.list_notes, FORGOTTEN)
         existing: dict[str, PeerRecord] = {}
+        waited = {n for s in self._snapshots.values() for n in s.records} | self._all_snapshot
         for name in names:
             parsed = _parse_record(name)
             if parsed is None:
                 continue
             known = self._existing.get(name)
-            if known is None:
+            # A record names more of its files as its node closes them: read again while waited for.
+            if known is None or (name in waited and len(known.files) < FILES_NAMED):
                 node, gen = parsed
                 known = await self._described(PeerRecord(name, node, gen))
             existing[name] = known
@@ -496,10 +518,11 @@ class PeerRecords:
             body = {}
         if not isinstance(body, dict):
             body = {}
-        entries = body.get("entries")
+        entries, files = body.get("entries"), body.get("files")
         return PeerRecord(record.name, record.node, record.gen, host=str(body.get("host") or ""),
                           entries=tuple(str(e) for e in entries) if isinstance(entries, list) else (),
-                          written_at=float(body.get("written_at") or 0.0))
+                          written_at=float(body.get("written_at") or 0.0),
+                          files=tuple(str(f) for f in files) if isinstance(files, list) else ())
 
     # -- waiting for every node -----------------------------------------------------------------------
 
@@ -541,9 +564,12 @@ class PeerRecords:
             entries = sorted({e for r in records for e in r.entries})
             oldest = min((r.written_at for r in records if r.written_at), default=0.0)
             host = next((r.host for r in records if r.host), "")
+            files = sorted({f for r in records for f in r.files})[:FILES_NAMED]
             state = "given up on" if node in self._forgotten else "pending"
             age = f", {now - oldest:.0f} s" if oldest else ""
-            lines.append(f"node {node}{f' ({host})' if host else ''} {state}{age}: {', '.join(entries) or '?'}")
+            example = f" (files such as {', '.join(files)})" if files else ""
+            lines.append(f"node {node}{f' ({host})' if host else ''} {state}{age}: {', '.join(entries) or '?'}"
+                         f"{example}")
         return lines
 
     def pending_entries(self) -> set[str]:
@@ -569,6 +595,7 @@ class PeerRecords:
         return [
             {"node": node, "host": next((r.host for r in records if r.host), ""),
              "records": len(records), "entries": sorted({e for r in records for e in r.entries}),
+             "files": sorted({f for r in records for f in r.files})[:FILES_NAMED],
              "oldest_written_at": min((r.written_at for r in records if r.written_at), default=None),
              "forgotten": node in self._forgotten, "this_node": node == self.node}
             for node, records in sorted(by_node.items())

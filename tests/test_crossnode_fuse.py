@@ -170,6 +170,8 @@ def test_a_tracker_file_waits_for_the_other_nodes_states(
     _wait(lambda: all((shared / rel).exists() for rel in ours), what="node 0's own files")
     time.sleep(1.5)
     assert not (shared / tracker).exists(), "the tracker went before node 1's files"
+    [waiting] = node0.status()["nodes"]["waiting_markers"]
+    assert all(rel in waiting["waits_for"][0] for rel in theirs), waiting  # the files it waits for, by name
     node1.flush()
     _wait(lambda: (shared / tracker).exists(), what="the tracker")
     assert all((shared / rel).exists() for rel in theirs)

@@ -232,3 +232,19 @@ async def test_a_marker_waits_for_a_directory_renamed_into_place_on_another_node
     await nursery.start(b.stack.drain.run)
     await _until(lambda: "latest" in a.stack.store_files())
     assert "step_1_b/shard" in a.stack.store_files()
+
+
+async def test_a_flush_and_the_checker_tidy_at_the_same_time(
+    tmp_path: Path, nursery: trio.Nursery, quick: None
+) -> None:
+    """Found by test_frameworks' FSDP save: a flush's tidy and the checker's deleted the same record, and
+    the second one's KeyError failed the flush ("bad request: 1")."""
+    b = Node(tmp_path, tmp_path / "store", "node-b")
+    await nursery.start(b.stack.drain.run)  # no checker of its own: the two calls below are the only ones
+    await b.close_file("shard", b"b")
+    await b.stack.flush()
+    assert b.pending_records()
+    async with trio.open_nursery() as both:
+        both.start_soon(b.records.tidy)
+        both.start_soon(lambda: b.records.tidy(final=True))
+    assert not b.pending_records() and b.records.status()["records"] == []
