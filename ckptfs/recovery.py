@@ -184,6 +184,7 @@ class DirLister:
         try:
             started = time.time()
             prefix = inode.key or ""
+            stored_before = stored_versions(self.journal, inode_id)
             try:
                 listing = await trio.to_thread.run_sync(self.store.list_dir, prefix)
             except BackendError as exc:
@@ -205,6 +206,7 @@ class DirLister:
             apply_dir_listing(
                 self.journal, current, listing, now=time.time(), exact_mtimes=self.store.listing_has_metadata,
                 vanished=self._vanished, warned=self._warned, cache=self.cache, replaced=replaced.append,
+                stored_before=stored_before,
             )
             self._set_listed(inode_id, started)
             for replaced_id in replaced:
@@ -237,13 +239,18 @@ def _drop_entry(journal: Journal, cache: CacheDir) -> Callable[[Inode], None]:
 def apply_dir_listing(
     journal: Journal, directory: Inode, listing: DirListing, *, now: float, exact_mtimes: bool,
     vanished: Callable[[Inode], None], warned: set[str], cache: CacheDir,
-    replaced: Callable[[int], None] = lambda inode_id: None,
+    replaced: Callable[[int], None] = lambda inode_id: None, stored_before: dict[int, int] | None = None,
 ) -> int:
     """Bring one directory of the journal up to date with the store's listing of it; return how many
     entries were imported. New objects appear (state 'remote'; subdirectories without a marker too),
     objects another node replaced are served anew, and entries whose objects someone deleted go (the
     namespace is shared: the delete wins), unless they hold local work. Imported entries belong to the
-    daemon's user (object stores keep no owner)."""
+    daemon's user (object stores keep no owner).
+
+    `stored_before`: inode id -> uploaded_version of the entries the store held before the listing began
+    (`stored_versions`). Only those can be judged by it: an upload that committed while the listing ran is
+    missing from it or shows its previous version, and was taken for a delete (the file vanished from
+    the mount) or a replacement (the journal took the old object's size) by another node."""
     uid, gid = os.getuid(), os.getgid()
     children = {c.name: c for c in journal.all_children(directory.id)}
     deleting = journal.pending_delete_keys_under(directory.key or "")
@@ -260,7 +267,7 @@ def apply_dir_listing(
             present.add(name)
             existing = children.get(name)
             if existing is not None:
-                if existing.remote_key == info.key and _refresh_clean(
+                if _listed_before(existing, stored_before) and existing.remote_key == info.key and _refresh_clean(
                     journal, cache, existing, info, exact_mtimes=exact_mtimes
                 ):
                     replaced(existing.id)
@@ -301,9 +308,21 @@ def apply_dir_listing(
             )
             imported += 1
     for name, child in children.items():
-        if name not in present and child.state in (CLEAN, REMOTE) and _came_from_store(child):
+        if (name not in present and child.state in (CLEAN, REMOTE) and _came_from_store(child)
+                and _listed_before(child, stored_before)):
             _vanish(journal, child, vanished, now)
     return imported
+
+
+def stored_versions(journal: Journal, directory_id: int) -> dict[int, int]:
+    """What a listing of the directory about to start can judge: its entries the store holds now."""
+    return {c.id: c.uploaded_version for c in journal.all_children(directory_id)
+            if c.remote_key is not None or c.uploaded_version > 0}
+
+
+def _listed_before(inode: Inode, stored_before: dict[int, int] | None) -> bool:
+    """Was this version of the entry in the store before the listing began?"""
+    return stored_before is None or stored_before.get(inode.id, -1) == inode.uploaded_version
 
 
 def _came_from_store(inode: Inode) -> bool:

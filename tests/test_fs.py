@@ -843,3 +843,44 @@ async def test_nothing_is_written_below_a_directory_until_its_marker_is_in(stack
     keys = [key for _, key in stack.store.calls]
     assert keys.index("d/") < keys.index("d/sub/") and keys.index("d/") < keys.index("d/f")
     assert stack.store_files()["d/f"] == b"f" * 1000
+
+
+@pytest.mark.parametrize("change", ["new file", "rewritten file"])
+async def test_an_upload_that_commits_while_its_directory_is_listed_is_not_taken_for_another_nodes_change(
+    stack: Stack, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """Found by bench/small_files_bench.py: a directory relisted after refresh_interval while the drain
+    uploaded into it. The listing, read before an upload committed and applied after, lacked the new
+    object (the file was removed from the mount as "deleted from the store by someone else") or showed its
+    previous version (the journal took the old object's size and dropped the new local copy)."""
+    if change == "rewritten file":
+        inode_id = stack.write_file("a", b"old")
+        await stack.flush()
+    listed = threading.Event()
+    release = threading.Event()
+    inner_list_dir = stack.store.inner.list_dir
+
+    def slow_list_dir(prefix: str = ""):  # type: ignore[no-untyped-def]
+        listing = inner_list_dir(prefix)  # read now, returned after the upload below committed
+        listed.set()
+        release.wait(10)
+        return listing
+
+    monkeypatch.setattr(stack.store, "list_dir", slow_list_dir)
+    nursery.start_soon(lambda: stack.fs.lister.ensure(ROOT_ID, fresh=True))  # type: ignore[call-arg]
+    await trio.to_thread.run_sync(listed.wait, 10)
+    if change == "new file":
+        inode_id = stack.write_file("a", b"new bytes")
+    else:
+        fh = await stack.fs.open(inode_id, os.O_WRONLY | os.O_TRUNC)
+        stack.fs.write(fh, 0, b"new bytes")
+        stack.fs.release(fh)
+    await stack.flush()
+    release.set()
+    with trio.fail_after(10):
+        while stack.fs.lister._in_flight:  # type: ignore[attr-defined]  # noqa: ASYNC110 (no event to wait on)
+            await trio.sleep(0.01)
+    entry = stack.journal.lookup(ROOT_ID, "a")
+    assert entry is not None and entry.id == inode_id, "the mount lost a file it had just uploaded"
+    assert entry.state == CLEAN and entry.size == len(b"new bytes")
+    assert stack.store_files() == {"a": b"new bytes"}
