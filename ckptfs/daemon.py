@@ -43,7 +43,7 @@ from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations, KernelBackingFiles, passthrough_build, passthrough_granted
 from ckptfs.journal import DIR, FILE, ROOT_ID, Inode, Journal, JournalError, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_addr
-from ckptfs.nodes import HeldError, NodeRecords, PeerRecords, node_id_of
+from ckptfs.nodes import TOP_FILES, HeldError, NodeRecords, PeerRecords, node_id_of
 from ckptfs.recovery import DirLister, recover
 from ckptfs.retention import Checkpoint, Plan, pinned_by_pointers, plan
 from ckptfs.systemd import Notifier
@@ -381,7 +381,8 @@ class Daemon:
         if self.peers is not None:
             await self.peers.refresh()
             elsewhere = self.peers.pending_entries()
-        checkpoints = [Checkpoint(c.name or "", c.mtime_ns, self._complete(c) and c.name not in elsewhere)
+        checkpoints = [Checkpoint(c.name or "", c.mtime_ns, self._complete(c) and c.name not in elsewhere
+                                  and not (c.kind != DIR and TOP_FILES in elsewhere))
                        for c in candidates]
         result = plan(checkpoints, keep_last=keep_last, keep_globs=keep_globs,
                       pinned=pinned_by_pointers(texts, [c.name for c in checkpoints]))

@@ -208,7 +208,7 @@ def _decode_name(raw: bytes) -> str:
 class Announcer(Protocol):
     """Makes this node's pending work known to the other nodes before the request returns (nodes.py)."""
 
-    async def cover(self, inode_id: int, path: str, *, closing: bool = False) -> None: ...
+    async def cover(self, inode_id: int, path: str, *, directory: bool = False, writer: bool = False) -> None: ...
 
     def released(self, inode_id: int) -> None: ...
 
@@ -268,8 +268,8 @@ class Filesystem:
         self.cache_misses = 0  # opens that downloaded the file
         self.uid = os.getuid()
         self.gid = os.getgid()
-        # Cross-node ordering (None: off): closes after writing, new directories and symlinks and renames
-        # are announced before they return; with it, writers' closes are sent to the daemon (flush).
+        # Cross-node ordering (None: off): opens for writing, new directories and symlinks and renames are
+        # announced before they return.
         self.announcer: Announcer | None = None
 
     # -- helpers ---------------------------------------------------------------------------------------
@@ -977,20 +977,16 @@ class Filesystem:
             if handle.writable and self.announcer is not None:
                 self.announcer.released(inode_id)
 
-    def needs_flush(self, fh: int) -> bool:
-        """Must close() of this handle reach the daemon? Only a writer's, and only with cross-node ordering."""
-        return self.announcer is not None and self.handles[fh].writable
-
-    async def flush(self, fh: int) -> None:
-        """close() of a descriptor that may have written: with cross-node ordering, the file's change is
-        announced before close() returns (the job's barrier after it orders it before another node's
-        marker). RELEASE, which records the close, comes after close() has returned."""
+    async def announce_writer(self, fh: int) -> None:
+        """An open for writing: with cross-node ordering, announced before open() returns, so that the
+        file's close() is covered (the job's barrier after it orders it before another node's marker)
+        without a request of its own. RELEASE, which records the close, ends the writer."""
         handle = self.handles.get(fh)
-        if self.announcer is None or handle is None or not handle.writable or handle.inode_id not in self._changed:
+        if self.announcer is None or handle is None or not handle.writable:
             return
         inode = self.journal.get(handle.inode_id)
         if inode is not None and inode.path is not None:
-            await self.announcer.cover(inode.id, inode.path, closing=True)
+            await self.announcer.cover(inode.id, inode.path, writer=True)
 
     async def announce(self, inode_id: int | None) -> None:
         """A new directory or symlink, or a renamed entry: announced before the request returns."""
@@ -998,7 +994,7 @@ class Filesystem:
             return
         inode = self.journal.get(inode_id)
         if inode is not None and inode.path is not None:
-            await self.announcer.cover(inode.id, inode.path)
+            await self.announcer.cover(inode.id, inode.path, directory=inode.kind == DIR)
 
     def _forget_open(self, inode_id: int, handle: OpenFile) -> None:
         opens = self._open_count[inode_id] - 1

@@ -254,11 +254,22 @@ class FuseOperations(pyfuse3.Operations):
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT, ctx: RequestContext
     ) -> tuple[FileInfo, EntryAttributes]:
         fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        await self._announced(fh)
         return self._file_info(fh), _entry(attr)
 
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         fh = await self.fs.open(inode, flags)
+        await self._announced(fh)
         return self._file_info(fh)
+
+    async def _announced(self, fh: int) -> None:
+        """Announce a writer (cross-node ordering); a handle whose open then fails is released here, since
+        the kernel never sends RELEASE for an open it got an error for."""
+        try:
+            await self.fs.announce_writer(fh)
+        except BaseException:
+            self.fs.release(fh)
+            raise
 
     def _file_info(self, fh: int) -> FileInfo:
         direct_io, keep_cache = self.fs.caching(fh)
@@ -266,7 +277,7 @@ class FuseOperations(pyfuse3.Operations):
         backing = self.fs.backing_of(fh)
         if backing:
             setattr(info, _BACKING_ID, backing)
-        if _HAS_NOFLUSH and not self.fs.needs_flush(fh):
+        if _HAS_NOFLUSH:
             setattr(info, _NOFLUSH, True)
         return info
 
@@ -300,13 +311,11 @@ class FuseOperations(pyfuse3.Operations):
             self.op_stats.record("write", time.perf_counter() - started, failed)
 
     async def flush(self, fh: FileHandleT) -> None:
-        # RELEASE records the close. Without cross-node ordering nothing is to be done at close(): ENOSYS
-        # tells the kernel to stop sending FLUSH altogether, one round trip less for every close() (one of
-        # the six a small file cost the writer). With it, a writer's close() announces the change first;
-        # other handles are opened with FOPEN_NOFLUSH where this pyfuse3 can say so (_file_info).
-        if self.fs.announcer is None:
-            raise pyfuse3.FUSEError(errno.ENOSYS)
-        await self.fs.flush(fh)
+        # Nothing to do at close() (RELEASE records the close; cross-node ordering announced a writer at its
+        # open). Handles are opened with FOPEN_NOFLUSH where this pyfuse3 can say so (_file_info); else
+        # ENOSYS tells the kernel to stop sending FLUSH altogether: one round trip less for every close(),
+        # one of the six a small file cost the writer.
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     async def release(self, fh: FileHandleT) -> None:
         self.fs.release(fh)

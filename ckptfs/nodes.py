@@ -52,7 +52,7 @@ FORGOTTEN = "forgotten/"  # forgotten/<node>: given up on by an operator (`ckptf
 LINGER = 2.0
 # A record that has covered work for this long is succeeded by a new one: the old one can then go once
 # its own work is durable, though this node keeps writing.
-ROTATE_AFTER = 30.0
+ROTATE_AFTER = 10.0
 # How long a close waits for its record to reach the store before it returns anyway (the store is down
 # or refuses writes; status and the log say that the cross-node guarantee is weakened meanwhile).
 ANNOUNCE_WAIT = 5.0
@@ -88,19 +88,27 @@ def record_name(node: str, gen: int) -> str:
     return f"{PENDING}{node}/{gen:0{GEN_WIDTH}d}"
 
 
-def top_entry(path: str) -> str:
-    """The top-level entry of the mount that `path` is under: what retention counts as one checkpoint."""
-    return path.split("/", 1)[0]
+TOP_FILES = "*"  # the entry name of work on files and symlinks at the top of the mount
 
 
-def _pending(inode: Inode | None, closing: bool) -> bool:
-    """Is this covered entry's work still to reach the store? A file counts while it is dirty and closed
-    (or between its flush and its release: `closing`); one opened for writing again counts at its next
-    close, not now. A renamed entry counts until its object is moved."""
+def top_entry(path: str, *, directory: bool) -> str:
+    """What a record names of an entry's work: the top-level directory it is in (what retention counts as
+    one checkpoint), or TOP_FILES for files at the top (2,000 files saved at the top must not cost a
+    record rewrite each)."""
+    top, slash, _ = path.partition("/")
+    return top if slash or directory else TOP_FILES
+
+
+def _pending(inode: Inode | None, writing: bool) -> bool:
+    """Is this covered entry's work still to reach the store? A file counts while a writer has it open
+    (`writing`: its close will be covered by the record that covers it now) and while it is dirty and
+    closed. A renamed entry counts until its object is moved."""
+    if writing:
+        return True
     if inode is None or inode.path is None:
         return False  # removed: deletes are not ordered (as on one node)
     if inode.state in (DIRTY, UPLOADING):
-        return inode.kind != FILE or inode.closed_at is not None or closing
+        return inode.kind != FILE or inode.closed_at is not None
     if inode.state in (CLEAN, REMOTE) and inode.remote_key is not None:
         return inode.remote_key != (inode.path + "/" if inode.kind == DIR else inode.path)
     return False
@@ -116,6 +124,7 @@ class _Record:
     inherited: bool = False  # left by an earlier run of this node: covers whatever is pending
     retiring: bool = False  # being deleted: covers nothing new
     files_named: int = 0  # files its body names as examples (rewritten in the background up to FILES_NAMED)
+    rewrites: int = 0  # times its body was written again to name more files
     sample_stale: bool = False  # it covers a file its body does not name yet, and names fewer than FILES_NAMED
 
 
@@ -133,7 +142,7 @@ class NodeRecords:
         # Generation -> the entries whose work it covers (an entry is in the newest that covered it).
         self._covered: dict[int, set[int]] = {}
         self._gen_of: dict[int, int] = {}  # inode id -> its generation in _covered
-        self._closing: dict[int, int] = {}  # inode id -> flushes not yet followed by their release
+        self._writers: dict[int, int] = {}  # inode id -> handles open for writing (covered at their open)
         self._lock = trio.Lock()  # one write or delete of this node's records at a time
         self._tidying = trio.Lock()
         self._check = trio.Event()
@@ -145,29 +154,26 @@ class NodeRecords:
 
     # -- the FUSE side ----------------------------------------------------------------------------------
 
-    async def cover(self, inode_id: int, path: str, *, closing: bool = False) -> None:
-        """Before a close (`closing`: from its flush), mkdir, symlink or rename returns: make sure a record
-        of this node that covers it is in the store. Costs nothing once the current record lists the
-        entry's top-level name; else one PUT (once per quiet spell and per checkpoint, typically)."""
+    async def cover(self, inode_id: int, path: str, *, directory: bool = False, writer: bool = False) -> None:
+        """Before an open for writing (`writer`: the file's close is then covered until its release), a
+        mkdir, symlink or rename returns: make sure a record of this node that covers it is in the store.
+        Costs nothing once the current record lists the entry's top-level name; else one PUT (once per
+        quiet spell and per checkpoint, typically). Covering at the open, not at close(), spares every
+        close() a FLUSH request to the daemon."""
         now = trio.current_time()
         record = self._current
         if record is None or record.retiring:
             record = self._new_record(now)
             self._current = record
-        previous = self._gen_of.get(inode_id)
-        if previous != record.gen:
-            if previous is not None:
-                self._covered[previous].discard(inode_id)
-            self._gen_of[inode_id] = record.gen
-            self._covered.setdefault(record.gen, set()).add(inode_id)
-        if closing:
-            self._closing[inode_id] = self._closing.get(inode_id, 0) + 1
+        self._repoint(inode_id, record.gen)
+        if writer:
+            self._writers[inode_id] = self._writers.get(inode_id, 0) + 1
         record.last_cover = now
-        name = top_entry(path)
+        name = top_entry(path, directory=directory)
         record.names.add(name)
         if record.published is not None and name in record.published:
-            if closing and record.files_named < FILES_NAMED:
-                record.sample_stale = True  # named by a rewrite in the background, not before close() returns
+            if writer and record.files_named < FILES_NAMED and record.rewrites < FILES_NAMED:
+                record.sample_stale = True  # named by a rewrite in the background, not before open() returns
                 self._check.set()
             return
         with trio.move_on_after(ANNOUNCE_WAIT) as waited:
@@ -175,13 +181,22 @@ class NodeRecords:
         if waited.cancelled_caught and self.unannounced is None:
             self._announce_failed(f"the store did not answer within {ANNOUNCE_WAIT:.0f} s")
 
+    def _repoint(self, inode_id: int, gen: int) -> None:
+        previous = self._gen_of.get(inode_id)
+        if previous == gen:
+            return
+        if previous is not None:
+            self._covered[previous].discard(inode_id)
+        self._gen_of[inode_id] = gen
+        self._covered.setdefault(gen, set()).add(inode_id)
+
     def released(self, inode_id: int) -> None:
-        """A writer's release followed its flush: the journal now records the close."""
-        left = self._closing.get(inode_id, 0) - 1
+        """A handle open for writing was released; the journal has recorded the close (the last writer's)."""
+        left = self._writers.get(inode_id, 0) - 1
         if left > 0:
-            self._closing[inode_id] = left
+            self._writers[inode_id] = left
         else:
-            self._closing.pop(inode_id, None)
+            self._writers.pop(inode_id, None)
 
     # -- records ------------------------------------------------------------------------------------------
 
@@ -212,6 +227,8 @@ class NodeRecords:
             if record.retiring or (record.published is not None and names <= record.published
                                    and not record.sample_stale):
                 return
+            if record.sample_stale:
+                record.rewrites += 1
             record.sample_stale = False
             try:
                 await self.engine.call(self.store.put_note, record_name(self.node, record.gen),
@@ -293,7 +310,7 @@ class NodeRecords:
                 current = self.journal.get_many(batch)
                 pending = False
                 for inode_id in batch:
-                    if _pending(current.get(inode_id), inode_id in self._closing):
+                    if _pending(current.get(inode_id), inode_id in self._writers):
                         pending = True
                     else:
                         entries.discard(inode_id)
@@ -305,7 +322,7 @@ class NodeRecords:
 
     def _anything_pending(self) -> bool:
         """What a record of an earlier run covers: the daemon before the restart knew, this one does not."""
-        return bool(self._closing) or self.journal.has_closed_pending() or bool(self.journal.misplaced(1))
+        return bool(self._writers) or self.journal.has_closed_pending() or bool(self.journal.misplaced(1))
 
     def _done(self, *, final: bool = False) -> list[_Record]:
         """Records whose work is all durable, marked retiring (no cover joins them from now). Synchronous:
@@ -357,6 +374,10 @@ class NodeRecords:
             await self._publish(successor)
             if successor.published is not None and self._current is current:
                 self._current = successor
+                # Files still open for writing close under the successor: the old record can go once the
+                # work closed under it is durable, however long a writer (a log) keeps its file open.
+                for inode_id in self._writers:
+                    self._repoint(inode_id, successor.gen)
             elif successor.published is None:
                 self._records.pop(successor.gen, None)
 
@@ -568,13 +589,15 @@ class PeerRecords:
             state = "given up on" if node in self._forgotten else "pending"
             age = f", {now - oldest:.0f} s" if oldest else ""
             example = f" (files such as {', '.join(files)})" if files else ""
-            lines.append(f"node {node}{f' ({host})' if host else ''} {state}{age}: {', '.join(entries) or '?'}"
+            shown = ", ".join("files at the top" if e == TOP_FILES else e for e in entries) or "?"
+            lines.append(f"node {node}{f' ({host})' if host else ''} {state}{age}: {shown}"
                          f"{example}")
         return lines
 
     def pending_entries(self) -> set[str]:
         """Top-level entries that other nodes (forgotten ones included: their work never landed) still
-        have work in, as of the last listing: retention counts them as incomplete."""
+        have work in, as of the last listing: retention counts them as incomplete. TOP_FILES stands for
+        any file at the top."""
         return {e for r in self._existing.values() if r.node != self.node for e in r.entries}
 
     async def forget(self, node: str) -> int:

@@ -17,7 +17,7 @@ from fsharness import GID, UID, Stack, make_stack
 from ckptfs import nodes as nodes_module
 from ckptfs.backends.base import TransientBackendError
 from ckptfs.journal import ROOT_ID
-from ckptfs.nodes import PENDING, NodeRecords, PeerRecords
+from ckptfs.nodes import PENDING, TOP_FILES, NodeRecords, PeerRecords
 
 
 class Node:
@@ -43,12 +43,12 @@ class Node:
         return self.stack.fs.mkdir(parent, path.rsplit("/", 1)[-1].encode(), 0o755, UID, GID).ino
 
     async def close_file(self, path: str, data: bytes) -> int:
-        """create, write, close() (FLUSH, which announces), then RELEASE: what the kernel sends."""
+        """create (which announces the writer), write, close() and RELEASE: what the kernel sends."""
         parent = self.stack.resolve_dir(path.rsplit("/", 1)[0]) if "/" in path else ROOT_ID
         fh, attr = self.stack.fs.create(parent, path.rsplit("/", 1)[-1].encode(), 0o644,
                                         os.O_WRONLY | os.O_CREAT, UID, GID)
+        await self.stack.fs.announce_writer(fh)
         self.stack.fs.write(fh, 0, data)
-        await self.stack.fs.flush(fh)
         self.stack.fs.release(fh)
         return attr.ino
 
@@ -80,7 +80,7 @@ async def test_a_marker_waits_for_the_files_another_node_closed_before_it(
     a.mkdir("step_1")
     b.mkdir("step_1")
     await b.close_file("step_1/shard_b", b"b" * 1000)
-    assert b.pending_records(), "the record is in the store before close() returns"
+    assert b.pending_records(), "the record is in the store before open() returns"
     # The barrier; then node A writes its shard and the marker.
     await a.close_file("step_1/shard_a", b"a" * 1000)
     await a.close_file("step_1/.metadata", b"meta")
@@ -152,11 +152,11 @@ async def test_a_forgotten_node_holds_the_markers_that_waited_for_it(
     assert "latest" not in a.stack.store_files()
     [held] = a.peers.waiting_markers()
     assert held["held_by"] == ["node-b"]
-    assert a.peers.pending_entries() == {"step_1.shard_b"}  # retention counts it incomplete
+    assert a.peers.pending_entries() == {TOP_FILES}  # retention counts top-level files incomplete
     # The job writes the marker again: a new snapshot leaves the forgotten node out.
     fh = await a.stack.fs.open(a.stack.journal.by_path("latest").id, os.O_WRONLY | os.O_TRUNC)  # type: ignore[union-attr]
+    await a.stack.fs.announce_writer(fh)
     a.stack.fs.write(fh, 0, b"step_2")
-    await a.stack.fs.flush(fh)
     a.stack.fs.release(fh)
     await _until(lambda: a.stack.store_files().get("latest") == b"step_2")
 
@@ -248,3 +248,25 @@ async def test_a_flush_and_the_checker_tidy_at_the_same_time(
         both.start_soon(b.records.tidy)
         both.start_soon(lambda: b.records.tidy(final=True))
     assert not b.pending_records() and b.records.status()["records"] == []
+
+
+async def test_a_file_held_open_for_writing_does_not_keep_an_old_record(
+    tmp_path: Path, nursery: trio.Nursery, quick: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log held open for writing keeps the current record; after ROTATE_AFTER a successor takes it over,
+    so the record another node's marker waits for goes once the work closed under it is durable."""
+    monkeypatch.setattr(nodes_module, "ROTATE_AFTER", 0.3)
+    store = tmp_path / "store"
+    a, b = Node(tmp_path, store, "node-a"), Node(tmp_path, store, "node-b")
+    await a.start(nursery)
+    await b.start(nursery)
+    log_fh, _ = b.stack.fs.create(ROOT_ID, b"train.log", 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
+    await b.stack.fs.announce_writer(log_fh)
+    b.stack.fs.write(log_fh, 0, b"step 1\n")
+    await b.close_file("shard_b", b"b")
+    await a.close_file("latest", b"step_1")
+    await _until(lambda: "latest" in a.stack.store_files())
+    assert "shard_b" in a.stack.store_files()
+    assert b.pending_records(), "the log's writer is still covered"
+    b.stack.fs.release(log_fh)
+    await _until(lambda: not b.pending_records())
