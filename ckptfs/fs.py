@@ -205,6 +205,12 @@ def _decode_name(raw: bytes) -> str:
         raise FsError(errno.EINVAL, f"name {raw!r} is not UTF-8; object stores keep UTF-8 keys only") from None
 
 
+class Moved(NamedTuple):
+    inode_id: int
+    path: str
+    directory: bool
+
+
 class Announcer(Protocol):
     """Makes this node's pending work known to the other nodes before the request returns (nodes.py)."""
 
@@ -269,8 +275,9 @@ class Filesystem:
         self.uid = os.getuid()
         self.gid = os.getgid()
         # Cross-node ordering (None: off): opens for writing, new directories and symlinks and renames are
-        # announced before they return.
+        # announced before they return; handle -> path of a writer to announce (announce_writer).
         self.announcer: Announcer | None = None
+        self._to_announce: dict[int, str] = {}
 
     # -- helpers ---------------------------------------------------------------------------------------
 
@@ -497,8 +504,8 @@ class Filesystem:
 
     def rename(
         self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes, flags: int
-    ) -> int | None:
-        """Returns the moved inode's id, None if nothing moved (a rename onto itself)."""
+    ) -> Moved | None:
+        """Returns what moved (for cross-node ordering), None if nothing did (a rename onto itself)."""
         if flags & RENAME_EXCHANGE:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         if flags & ~RENAME_NOREPLACE:
@@ -535,7 +542,7 @@ class Filesystem:
         if target is not None:
             self._maybe_purge(target.id)
         self._notify_drain()
-        return source.id
+        return Moved(source.id, self._child_path(new_parent, new_name), source.kind == DIR)
 
     # -- attributes --------------------------------------------------------------------------------
 
@@ -748,6 +755,8 @@ class Filesystem:
                 raise FsError(exc.errno or errno.EIO, f"cannot create cache file: {exc.strerror}") from None
         self._changed.add(inode.id)
         fh = self._new_handle(inode.id, fd, flags, dirtied=True)
+        if writable and self.announcer is not None and inode.path is not None:
+            self._to_announce[fh] = inode.path
         self._remember(inode.id)
         if not writable:
             self._closed(inode.id)
@@ -800,7 +809,10 @@ class Filesystem:
                 os.close(fd)  # no handle will own it; the file stays marked changed until its next close
                 raise FsError(exc.errno or errno.EIO, f"truncate of cache file: {exc.strerror}") from None
             self.cache.resize(inode_id, 0)
-        return self._new_handle(inode_id, fd, flags, dirtied)
+        fh = self._new_handle(inode_id, fd, flags, dirtied)
+        if writable and self.announcer is not None and inode.path is not None:
+            self._to_announce[fh] = inode.path
+        return fh
 
     async def _reopen_after_spill(self, inode: Inode) -> bool:
         """A closed file whose start was spilled (uploaded and punched out of the cache to make room, then
@@ -950,6 +962,7 @@ class Filesystem:
 
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh)
+        self._to_announce.pop(fh, None)
         os.close(handle.fd)
         inode_id = handle.inode_id
         if handle.reader is not None and self.streams is not None:
@@ -980,21 +993,22 @@ class Filesystem:
     async def announce_writer(self, fh: int) -> None:
         """An open for writing: with cross-node ordering, announced before open() returns, so that the
         file's close() is covered (the job's barrier after it orders it before another node's marker)
-        without a request of its own. RELEASE, which records the close, ends the writer."""
-        handle = self.handles.get(fh)
-        if self.announcer is None or handle is None or not handle.writable:
-            return
-        inode = self.journal.get(handle.inode_id)
-        if inode is not None and inode.path is not None:
-            await self.announcer.cover(inode.id, inode.path, writer=True)
+        without a request of its own. RELEASE, which records the close, ends the writer. create and
+        open left the path here (no journal read per file)."""
+        path = self._to_announce.pop(fh, None)
+        if self.announcer is not None and path is not None:
+            await self.announcer.cover(self.handles[fh].inode_id, path, writer=True)
 
-    async def announce(self, inode_id: int | None) -> None:
+    async def announce(self, inode_id: int | None, path: str | None = None, directory: bool = False) -> None:
         """A new directory or symlink, or a renamed entry: announced before the request returns."""
         if self.announcer is None or inode_id is None:
             return
-        inode = self.journal.get(inode_id)
-        if inode is not None and inode.path is not None:
-            await self.announcer.cover(inode.id, inode.path, directory=inode.kind == DIR)
+        if path is None:
+            inode = self.journal.get(inode_id)
+            if inode is None or inode.path is None:
+                return
+            path, directory = inode.path, inode.kind == DIR
+        await self.announcer.cover(inode_id, path, directory=directory)
 
     def _forget_open(self, inode_id: int, handle: OpenFile) -> None:
         opens = self._open_count[inode_id] - 1

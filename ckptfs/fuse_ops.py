@@ -248,7 +248,9 @@ class FuseOperations(pyfuse3.Operations):
         ctx: RequestContext,
     ) -> None:
         await self.fs.prepare_rename(parent_inode_old, name_old, parent_inode_new, name_new)
-        await self.fs.announce(self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags))
+        moved = self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        if moved is not None:
+            await self.fs.announce(*moved)
 
     async def create(
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT, ctx: RequestContext

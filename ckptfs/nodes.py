@@ -305,8 +305,10 @@ class NodeRecords:
         100,000 small files costs one batch per check, not the whole set."""
         for gen in sorted(self._covered):
             entries = self._covered[gen]
+            size = 8  # pending entries are usually found in the first few: read more only as needed
             while entries:
-                batch = list(itertools.islice(entries, CHECK_BATCH))
+                batch = list(itertools.islice(entries, size))
+                size = min(size * 4, CHECK_BATCH)
                 current = self.journal.get_many(batch)
                 pending = False
                 for inode_id in batch:

@@ -225,7 +225,8 @@ async def test_a_marker_waits_for_a_directory_renamed_into_place_on_another_node
     b.mkdir("tmp_b")
     await b.close_file("tmp_b/shard", b"b")
     moved = b.stack.fs.rename(ROOT_ID, b"tmp_b", ROOT_ID, b"step_1_b", 0)
-    await b.stack.fs.announce(moved)
+    assert moved is not None
+    await b.stack.fs.announce(*moved)
     await a.close_file("latest", b"step_1")
     await trio.sleep(0.5)
     assert "latest" not in a.stack.store_files()
