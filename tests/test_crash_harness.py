@@ -1,7 +1,7 @@
-"""The crash-and-fault harness (tests/crash_harness.py) in CI: a short run of about 20 rounds over file://,
-SeaweedFS, SeaweedFS behind the fault proxy, and a full cache filesystem; and the regression tests of the
-product bugs the harness found (xfail(strict=True) while they are open, each with its reason; plain
-regression tests once fixed)."""
+"""The crash-and-fault harness (tests/crash_harness.py) in CI: a short run of about 24 rounds over file://,
+SeaweedFS, SeaweedFS behind the fault proxy, a full cache filesystem and two nodes on one store; and the
+regression tests of the product bugs the harness found (xfail(strict=True) while they are open, each with
+its reason; plain regression tests once fixed)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,24 @@ from pathlib import Path
 
 import pytest
 from conftest import Mount
-from crash_harness import EIO_ANSWERED, Model, Tree, check_kill_point, first_difference, parse_args, run
+from crash_harness import (
+    EIO_ANSWERED,
+    KNOWN_TRACEBACKS,
+    MARKER_PREFIX,
+    CrossNodeCheck,
+    Model,
+    NodeState,
+    Op,
+    RoundFailed,
+    Tree,
+    check_kill_point,
+    digest,
+    first_difference,
+    known_traceback,
+    parse_args,
+    run,
+    tracebacks,
+)
 
 # Fixed seeds: CI replays the same rounds; a failure prints the command that replays it alone.
 CI_RUNS = [
@@ -19,6 +36,7 @@ CI_RUNS = [
     pytest.param(["--store", "seaweedfs", "--rounds", "4", "--seed", "1202"], id="seaweedfs"),
     pytest.param(["--store", "seaweedfs", "--faults", "--rounds", "4", "--seed", "1203"], id="seaweedfs-faults"),
     pytest.param(["--store", "file", "--full-cache", "--rounds", "4", "--seed", "1204"], id="full-cache"),
+    pytest.param(["--store", "file", "--nodes", "2", "--rounds", "4", "--seed", "1205"], id="two-nodes"),
 ]
 
 
@@ -54,6 +72,70 @@ def test_the_checks_catch_what_they_claim() -> None:
                                           model.files, model.dirs, "t") or "")  # type: ignore[arg-type]
     assert "should not exist" in (first_difference(Tree(good.files, {"s", "old"}), model.files, model.dirs,
                                                    "t") or "")  # type: ignore[arg-type]
+
+
+class _Store:
+    """A store the cross-node check reads: path -> bytes (the token is the bytes themselves)."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+
+    def listing(self) -> dict[str, bytes]:
+        return dict(self.files)
+
+    def fetch(self, path: str) -> tuple[bytes, bytes] | None:
+        return (self.files[path], self.files[path]) if path in self.files else None
+
+
+def _node(index: int, ops: list[Op]) -> NodeState:
+    ns = NodeState(index, Model())
+    for op in ops:
+        ns.model.apply(op)
+    return ns
+
+
+def _write(path: str, data: bytes) -> list[Op]:
+    return [{"op": "open", "path": path, "trunc": True},
+            {"op": "write_bytes", "path": path, "offset": 0, "hex": data.hex()},
+            {"op": "close", "path": path}]
+
+
+def test_the_cross_node_check_catches_a_marker_ahead_of_another_nodes_file() -> None:
+    """--nodes: node 1 closed its shard before the barrier; node 0's marker in the store without that shard,
+    or with other bytes in it, is reported; once node 1 replaced the shard after the barrier, it is not."""
+    marker = MARKER_PREFIX + b"step_00001 t:0 step_00001/.metadata\n"
+    check = CrossNodeCheck({digest(marker): 0})
+    node0 = _node(0, [{"op": "mkdir", "path": "step_00001"}, *_write("step_00001/shard_0_0", b"zero")])
+    node1 = _node(1, [{"op": "mkdir", "path": "step_00001"}, *_write("step_00001/shard_1_0", b"one")])
+    nodes = [node0, node1]
+    for ns in nodes:  # both arrive at the barrier of step 0 (as the harness records it from their logs)
+        ns.arrived[0] = len(ns.model.applied)
+        ns.closed_at_arrival[0] = {p: digest(d) for p, d in ns.model.files.items()}
+    check.open_barrier(0, nodes)
+    for op in _write("step_00001/.metadata", marker):
+        node0.model.apply(op)
+    complete = {"step_00001/shard_0_0": b"zero", "step_00001/shard_1_0": b"one", "step_00001/.metadata": marker}
+    check.check(_Store(complete), nodes, lambda: None, full=True)
+    check.check(_Store({k: v for k, v in complete.items() if k != "step_00001/.metadata"}), nodes, lambda: None)
+    ahead = {k: v for k, v in complete.items() if k != "step_00001/shard_1_0"}
+    with pytest.raises(RoundFailed, match="shard_1_0, closed on node 1 before the barrier of step_00001, is not"):
+        check.check(_Store(ahead), nodes, lambda: None)
+    with pytest.raises(RoundFailed, match="shard_1_0 holds other bytes"):
+        check.check(_Store(dict(complete, **{"step_00001/shard_1_0": b"on"})), nodes, lambda: None)
+    with pytest.raises(RoundFailed, match="torn or stale"):
+        check.check(_Store({"step_00001/shard_0_0": b"zer"}), nodes, lambda: None, full=True)
+    # An operation in flight on node 1 (a temp renamed over the shard) may have changed it: not required now.
+    node1.run = None
+    node1.in_flight = [{"op": "rename", "src": "step_00001/.shard_1_0.tmp", "dst": "step_00001/shard_1_0"}]
+    check.check(_Store(ahead), nodes, lambda: None)
+    # Once the writer logged it, it is an operation after the barrier that replaced the file: not required.
+    rename = node1.in_flight.pop()
+    for op in [*_write("step_00001/.shard_1_0.tmp", b"one again"), rename]:
+        node1.model.apply(op)
+    check.check(_Store(ahead), nodes, lambda: None)
+    # A marker no barrier let anyone write yet.
+    with pytest.raises(RoundFailed, match="before the barrier of its step"):
+        CrossNodeCheck({digest(marker): 0}).check(_Store(complete), nodes, lambda: None)
 
 
 def test_an_eio_at_the_kill_is_in_flight_only_when_the_daemon_did_not_answer_it(tmp_path: Path) -> None:
@@ -144,3 +226,25 @@ def test_local_store_copy_redone_leaves_no_temp(tmp_path: Path) -> None:
     store.copy("step_1/shard", "archive/shard")
     store.copy("step_1/shard", "archive/shard")  # the drain redoes the move after the restart
     assert sorted(p.name for p in (tmp_path / "archive").iterdir()) == ["shard"]
+
+
+def test_a_daemon_traceback_of_an_open_bug_is_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A traceback with the exact signature of an open bug (KNOWN_TRACEBACKS, none today) is reported KNOWN."""
+    monkeypatch.setitem(KNOWN_TRACEBACKS, r"in tidy\n\s+del self\._records\[record\.gen\][\s\S]*\nKeyError: \d+$",
+                        "test_concurrent_tidies_of_the_node_records_delete_a_record_once")
+    log = """2026-11-26 20:13:16,047 ERROR ckptfs.daemon: node records failed unexpectedly; starting it again in 1 s
+Traceback (most recent call last):
+  File "/work/main/ckptfs/daemon.py", line 309, in _supervised
+    await service(task_status=status)
+  File "/work/main/ckptfs/nodes.py", line 242, in run
+    await self.tidy()
+  File "/work/main/ckptfs/nodes.py", line 327, in tidy
+    del self._records[record.gen]
+        ~~~~~~~~~~~~~^^^^^^^^^^^^
+KeyError: 1
+2026-11-26 20:13:16,050 DEBUG pyfuse3: Calling fuse_session_unmount
+"""
+    [(head, block)] = tracebacks(log)
+    assert "node records failed" in head and block.endswith("KeyError: 1")
+    assert known_traceback(block) == "test_concurrent_tidies_of_the_node_records_delete_a_record_once"
+    assert known_traceback(block.replace("KeyError: 1", "ValueError: x")) is None
