@@ -4,12 +4,13 @@ Many nodes, each with its own mount of one prefix, write one checkpoint; after t
 writes the commit marker. The marker must reach the store only after every file that any node closed
 before it is durable. The store is the only thing the nodes share, so they tell each other through it:
 
-- `NodeRecords` (every node): while this node has work that is not durable yet (a file closed after
-  writing, a new directory or symlink, a rename), a *pending record* of it exists in the store, written
-  before the close (FUSE flush), mkdir, symlink or rename returns, and deleted once that work is durable.
-  Records have generations (`pending/<node>/<gen>`, a key never reused): a close is covered by the record
-  current at that moment, which is deleted only when everything it covers is durable. A busy node starts
-  a new generation now and then, so that an old one can go while new work keeps coming.
+- `NodeRecords` (every node): while this node has work that is not durable yet (a file open for writing
+  or closed after writing, a new directory or symlink, a rename), a *pending record* of it exists in the
+  store, written before the open for writing, mkdir, symlink or rename returns (so before the file's
+  close), and deleted once that work is durable. Records have generations (`pending/<node>/<gen>`, a key
+  never reused): an entry is covered by the record current when it was announced, which is deleted only
+  when everything it covers is durable. A busy node starts a new generation now and then (which takes
+  over the files still open for writing), so that an old one can go while new work keeps coming.
 - `PeerRecords` (the node holding a marker): once a marker has closed, it lists the other nodes' records
   (a *snapshot*; whatever closed before the barrier was announced before it) and uploads the marker only
   when every record of the snapshot is gone. The listing is taken after the marker closed, so it holds
