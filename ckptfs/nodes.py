@@ -177,6 +177,11 @@ class NodeRecords:
                 record.sample_stale = True  # named by a rewrite in the background, not before open() returns
                 self._check.set()
             return
+        if self.unannounced is not None:
+            # The store refused or did not answer the last write of a record: no open waits for it again
+            # (a store that is down would cost every file ANNOUNCE_WAIT); the checker writes it meanwhile.
+            self._check.set()
+            return
         with trio.move_on_after(ANNOUNCE_WAIT) as waited:
             await self._publish(record)
         if waited.cancelled_caught and self.unannounced is None:

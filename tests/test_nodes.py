@@ -210,6 +210,12 @@ async def test_a_store_refusing_the_record_delays_a_close_at_most_announce_wait(
     await b.close_file("shard", b"b")
     assert trio.current_time() - started < 2
     assert b.records.unannounced is not None
+    # While the store refuses records, further opens do not wait for them at all.
+    b.mkdir("step_2")
+    started = trio.current_time()
+    for i in range(5):
+        await b.close_file(f"step_2/shard_{i}", b"b")
+    assert trio.current_time() - started < 0.5
     # The checker writes it once the store takes it.
     await _until(lambda: bool(b.pending_records()))
     await _until(lambda: b.records.unannounced is None)
@@ -271,3 +277,29 @@ async def test_a_file_held_open_for_writing_does_not_keep_an_old_record(
     assert b.pending_records(), "the log's writer is still covered"
     b.stack.fs.release(log_fh)
     await _until(lambda: not b.pending_records())
+
+
+async def test_a_store_that_does_not_answer_delays_one_open_not_every_open(
+    tmp_path: Path, nursery: trio.Nursery, quick: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that hangs (network down): the first open waits ANNOUNCE_WAIT for its record, later opens
+    do not wait at all; the record is written once the store answers."""
+    monkeypatch.setattr(nodes_module, "ANNOUNCE_WAIT", 0.3)
+    b = Node(tmp_path, tmp_path / "store", "node-b")
+    await nursery.start(b.records.run)
+    answering = threading.Event()
+    inner_put = b.stack.store.put_note
+
+    def hanging_put(name: str, data: bytes) -> None:
+        answering.wait(30)
+        inner_put(name, data)
+
+    monkeypatch.setattr(b.stack.store, "put_note", hanging_put)
+    started = trio.current_time()
+    for i in range(5):
+        b.mkdir(f"step_{i}")  # a new checkpoint directory each: a record rewrite each
+        await b.close_file(f"step_{i}/shard", b"b")
+    assert trio.current_time() - started < 1.0, "every open waited for the hanging store"
+    assert b.records.unannounced is not None
+    answering.set()
+    await _until(lambda: bool(b.pending_records()) and b.records.unannounced is None)
