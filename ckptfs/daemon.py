@@ -61,8 +61,8 @@ METRICS_INTERVAL = 1.0
 EXTEND_SECONDS = 30
 # A background service that failed unexpectedly starts again after this long (doubling up to the cap).
 RESTART_PAUSE = 1.0
-RETIRE_RECORDS_WAIT = 10.0  # at a clean unmount: how long the deletion of this node's pending records may take
 RESTART_PAUSE_CAP = 60.0
+RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take
 
 
 class _StartedOnce:
