@@ -41,7 +41,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -340,6 +340,17 @@ def check_note_prefix(prefix: str) -> str:
     if slash:
         check_note_name(head)
     return prefix
+
+
+def listed_note_names(keys: Iterable[str], base: str) -> list[str]:
+    """The note names, sorted, among the store keys of a listing below `base` (the notes directory): only
+    what put_note can have written (not a stray `x/` marker of another tool, nor a bookkeeping name)."""
+    names = []
+    for key in keys:
+        name = key[len(base):]
+        if name and not name.endswith("/") and not any(p.startswith(TEMP_PREFIX) for p in name.split("/")):
+            names.append(name)
+    return sorted(names)
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:

@@ -84,6 +84,7 @@ from ckptfs.backends.base import (
     check_note_prefix,
     check_patiently,
     crc_text,
+    listed_note_names,
     retry_transient,
 )
 from ckptfs.backends.objmeta import (
@@ -748,14 +749,9 @@ class GcsStore:
         """One attempt (retry=None, unlike the store's own listings): the caller retries the whole listing."""
         base = f"{self.prefix}{NOTES_DIR}"
         full = base + check_note_prefix(prefix)
-        names = []
         with _mapped(f"list notes {prefix!r}"):
-            for blob in self._client().list_blobs(self._bucket(), prefix=full, retry=None, timeout=self.timeout):
-                name = blob.name[len(base):]
-                # Only what put_note can have written (not a stray `x/` marker of another tool).
-                if name and not name.endswith("/") and not any(p.startswith(TEMP_PREFIX) for p in name.split("/")):
-                    names.append(name)
-        return sorted(names)
+            blobs = self._client().list_blobs(self._bucket(), prefix=full, retry=None, timeout=self.timeout)
+            return listed_note_names((blob.name for blob in blobs), base)
 
     def delete_note(self, name: str) -> None:
         self._delete_name(self._note_blob_name(name), f"delete note {name}")

@@ -82,6 +82,7 @@ from ckptfs.backends.base import (
     crc32,
     crc_of,
     crc_text,
+    listed_note_names,
     retry_transient,
 )
 from ckptfs.errors import (
@@ -907,21 +908,17 @@ class S3Store:
         """Page by page, one request each and none retried here (the caller retries the whole listing)."""
         base = f"{self.prefix}{NOTES_DIR}"
         full = base + check_note_prefix(prefix)
-        names = []
+        keys: builtins.list[str] = []
         token: str | None = None
         while True:
             page_args: dict[str, Any] = {"Prefix": full}
             if token:
                 page_args["ContinuationToken"] = token
             page = self._call(f"list notes {prefix!r}", "list_objects_v2", **page_args)
-            for obj in page.get("Contents", []):
-                name = obj["Key"][len(base):]
-                # Only what put_note can have written (not a stray `x/` marker of another tool).
-                if name and not name.endswith("/") and not any(p.startswith(TEMP_PREFIX) for p in name.split("/")):
-                    names.append(name)
+            keys.extend(obj["Key"] for obj in page.get("Contents", []))
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
-                return sorted(names)
+                return listed_note_names(keys, base)
 
     def delete_note(self, name: str) -> None:
         try:
