@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--cross-node-ordering", action=argparse.BooleanOptionalAction, default=None,
                        help="commit markers also wait for what other nodes mounting this prefix closed before them"
                             " (the default; --no-cross-node-ordering: this node only, no records in the store)")
+    mount.add_argument("--keep-mount", action=argparse.BooleanOptionalAction, default=None,
+                       help="the mount outlives the daemon: a holder process keeps the FUSE connection and starts"
+                            " a daemon that died again, which takes it over (the default; --no-keep-mount: a dead"
+                            " daemon leaves the mount at 'Transport endpoint is not connected')")
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
     mount.add_argument("--part-size")
@@ -128,6 +132,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "upload_while_writing": args.upload_while_writing,
         "passthrough": args.passthrough,
         "cross_node_ordering": args.cross_node_ordering,
+        "keep_mount": args.keep_mount,
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
         "part_size": args.part_size,
@@ -205,7 +210,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
             waiting[0] = False
 
     try:
-        return trio.run(daemon.run, config, ready)
+        # A daemon that dies is started again with this command line by the mount's holder (holder.py).
+        restart_argv = sys.argv[1:] if args.restartable else None
+        return trio.run(daemon.run, config, ready, restart_argv)
     except CkptfsError as exc:
         if waiting[0]:  # a failure after the mount was live goes to the log only
             os.write(ready_fd, f"error {exc.exit_code} {exc}\n".encode())

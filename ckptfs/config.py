@@ -112,6 +112,10 @@ class Config:
     """Commit markers also wait for the files other nodes (mounts of the same prefix) closed before them
     (docs/design/cross-node.md): each node keeps a small record of its pending work in the store."""
 
+    keep_mount: bool = True
+    """The mount outlives the daemon (holder.py): a holder process keeps the FUSE connection, and a daemon
+    that dies is started again and takes it over; the job's requests wait instead of failing."""
+
     allow_other: bool = False
     """Let other users access the mount (implies default_permissions)."""
 
@@ -196,7 +200,7 @@ def _coerce(name: str, value: Any) -> Any:
         if mode not in ("auto", "off"):
             raise UsageError(f"passthrough must be auto or off, not {value!r}")
         return mode
-    if name in ("allow_other", "daemon", "cross_node_ordering"):
+    if name in ("allow_other", "daemon", "cross_node_ordering", "keep_mount"):
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value

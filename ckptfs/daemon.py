@@ -20,6 +20,7 @@ import os
 import resource
 import secrets
 import signal
+import struct
 import subprocess
 import time
 import urllib.parse
@@ -30,7 +31,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from ckptfs import ctl
+from ckptfs import ctl, holder
 from ckptfs.backends import open_store
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
@@ -41,6 +42,7 @@ from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations, KernelBackingFiles, passthrough_build, passthrough_granted
+from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import DIR, FILE, ROOT_ID, Inode, Journal, JournalError, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_addr
 from ckptfs.nodes import TOP_FILES, HeldError, NodeRecords, PeerRecords, node_id_of
@@ -63,6 +65,8 @@ EXTEND_SECONDS = 30
 RESTART_PAUSE = 1.0
 RESTART_PAUSE_CAP = 60.0
 RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take
+# FUSE_NOTIFY_RESEND (Linux >= 6.9): the kernel queues again every request its daemon read and did not answer
+RESEND_NOTIFICATION = struct.pack("<IiQ", 16, 7, 0)  # struct fuse_out_header: len, notify code, unique 0
 
 
 class _StartedOnce:
@@ -126,9 +130,19 @@ def set_read_ahead(dev: int, nbytes: int) -> None:
 class Daemon:
     def __init__(
         self, config: Config, engine: Transfers, cache: CacheDir, journal: Journal,
-        metrics: MetricsServer | None = None,
+        metrics: MetricsServer | None = None, *, handle_table: HandleTable | None = None,
+        held: holder.Held | None = None, restored: list[OpenHandle] | None = None,
+        restart_argv: list[str] | None = None,
     ) -> None:
         self.config = config
+        # The mount outliving this daemon (holder.py): a connection taken over from the daemon before
+        # (`held`, with the handles the kernel still holds), the link to the holder, and what the holder
+        # runs to start a daemon again (None: no holder is started).
+        self.handle_table = handle_table
+        self.held = held
+        self.restored = restored or []
+        self.restart_argv = restart_argv
+        self.link: holder.Link | None = held.link if held is not None else None
         self.metrics = metrics
         self.engine = engine
         self.store = store = engine.store
@@ -210,11 +224,21 @@ class Daemon:
             options.add("default_permissions")
         self.fuse_ops = FuseOperations(self.fs, faults=self.faults, on_journal_failure=self._on_journal_failure)
         self.fuse_ops.enable_passthrough = self.config.passthrough != "off"
-        pyfuse3.init(self.fuse_ops, str(self.mountpoint), options)
+        self.fs.handle_table = self.handle_table
+        if self.held is not None:
+            pyfuse3.takeover(self.fuse_ops, self.held.fd, self.held.init_request, options)
+            self._take_over_handles()
+        else:
+            pyfuse3.init(self.fuse_ops, str(self.mountpoint), options)
         unmounted = False
         journal_failed = False
         try:
             async with trio.open_nursery() as nursery:
+                if self.held is not None and self.records is not None:
+                    # Files the job still has open for writing are covered before any record of the dead
+                    # daemon can go (nodes.py deletes those once nothing they covered is pending).
+                    for inode_id, path in self.fs.restored_writers():
+                        await self.records.cover(inode_id, path, writer=True)
                 nursery.start_soon(self._fuse_main, nursery)
                 nursery.start_soon(self._watch_journal)
                 await nursery.start(self._supervised, "drain", self.drain.run)
@@ -226,11 +250,14 @@ class Daemon:
                     await nursery.start(self._supervised, "other nodes' records", self.peers.run)
                 await nursery.start(self._serve_control)
                 root = await trio.to_thread.run_sync(os.stat, self.mountpoint)
-                self._probe_passthrough()  # the kernel answered INIT before that stat
+                if self.held is None:
+                    self._probe_passthrough()  # the kernel answered INIT before that stat
+                    await self._start_holder()
                 read_ahead = parse_size(self.config.read_ahead)
                 if read_ahead:
                     set_read_ahead(root.st_dev, read_ahead)
-                log.info("mounted %s on %s (cache %s)", self.store.url, self.mountpoint, self.cache.root)
+                log.info("%s %s on %s (cache %s)", "took over the mount of" if self.held else "mounted",
+                         self.store.url, self.mountpoint, self.cache.root)
                 ready()
                 self.notifier.notify(ready=1, status=self._status_line())
                 if self.notifier.enabled:
@@ -256,15 +283,79 @@ class Daemon:
             raise CkptfsError(f"the journal {self.journal.path} cannot be used any more: {_innermost(exc)}; fix"
                               " the cache filesystem, then mount again (the mount is left aborted)") from None
         finally:
-            # Closing our /dev/fuse descriptor without unmounting aborts the connection: every access then
-            # fails with ENOTCONN, none lands on the disk below the mountpoint.
-            pyfuse3.close(unmount=not journal_failed)
-            self.fs.backing = None  # closed with the connection
-            if not journal_failed:
-                self.fs.close_all()
+            self._let_go_of_connection(unmounted=unmounted, journal_failed=journal_failed)
         if not unmounted or self.result is None or not self.result.ok:
             return EXIT_NOT_DRAINED
         return 0
+
+    def _take_over_handles(self) -> None:
+        """After pyfuse3.takeover: passthrough as the connection has it, the kernel's open handles, and the
+        requests the dead daemon had read but not answered, queued again."""
+        self._probe_passthrough()
+        restored = self.fs.restore_handles(self.restored)
+        writers = sum(1 for record in self.restored if record.writable)
+        try:
+            os.write(pyfuse3.fuse_fd(), RESEND_NOTIFICATION)
+            resent = "the requests it had not answered are sent again"
+        except OSError as exc:
+            resent = (f"the kernel cannot send again the requests it had not answered ({exc.strerror}; it needs"
+                      " Linux >= 6.9): the processes waiting on them stay blocked")
+            log.warning("taking over the mount of %s: %s", self.mountpoint, resent)
+        log.info("took over the FUSE connection of %s from the daemon before (holder pid %d): %d open files (%d"
+                 " for writing), %s", self.mountpoint, self.held.link.holder_pid if self.held else 0, restored,
+                 writers, resent)
+
+    async def _start_holder(self) -> None:
+        """Hand a duplicate of the connection to a holder process, so that the mount outlives this daemon."""
+        if not self.config.keep_mount or self.restart_argv is None:
+            return
+        if self.notifier.enabled:
+            # Under systemd the holder would be killed with the unit; Restart= starts a new daemon anyway.
+            log.info("keep_mount: not under systemd (the unit's processes go with it); a daemon that dies"
+                     " leaves the mount to Restart=")
+            return
+        init_request = pyfuse3.init_request()
+        if init_request is None:
+            log.warning("keep_mount is off for this mount: pyfuse3 did not keep the kernel's INIT request")
+            return
+        argv = list(self.restart_argv)
+        if "--cache-dir" not in argv:
+            argv += ["--cache-dir", str(self.cache.root)]
+        try:
+            self.link = await trio.to_thread.run_sync(
+                lambda: holder.start(self.mountpoint, pyfuse3.fuse_fd(), init_request, argv=argv))
+        except CkptfsError as exc:
+            log.warning("keep_mount is off for this mount: %s; a daemon that dies leaves the mount at"
+                        " 'Transport endpoint is not connected'", exc)
+            return
+        log.info("the mount outlives this daemon: holder pid %d keeps the FUSE connection", self.link.holder_pid)
+
+    def _let_go_of_connection(self, *, unmounted: bool, journal_failed: bool) -> None:
+        """The end of serving: unmount after a clean stop; leave the connection aborted when the journal
+        failed (every access then fails with ENOTCONN, none lands on the disk below the mountpoint); and
+        when this daemon fails otherwise while a holder keeps the connection, leave it to the daemon the
+        holder starts next, handles and all."""
+        if self.link is not None and not unmounted and not journal_failed:
+            pyfuse3.close(unmount=False)
+            self.fs.backing = None
+            self.link = None  # its socket closes with the process: the holder starts a new daemon
+            log.error("the daemon fails; the mount stays, held for the daemon the holder starts next")
+            return
+        # Closing our /dev/fuse descriptor without unmounting aborts the connection (with no holder left).
+        pyfuse3.close(unmount=not journal_failed)
+        self.fs.backing = None  # closed with the connection
+        if self.held is not None and not journal_failed:
+            _unmount(self.mountpoint)  # a connection taken over: libfuse did not mount it, so it does not unmount
+        if not journal_failed:
+            self.fs.close_all()
+            if self.handle_table is not None:
+                self.handle_table.clear()
+        if self.link is not None:
+            if journal_failed:
+                self.link.abort()
+            else:
+                self.link.release()
+            self.link = None
 
     def _probe_passthrough(self) -> None:
         """Turn FUSE passthrough on where the option, the pyfuse3 build, the kernel and this process's
@@ -770,6 +861,13 @@ def _owner_tag(journal: Journal) -> str:
     return tag
 
 
+def _unmount(mountpoint: Path) -> None:
+    result = subprocess.run(["fusermount3", "-u", "-z", "-q", str(mountpoint)], capture_output=True, text=True,
+                            check=False)
+    if result.returncode != 0 and os.path.ismount(mountpoint):
+        log.warning("cannot unmount %s: %s", mountpoint, result.stderr.strip())
+
+
 def _forget_kernel_data(inode_id: int) -> None:
     """Another node replaced this file: the kernel must not serve its old pages or size (readable handles
     keep the page cache across opens)."""
@@ -812,17 +910,27 @@ def raise_open_file_limit() -> None:
     log.info("open file limit raised from %d to %s (the hard limit)", soft, hard)
 
 
-async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
-    """Mount and serve until stopped. Raises CkptfsError for anything the user must fix before mounting."""
+async def run(
+    config: Config, ready: Callable[[], None] = lambda: None, restart_argv: list[str] | None = None
+) -> int:
+    """Mount and serve until stopped (or take over the mount a holder keeps for a daemon that died). Raises
+    CkptfsError for anything the user must fix before mounting. `restart_argv`: the `ckptfs` arguments that
+    start this daemon again (keep_mount; None: no holder)."""
     _return_freed_part_buffers()
     raise_open_file_limit()
     store = InstrumentedStore(open_store(config.source, endpoint_url=config.endpoint_url))
-    check_mountpoint(config.mountpoint)
     await trio.to_thread.run_sync(store.check)
+    # Before anything touches the mountpoint: if a holder keeps its connection, a stat would wait for a
+    # daemon, and this is the one. (A daemon that cannot start fails before it attaches: its holder counts
+    # that, and gives up after a few.)
+    held = holder.attach(config.mountpoint)
+    if held is None:
+        check_mountpoint(config.mountpoint)
     cache = CacheDir(config.resolved_cache_dir())
     cache.prepare()
     cache.lock()
     metrics = _start_metrics(config.metrics_addr)
+    handle_table = HandleTable(cache.root / "handles")
     try:
         try:
             journal = Journal(cache.journal_path)
@@ -844,19 +952,23 @@ async def run(config: Config, ready: Callable[[], None] = lambda: None) -> int:
                 store, part_size=parse_size(config.part_size), memory_budget=parse_size(config.memory_budget),
                 parts_in_flight=config.parts_in_flight,
             )
-            await recover(journal, cache, engine, time.time())
+            restored = handle_table.open(keep=held is not None)
+            await recover(journal, cache, engine, time.time(), still_open={h.inode_id for h in restored},
+                          still_writing={h.inode_id for h in restored if h.writable})
             atimes = cache.scan()
             for inode_id, text in journal.upload_states():
                 state = UploadState.from_json(text)
                 if state.spilled:
                     cache.restore_spilled(inode_id, punched=state.punched, staged=state.size, sealed=not state.early)
-            daemon = Daemon(config, engine, cache, journal, metrics)
+            daemon = Daemon(config, engine, cache, journal, metrics, handle_table=handle_table, held=held,
+                            restored=restored, restart_argv=restart_argv)
             cache.configure_budget(config.cache_size, config.min_free, working_room=daemon.drain.spill_room)
             daemon.evictor.start(atimes)
             return await daemon.run(ready)
         finally:
             journal.close()
     finally:
+        handle_table.close()
         if metrics is not None:
             metrics.close()
         cache.unlock()

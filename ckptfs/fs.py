@@ -16,6 +16,7 @@ the caller awaits wait_for_room() and writes again (back-pressure, see evict.py)
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import os
 import sqlite3
@@ -30,6 +31,7 @@ import trio
 from ckptfs.cache import CacheDir, CacheFile
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
 from ckptfs.evict import Evictor
+from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal, journal_full
 
 log = logging.getLogger(__name__)
@@ -248,10 +250,19 @@ class Filesystem:
         self.evictor = evictor if evictor is not None else Evictor(journal, cache, in_use=self.in_use)
         self.lister: Lister = lister if lister is not None else _NothingToList()
         self.handles: dict[int, OpenFile] = {}
+        # Handle numbers: the lowest free one first, so the handle table (handles.py) stays small.
         self._next_fh = 1
+        self._free_fhs: list[int] = []
+        # Where open handles are recorded for a daemon that takes the mount over (None: nowhere).
+        self.handle_table: HandleTable | None = None
         self._open_count: dict[int, int] = {}
         self._writer_count: dict[int, int] = {}
         self._lookup_count: dict[int, int] = {}
+        # After a takeover the kernel holds references this daemon never counted: an unlinked inode is
+        # purged only once the kernel forgot it (it sends FORGET when it evicts an inode, with its full
+        # count), `_counted` holds those.
+        self._refs_inherited = False
+        self._counted: set[int] = set()
         # Inodes written since their last close by any handle: their close queues an upload.
         self._changed: set[int] = set()
         # Closes the journal could not record (the cache filesystem was full), with whether the content
@@ -325,6 +336,8 @@ class Filesystem:
     def _maybe_purge(self, inode_id: int) -> None:
         """Drop an unlinked inode once neither the kernel nor an open handle refers to it."""
         if self._lookup_count.get(inode_id, 0) or self._open_count.get(inode_id, 0):
+            return
+        if self._refs_inherited and inode_id not in self._counted:
             return
         inode = self.journal.get(inode_id)
         if inode is None or inode.parent is not None or inode_id == ROOT_ID:
@@ -417,6 +430,8 @@ class Filesystem:
             self._lookup_count[inode_id] = left
         else:
             self._lookup_count.pop(inode_id, None)
+            if self._refs_inherited:
+                self._counted.add(inode_id)
             self._maybe_purge(inode_id)
 
     def _check_new_entry(self, parent_id: int, raw_name: bytes) -> tuple[Inode, str]:
@@ -700,8 +715,11 @@ class Filesystem:
             self._notify_drain()
 
     def _new_handle(self, inode_id: int, fd: int, flags: int, dirtied: bool, reader: Reader | None = None) -> int:
-        fh = self._next_fh
-        self._next_fh += 1
+        if self._free_fhs:
+            fh = heapq.heappop(self._free_fhs)
+        else:
+            fh = self._next_fh
+            self._next_fh += 1
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         # A partial file is not a data file yet: its chunks are the fetcher's to account.
         local = self.cache.file(inode_id) if reader is None else CacheFile(inode_id, 0)
@@ -730,7 +748,78 @@ class Filesystem:
             if writers == 0 and not dirtied:
                 with self.journal.transaction():
                     self.journal.mark_open_for_write(inode_id)
+        if self.handle_table is not None:
+            self.handle_table.put(fh, inode_id, flags, backing, dirtied=dirtied, direct=direct,
+                                  stream=reader is not None)
         return fh
+
+    def restore_handles(self, records: list[OpenHandle]) -> int:
+        """Take over the handles a daemon before this one handed to the kernel (the handle table of a
+        connection this daemon took over): each gets its descriptor on the cache file (or a new reader of
+        a remote file) and counts as open, for writing as it was. A record whose file is gone is dropped
+        (the kernel's later requests on it get EBADF). Returns how many were restored."""
+        self._refs_inherited = True
+        restored = 0
+        for record in records:
+            if self._restore_handle(record):
+                restored += 1
+            elif self.handle_table is not None:
+                self.handle_table.drop(record.fh)
+        used = set(self.handles)
+        self._next_fh = max(used, default=0) + 1
+        self._free_fhs = [fh for fh in range(1, self._next_fh) if fh not in used]
+        heapq.heapify(self._free_fhs)
+        return restored
+
+    def _restore_handle(self, record: OpenHandle) -> bool:
+        inode_id = record.inode_id
+        inode = self.journal.get(inode_id)
+        if inode is None or inode.kind != FILE:
+            log.warning("an open handle of inode %d could not be taken over: the file is gone", inode_id)
+            return False
+        reader: Reader | None = None
+        try:
+            if inode.state == REMOTE:
+                if record.writable or self.streams is None:
+                    raise FileNotFoundError(errno.ENOENT, "no local copy")
+                reader = self.streams.open_reader(inode)
+                fd = os.open(reader.path, os.O_RDONLY | os.O_CLOEXEC)
+            else:
+                fd = os.open(self.cache.data_path(inode_id),
+                             (os.O_RDWR if record.writable else os.O_RDONLY) | os.O_CLOEXEC)
+        except OSError as exc:
+            if reader is not None and self.streams is not None:
+                self.streams.close_reader(reader)
+            log.warning("an open handle of %s could not be taken over: %s", inode.path, exc.strerror)
+            return False
+        local = self.cache.file(inode_id) if reader is None else CacheFile(inode_id, 0)
+        backing = record.backing if reader is None else 0
+        self.handles[record.fh] = OpenFile(inode_id, fd, local, record.writable, record.dirtied, record.direct,
+                                           reader, backing)
+        self._open_count[inode_id] = self._open_count.get(inode_id, 0) + 1
+        if backing:
+            held = self._backing_ids.setdefault(inode_id, [backing, 0])
+            held[1] += 1
+            if record.writable:
+                self.cache.passthrough_opened(inode_id)
+        elif not record.direct:
+            self._cached_opens[inode_id] = self._cached_opens.get(inode_id, 0) + 1
+        if record.writable:
+            self._writer_count[inode_id] = self._writer_count.get(inode_id, 0) + 1
+            if record.dirtied:
+                self._changed.add(inode_id)
+            if record.direct or backing:
+                self._uncached_writes.add(inode_id)
+        return True
+
+    def restored_writers(self) -> list[tuple[int, str]]:
+        """(inode, path) of the files open for writing, for the cross-node records of a takeover."""
+        writers = []
+        for inode_id in self._writer_count:
+            inode = self.journal.get(inode_id)
+            if inode is not None and inode.path is not None:
+                writers.append((inode_id, inode.path))
+        return writers
 
     def _check_writable(self) -> None:
         if not self.writes_allowed:
@@ -841,8 +930,15 @@ class Filesystem:
             raise FsError(exc.errno or errno.EIO, f"cannot open the partial file: {exc.strerror}") from None
         return self._new_handle(inode.id, fd, flags, False, reader)
 
+    def _handle(self, fh: int) -> OpenFile:
+        try:
+            return self.handles[fh]
+        except KeyError:
+            # Only a handle the kernel kept across a takeover whose file could not be restored
+            raise FsError(errno.EBADF, f"no open handle {fh}") from None
+
     async def read(self, fh: int, offset: int, size: int) -> bytes:
-        handle = self.handles[fh]
+        handle = self._handle(fh)
         reader = handle.reader
         if reader is not None and not reader.complete:
             assert self.streams is not None
@@ -856,7 +952,10 @@ class Filesystem:
         return data
 
     def write(self, fh: int, offset: int, data: bytes) -> int:
-        handle = self.handles[fh]
+        try:
+            handle = self.handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF, f"no open handle {fh}") from None
         cache = self.cache
         if cache.used > cache.limit:
             raise RoomNeeded
@@ -864,7 +963,7 @@ class Filesystem:
             raise FsError(errno.EIO, "this part of the file was already uploaded to make room in the cache"
                                      " (a spill) and can no longer change")
         if not handle.dirtied:
-            self._first_write(handle)
+            self._first_write(fh, handle)
         try:
             written = os.pwrite(handle.fd, data, offset)
         except OSError as exc:
@@ -883,11 +982,13 @@ class Filesystem:
         """Open handles refer to the inode's data file: it must not be evicted."""
         return inode_id in self._open_count
 
-    def _first_write(self, handle: OpenFile) -> None:
+    def _first_write(self, fh: int, handle: OpenFile) -> None:
         if not handle.writable:
             raise FsError(errno.EBADF, "file is not open for writing")
         self._begin_change(handle.inode_id)
         handle.dirtied = True
+        if self.handle_table is not None:
+            self.handle_table.dirtied(fh)
         if handle.direct:
             self._uncached_writes.add(handle.inode_id)
 
@@ -961,7 +1062,11 @@ class Filesystem:
                         held[0], handle.inode_id, exc)
 
     def release(self, fh: int) -> None:
-        handle = self.handles.pop(fh)
+        handle = self.handles.pop(fh, None)
+        if handle is None:
+            # A release the kernel sent again after a takeover, which the daemon before had done
+            log.debug("release of handle %d, which is not open", fh)
+            return
         self._to_announce.pop(fh, None)
         os.close(handle.fd)
         inode_id = handle.inode_id
@@ -989,6 +1094,9 @@ class Filesystem:
             self._forget_open(inode_id, handle)
             if handle.writable and self.announcer is not None:
                 self.announcer.released(inode_id)
+            if self.handle_table is not None:
+                self.handle_table.drop(fh)
+            heapq.heappush(self._free_fhs, fh)
 
     async def announce_writer(self, fh: int) -> None:
         """An open for writing: with cross-node ordering, announced before open() returns, so that the
@@ -1022,7 +1130,7 @@ class Filesystem:
             self._maybe_purge(inode_id)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
-        handle = self.handles[fh]
+        handle = self._handle(fh)
         if handle.reader is not None and not handle.reader.complete:
             return  # a partial file of a remote file: nothing of it is local state to make durable
         sync = os.fdatasync if datasync else os.fsync

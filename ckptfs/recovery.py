@@ -15,7 +15,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import trio
@@ -41,8 +41,13 @@ class RecoveryReport:
     lost: list[str] = field(default_factory=list)
 
 
-def repair_journal(journal: Journal, cache: CacheDir, now: float) -> RecoveryReport:
-    """Make the journal agree with the cache files after whatever stopped the last daemon."""
+def repair_journal(
+    journal: Journal, cache: CacheDir, now: float, *, still_open: Collection[int] = (),
+    still_writing: Collection[int] = (),
+) -> RecoveryReport:
+    """Make the journal agree with the cache files after whatever stopped the last daemon. After a takeover
+    the kernel still holds the last daemon's handles: files in `still_open` are kept even when unlinked,
+    and files in `still_writing` stay open for writing (their close is still to come)."""
     report = RecoveryReport()
     cache.clear_tmp()
     data_ids = cache.data_ids()
@@ -50,7 +55,7 @@ def repair_journal(journal: Journal, cache: CacheDir, now: float) -> RecoveryRep
         for inode in journal.all_inodes():
             if inode.id == ROOT_ID:
                 continue
-            if inode.parent is None:
+            if inode.parent is None and inode.id not in still_open:
                 # Unlinked while open when the last daemon stopped: nothing can reach it any more.
                 journal.purge(inode.id)
                 cache.remove_data(inode.id)
@@ -75,6 +80,8 @@ def repair_journal(journal: Journal, cache: CacheDir, now: float) -> RecoveryRep
                 journal.abort_upload(inode.id)
             if inode.state in ("dirty", UPLOADING):
                 report.resumed_uploads += 1
+            if inode.id in still_writing:
+                continue
             if inode.closed_at is None or inode.state in ("dirty", UPLOADING):
                 # It may have been written after the journal last saw its size: the cache file is truth.
                 st = os.stat(cache.data_path(inode.id))
@@ -375,8 +382,11 @@ def _refresh_clean(
     return True
 
 
-async def recover(journal: Journal, cache: CacheDir, engine: Transfers, now: float) -> RecoveryReport:
-    report = repair_journal(journal, cache, now)
+async def recover(
+    journal: Journal, cache: CacheDir, engine: Transfers, now: float, *, still_open: Collection[int] = (),
+    still_writing: Collection[int] = (),
+) -> RecoveryReport:
+    report = repair_journal(journal, cache, now, still_open=still_open, still_writing=still_writing)
     # Staged uploads the journal knows about resume; every other leftover of ours goes.
     keep = set()
     for _inode_id, text in journal.upload_states():

@@ -5,10 +5,13 @@ WARNING or ERROR."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
+import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -16,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from ckptfs.client import canonical_mountpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,8 +102,33 @@ class Mount:
         self.proc = None
         return result
 
+    def holder_pid(self) -> int | None:
+        """The pid of the process that keeps this mount's FUSE connection (keep_mount), if there is one: the
+        peer of its socket (connecting without a request asks nothing of it)."""
+        digest = hashlib.sha256(str(canonical_mountpoint(self.mnt)).encode()).hexdigest()[:16]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(self.runtime / f"{digest}.holder"))
+            pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            return pid
+        except OSError:
+            return None
+        finally:
+            sock.close()
+
+    def kill_holder(self) -> None:
+        pid = self.holder_pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while self.holder_pid() == pid and time.monotonic() < deadline:
+                time.sleep(0.02)
+
     def kill9(self) -> None:
+        """The daemon dies and its mount with it (its holder first, so no daemon takes the mount over)."""
         assert self.proc is not None
+        self.kill_holder()
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
         self.proc = None
@@ -131,6 +161,10 @@ class Mount:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+        if self.holder_pid() is not None:  # a daemon its holder started serves the mount
+            with contextlib.suppress(Exception):
+                self.cli("umount", str(self.mnt), timeout=60)
+            self.kill_holder()
         subprocess.run(["fusermount3", "-u", "-z", "-q", str(self.mnt)], check=False)
 
 

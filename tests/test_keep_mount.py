@@ -1,0 +1,203 @@
+"""The mount outlives its daemon (keep_mount, holder.py): a daemon killed with kill -9 is started again by
+the holder of its FUSE connection and takes it over; the job's requests wait instead of failing.
+
+The kill loop's size follows $CKPTFS_KEEP_MOUNT_KILLS and $CKPTFS_KEEP_MOUNT_FILE_MIB (the suite's default
+is small; the issue's run: 50 kills, 1024 MiB files)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mount
+
+KILLS = int(os.environ.get("CKPTFS_KEEP_MOUNT_KILLS", "6"))
+FILE_MIB = int(os.environ.get("CKPTFS_KEEP_MOUNT_FILE_MIB", "48"))
+TAKEOVER_LOG_WORDS = ["died; the mount stays"]
+
+WRITER = r'''
+import hashlib, os, subprocess, sys, torch
+mnt, source, stop, report, mib = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+i = 0
+with open(report, "a") as out:
+    while not os.path.exists(stop):
+        if i % 2 == 0:  # dd, as a shell script would copy a checkpoint in
+            name = f"dd_{i}.bin"
+            subprocess.run(["dd", f"if={source}", f"of={mnt}/{name}", "bs=1M", "status=none"], check=True)
+        else:  # torch.save, as a training loop saves one
+            name = f"step_{i}.pt"
+            torch.manual_seed(i)
+            torch.save({"step": i, "w": torch.randn(mib * 1024 * 256)}, f"{mnt}/{name}")
+        out.write(name + "\n")
+        out.flush()
+        i += 1
+'''
+
+
+def _daemon_pid(m: Mount, not_pid: int | None, timeout: float = 60) -> int:
+    """The pid of the daemon serving `m` once it is not `not_pid` (the one just killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = m.cli("status", str(m.mnt), "--json", timeout=30)
+        if result.returncode == 0:
+            pid = int(json.loads(result.stdout)["pid"])
+            if pid != not_pid:
+                return pid
+        time.sleep(0.1)
+    raise AssertionError(f"no daemon took the mount over within {timeout} s:\n{m.log.read_text()[-3000:]}")
+
+
+def _kill(m: Mount, pid: int) -> None:
+    if m.proc is not None and m.proc.pid == pid:  # the first daemon is ours to reap
+        m.proc.kill()
+        m.proc.wait()
+        m.proc = None
+        return
+    os.kill(pid, signal.SIGKILL)  # one the holder started (the holder reaps it)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _check_saved(m: Mount, names: list[str], source: Path) -> None:
+    import torch
+
+    expected_dd = hashlib.sha256(source.read_bytes()).hexdigest()
+    stored = m.store_files()
+    for name in names:
+        data = (m.mnt / name).read_bytes()
+        assert stored.get(name) == data, f"{name}: the store's copy differs from the mount's"
+        if name.startswith("dd_"):
+            assert hashlib.sha256(data).hexdigest() == expected_dd, name
+        else:
+            step = int(name[len("step_"):-len(".pt")])
+            torch.manual_seed(step)
+            state = torch.load(m.mnt / name)
+            assert state["step"] == step and torch.equal(state["w"], torch.randn(FILE_MIB * 1024 * 256)), name
+
+
+@pytest.mark.parametrize("passthrough", ["auto", "off"])
+def test_a_writer_never_sees_the_daemon_die(mount_factory, tmp_path: Path, passthrough: str) -> None:  # type: ignore[no-untyped-def]
+    """dd and torch.save in a loop while the daemon is killed with kill -9 at random moments: the writer
+    gets no error, and every file it finished reads back identical and reaches the store. With passthrough
+    off every write goes through the daemon, so kills land mid-write and the kernel sends those again."""
+    m = mount_factory(extra_args=("--passthrough", passthrough))
+    m.allowed_log_words += TAKEOVER_LOG_WORDS
+    source = tmp_path / "source.bin"
+    source.write_bytes(os.urandom(FILE_MIB << 20))
+    script, stop, report = tmp_path / "writer.py", tmp_path / "stop", tmp_path / "written"
+    script.write_text(WRITER)
+    writer = subprocess.Popen([sys.executable, str(script), str(m.mnt), str(source), str(stop), str(report),
+                               str(FILE_MIB)], stderr=subprocess.PIPE, text=True)
+    rng = random.Random(int(os.environ.get("CKPTFS_KEEP_MOUNT_SEED", "29")))
+    assert m.proc is not None
+    pid = m.proc.pid
+    try:
+        for _ in range(KILLS):
+            time.sleep(rng.uniform(0.05, 1.5))
+            assert writer.poll() is None, writer.stderr.read() if writer.stderr else ""
+            _kill(m, pid)
+            pid = _daemon_pid(m, pid)
+    finally:
+        stop.touch()
+        _, stderr = writer.communicate(timeout=600)
+    assert writer.returncode == 0, stderr
+    assert stderr == "", stderr
+    names = report.read_text().split()
+    assert len(names) >= 2
+    m.flush(timeout=300)
+    _check_saved(m, names, source)
+    result = m.cli("umount", str(m.mnt))
+    assert result.returncode == 0, result.stderr
+    assert not os.path.ismount(m.mnt)
+    assert m.holder_pid() is None
+
+
+def test_an_unlinked_open_file_and_a_file_being_written_survive_a_takeover(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """The kernel's handles are taken over: an open-unlink-fchmod sequence (as a POSIX suite does) keeps
+    working across the kill, and a file open for writing is uploaded only once it is closed (the store
+    never shows a torn object)."""
+    m = mount_factory()
+    m.allowed_log_words += TAKEOVER_LOG_WORDS
+    gone = os.open(m.mnt / "gone", os.O_CREAT | os.O_RDWR, 0o644)
+    os.write(gone, b"abc")
+    os.unlink(m.mnt / "gone")
+    with open(m.mnt / "big.bin", "wb") as big:
+        big.write(b"1" * (3 << 20))
+        big.flush()
+        assert m.proc is not None
+        first = m.proc.pid
+        _kill(m, first)
+        pid = _daemon_pid(m, first)
+        os.fchmod(gone, 0o600)
+        assert os.pwrite(gone, b"def", 3) == 3
+        assert os.pread(gone, 6, 0) == b"abcdef"
+        assert os.fstat(gone).st_mode & 0o777 == 0o600
+        time.sleep(1.0)  # ten upload delays: a closed file would be in the store by now
+        assert "big.bin" not in m.store_files()
+        big.write(b"2" * (1 << 20))
+    os.close(gone)
+    m.flush()
+    assert m.store_files() == {"big.bin": b"1" * (3 << 20) + b"2" * (1 << 20)}
+    assert os.listdir(m.mnt) == ["big.bin"]
+    _kill(m, pid)  # a second takeover, with nothing open
+    _daemon_pid(m, pid)
+    assert (m.mnt / "big.bin").read_bytes() == b"1" * (3 << 20) + b"2" * (1 << 20)
+
+
+def test_a_served_mountpoint_refuses_a_second_daemon(mount: Mount) -> None:
+    result = mount.cli("mount", mount.source, str(mount.mnt), "--cache-dir", str(mount.root / "cache2"),
+                       "--metrics-addr", "off")
+    assert result.returncode != 0
+    assert f"{mount.mnt} is served by ckptfs pid {mount.proc.pid if mount.proc else '?'}" in result.stderr
+    (mount.mnt / "still.txt").write_text("served")
+    assert (mount.mnt / "still.txt").read_text() == "served"
+
+
+def test_the_holder_gives_up_on_a_daemon_that_cannot_start(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """Daemons that exit before serving (here: the store went away) make the holder give up after a few:
+    the mount is then aborted (ENOTCONN), as without a holder, and `ckptfs mount` works again once the
+    store is back. Nothing written is lost."""
+    m = mount_factory()
+    m.allowed_log_words += [*TAKEOVER_LOG_WORDS, "before serving", "giving up", "stale FUSE mount"]
+    (m.mnt / "a.bin").write_bytes(b"a" * 1000)
+    m.flush()
+    (m.mnt / "b.bin").write_bytes(b"b" * 1000)
+    holder = m.holder_pid()
+    assert holder is not None
+    m.store.rename(m.root / "store-away")
+    assert m.proc is not None
+    _kill(m, m.proc.pid)
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{holder}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{holder}").exists(), "the holder did not give up"
+    with pytest.raises(OSError) as failure:
+        os.listdir(m.mnt)  # (a stat may be answered from the attributes the kernel cached)
+    assert failure.value.errno == errno.ENOTCONN
+    log = m.log.read_text()
+    assert "5 daemons in a row exited before serving; giving up" in log
+    (m.root / "store-away").rename(m.store)
+    m.start()
+    m.flush()
+    assert m.store_files() == {"a.bin": b"a" * 1000, "b.bin": b"b" * 1000}
+
+
+def test_without_keep_mount_a_dead_daemon_leaves_the_mount_aborted(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    m = mount_factory(extra_args=("--no-keep-mount",))
+    assert m.holder_pid() is None
+    assert m.proc is not None
+    _kill(m, m.proc.pid)
+    with pytest.raises(OSError) as failure:
+        os.listdir(m.mnt)  # (a stat may be answered from the attributes the kernel cached)
+    assert failure.value.errno == errno.ENOTCONN
