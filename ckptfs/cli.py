@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
                         " the config file's drain_timeout)")
     umount.add_argument("--config", type=Path, help="take the mountpoint (and drain_timeout) from this file")
 
+    restart = sub.add_parser("restart", help="replace the daemon by one of the code installed now (an upgrade),"
+                             " without unmounting: open files and the job carry on")
+    restart.add_argument("mountpoint", type=Path, nargs="?")
+    restart.add_argument("--config", type=Path, help="take the mountpoint from this file")
+
     status = sub.add_parser("status", help="files and bytes per state, queue, oldest dirty age, last error")
     status.add_argument("mountpoint", type=Path)
     status.add_argument("--json", action="store_true")
@@ -213,6 +218,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         # A daemon that dies is started again with this command line by the mount's holder (holder.py).
         restart_argv = sys.argv[1:] if args.restartable else None
         return trio.run(daemon.run, config, ready, restart_argv)
+    except daemon.Restart as restart:  # `ckptfs restart`: the code installed now, in this process
+        os.execve(sys.executable, [sys.executable, "-m", "ckptfs", *restart.argv], restart.env)
     except CkptfsError as exc:
         if waiting[0]:  # a failure after the mount was live goes to the log only
             os.write(ready_fd, f"error {exc.exit_code} {exc}\n".encode())
@@ -281,6 +288,17 @@ def _detach(config: Config) -> int:
     print(f"ckptfs: the daemon exited before the mount was live (exit {child.returncode});"
           f" see {cache_dir / 'ckptfs.log'}", file=sys.stderr)
     return 1
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        args.mountpoint = load_config(args.config, {"mountpoint": args.mountpoint}).mountpoint
+    if args.mountpoint is None:
+        raise UsageError("restart needs a MOUNTPOINT (or --config FILE naming one)")
+    mountpoint = client.canonical_mountpoint(args.mountpoint)
+    pid = client.restart(mountpoint)
+    print(f"ckptfs: {mountpoint} is served by a new daemon (pid {pid}); nothing was unmounted")
+    return 0
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -405,7 +423,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
+    "mount": cmd_mount, "umount": cmd_umount, "restart": cmd_restart,
+    "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
     "prune": cmd_prune, "nodes": cmd_nodes,
 }
 

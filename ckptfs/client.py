@@ -194,6 +194,27 @@ def _wait_for_exit(pid: int, deadline: float) -> None:
         time.sleep(0.02)
 
 
+def restart(mountpoint: StrPath, *, timeout: float = 120.0) -> int:
+    """Replace the daemon of `mountpoint` by one started from the code installed now (an upgrade), without
+    unmounting: the new daemon takes the FUSE connection and the open files over, in the same process.
+    Returns once the new daemon answers; its pid."""
+    mountpoint = canonical_mountpoint(mountpoint)
+    before = call(mountpoint, {"op": "status"})
+    reply = call(mountpoint, {"op": "restart"}, timeout=30)
+    if not reply.get("ok"):
+        raise DaemonError(str(reply.get("error", "the daemon refused to restart")))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            now = call(mountpoint, {"op": "status"}, timeout=10)
+        except (NoDaemonError, DaemonError, OSError):
+            now = {}
+        if now.get("started_at", 0) > before.get("started_at", 0):
+            return int(now["pid"])
+        time.sleep(0.1)
+    raise DaemonError(f"no daemon answered at {mountpoint} within {timeout:.0f} s of the restart; see the log")
+
+
 def unmount(mountpoint: StrPath, *, timeout: float | None = None) -> None:
     """Drain (up to `timeout` seconds; None: no limit), then unmount. Raises NotDrainedError if it unmounted
     with entries not yet in the store (they stay journaled and upload at the next mount)."""

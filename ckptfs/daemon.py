@@ -67,6 +67,19 @@ RESTART_PAUSE_CAP = 60.0
 RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take
 # FUSE_NOTIFY_RESEND (Linux >= 6.9): the kernel queues again every request its daemon read and did not answer
 RESEND_NOTIFICATION = struct.pack("<IiQ", 16, 7, 0)  # struct fuse_out_header: len, notify code, unique 0
+# `ckptfs restart`: how long the requests being served may take to finish before the connection goes to the
+# new daemon anyway (the kernel sends it the unfinished ones again)
+RESTART_REQUESTS_WAIT = 10.0
+
+
+class Restart(Exception):  # not an error: how run() hands the connection to its caller
+    """The daemon stopped serving to let a new one (the code installed now) take the connection over:
+    the caller executes `argv` with `env` in this process (same pid: systemd and the holder see no death)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        super().__init__("restart")
+        self.argv = argv
+        self.env = env
 
 
 class _StartedOnce:
@@ -143,6 +156,9 @@ class Daemon:
         self.restored = restored or []
         self.restart_argv = restart_argv
         self.link: holder.Link | None = held.link if held is not None else None
+        self._handles_taken_over = 0
+        self._restarting = False  # `ckptfs restart`: hand the connection to a new daemon instead of unmounting
+        self.restart: Restart | None = None  # set once handed over
         self.metrics = metrics
         self.engine = engine
         self.store = store = engine.store
@@ -186,6 +202,7 @@ class Daemon:
         self.lister.forget_kernel_entry = _forget_kernel_entry
         self.drain.on_spilled = self.evictor.evict_if_clean
         self._stop_requested = trio.Event()
+        self._fuse_done = trio.Event()
         self._stop_timeout: float | None = config.drain_timeout
         self._finished = trio.Event()
         self._control_stop = trio.Event()
@@ -268,8 +285,11 @@ class Daemon:
                     nursery.start_soon(self._supervised, "retention", self._retention)
                 nursery.start_soon(self._watch_signals, nursery)
                 await self._stop_requested.wait()
-                await self._shutdown()
-                unmounted = True
+                if self._restarting:
+                    await self._stop_serving()
+                else:
+                    await self._shutdown()
+                    unmounted = True
                 nursery.cancel_scope.cancel()
         except BaseException as exc:
             journal_failed = journal_unusable(exc)
@@ -292,7 +312,7 @@ class Daemon:
         """After pyfuse3.takeover: passthrough as the connection has it, the kernel's open handles, and the
         requests the dead daemon had read but not answered, queued again."""
         self._probe_passthrough()
-        restored = self.fs.restore_handles(self.restored)
+        restored = self._handles_taken_over = self.fs.restore_handles(self.restored)
         writers = sum(1 for record in self.restored if record.writable)
         try:
             os.write(pyfuse3.fuse_fd(), RESEND_NOTIFICATION)
@@ -301,9 +321,9 @@ class Daemon:
             resent = (f"the kernel cannot send again the requests it had not answered ({exc.strerror}; it needs"
                       " Linux >= 6.9): the processes waiting on them stay blocked")
             log.warning("taking over the mount of %s: %s", self.mountpoint, resent)
-        log.info("took over the FUSE connection of %s from the daemon before (holder pid %d): %d open files (%d"
-                 " for writing), %s", self.mountpoint, self.held.link.holder_pid if self.held else 0, restored,
-                 writers, resent)
+        kept_by = f"holder pid {self.link.holder_pid}" if self.link is not None else "this process"
+        log.info("took over the FUSE connection of %s from the daemon before (kept by %s): %d open files (%d for"
+                 " writing), %s", self.mountpoint, kept_by, restored, writers, resent)
 
     async def _start_holder(self) -> None:
         """Hand a duplicate of the connection to a holder process, so that the mount outlives this daemon."""
@@ -332,9 +352,20 @@ class Daemon:
 
     def _let_go_of_connection(self, *, unmounted: bool, journal_failed: bool) -> None:
         """The end of serving: unmount after a clean stop; leave the connection aborted when the journal
-        failed (every access then fails with ENOTCONN, none lands on the disk below the mountpoint); and
-        when this daemon fails otherwise while a holder keeps the connection, leave it to the daemon the
-        holder starts next, handles and all."""
+        failed (every access then fails with ENOTCONN, none lands on the disk below the mountpoint); hand
+        it to the new daemon of a `ckptfs restart`; and when this daemon fails otherwise while a holder keeps
+        the connection, leave it to the daemon the holder starts next, handles and all."""
+        if self._restarting and not journal_failed and self.restart_argv is not None:
+            fd = os.dup(pyfuse3.fuse_fd())  # the session's own descriptor goes with close()
+            init_request = pyfuse3.init_request() or b""
+            pyfuse3.close(unmount=False)
+            self.fs.backing = None
+            if self.link is not None:
+                self.link.handover()
+                self.link = None
+            os.set_inheritable(fd, True)
+            self.restart = Restart(self.restart_argv, holder.handover_env(fd, init_request))
+            return
         if self.link is not None and not unmounted and not journal_failed:
             pyfuse3.close(unmount=False)
             self.fs.backing = None
@@ -419,7 +450,10 @@ class Daemon:
         raise self._journal_failure
 
     async def _fuse_main(self, nursery: trio.Nursery) -> None:
-        await pyfuse3.main()
+        try:
+            await pyfuse3.main()
+        finally:
+            self._fuse_done.set()
         # main() returns when the kernel ends the session: an external umount, or our terminate().
         if not self._stop_requested.is_set():
             log.info("%s was unmounted externally; draining before exit", self.mountpoint)
@@ -642,6 +676,20 @@ class Daemon:
         with trio.move_on_after(5):
             await self._control_done.wait()
 
+    async def _stop_serving(self) -> None:
+        """`ckptfs restart`: stop reading requests, let the ones being served finish (for a while), answer
+        the control clients; the connection, the open handles and the journal stay as they are for the new
+        daemon (uploads cut short resume there)."""
+        log.info("restarting: the FUSE connection of %s goes to a new daemon started from the code installed"
+                 " now", self.mountpoint)
+        self.notifier.notify(status="restarting: handing the mount to a new daemon")
+        pyfuse3.terminate()
+        with trio.move_on_after(RESTART_REQUESTS_WAIT):
+            await self._fuse_done.wait()
+        self._control_stop.set()
+        with trio.move_on_after(5):
+            await self._control_done.wait()
+
     async def _serve_control(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         path = ctl.socket_path(self.mountpoint)
         try:
@@ -679,6 +727,15 @@ class Daemon:
             self.lister.invalidate_all()
             await self.lister.ensure(ROOT_ID)
             return {"ok": True}
+        if op == "restart":
+            if self.restart_argv is None:
+                return {"ok": False, "error": "this daemon was not started by `ckptfs mount`, so it cannot start"
+                                              " itself again; unmount and mount instead"}
+            if self._stop_requested.is_set():
+                return {"ok": False, "error": "the daemon is stopping"}
+            self._restarting = True
+            self._stop_requested.set()
+            return {"ok": True, "pid": os.getpid()}
         if op == "umount":
             self.request_stop(request.get("timeout"))
             await self._finished.wait()
@@ -745,6 +802,12 @@ class Daemon:
             "cache_dir": str(self.cache.root),
             "pid": os.getpid(),
             "uptime_seconds": round(time.time() - self.started_at, 1),
+            "started_at": self.started_at,
+            "keep_mount": {
+                "holder_pid": self.link.holder_pid if self.link is not None else None,
+                "took_over": self.held is not None,
+                "handles_taken_over": self._handles_taken_over,
+            },
             "states": {s: summary.get(s, {"files": 0, "bytes": 0}) for s in ("dirty", "uploading", "clean", "remote")},
             "queue": {
                 "uploads": len(pending),
@@ -923,7 +986,11 @@ async def run(
     # Before anything touches the mountpoint: if a holder keeps its connection, a stat would wait for a
     # daemon, and this is the one. (A daemon that cannot start fails before it attaches: its holder counts
     # that, and gives up after a few.)
-    held = holder.attach(config.mountpoint)
+    held = holder.inherited()  # from the daemon before in this process (`ckptfs restart`)
+    if held is None:
+        held = holder.attach(config.mountpoint)
+    else:
+        held.link = holder.attach_link(config.mountpoint)
     if held is None:
         check_mountpoint(config.mountpoint)
     cache = CacheDir(config.resolved_cache_dir())
@@ -964,7 +1031,8 @@ async def run(
                             restored=restored, restart_argv=restart_argv)
             cache.configure_budget(config.cache_size, config.min_free, working_room=daemon.drain.spill_room)
             daemon.evictor.start(atimes)
-            return await daemon.run(ready)
+            code = await daemon.run(ready)
+            restart = daemon.restart
         finally:
             journal.close()
     finally:
@@ -972,6 +1040,9 @@ async def run(
         if metrics is not None:
             metrics.close()
         cache.unlock()
+    if restart is not None:
+        raise restart
+    return code
 
 
 def _start_metrics(addr: str) -> MetricsServer | None:

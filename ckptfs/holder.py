@@ -93,9 +93,10 @@ class Link:
 
 
 class Held:
-    """What a daemon that takes a connection over receives from its holder."""
+    """What a daemon that takes a connection over receives (from its holder, or from the daemon before in
+    the same process after `ckptfs restart`; then `link` is its link to the holder, if there is one)."""
 
-    def __init__(self, fd: int, init_request: bytes, link: Link) -> None:
+    def __init__(self, fd: int, init_request: bytes, link: Link | None) -> None:
         self.fd = fd
         self.init_request = init_request
         self.link = link
@@ -147,6 +148,36 @@ def attach(mountpoint: str | Path) -> Held | None:
     return Held(fds[0], base64.b64decode(reply["init"]), Link(sock, int(reply["holder_pid"])))
 
 
+def attach_link(mountpoint: str | Path) -> Link | None:
+    """Attach to the holder of a connection this process already has (after `ckptfs restart`)."""
+    held = attach(mountpoint)
+    if held is None:
+        return None
+    os.close(held.fd)
+    return held.link
+
+
+# `ckptfs restart`: the daemon before, in this same process, leaves the connection in these variables
+TAKEOVER_FD_ENV = "CKPTFS_TAKEOVER_FD"
+TAKEOVER_INIT_ENV = "CKPTFS_TAKEOVER_INIT"
+
+
+def handover_env(fd: int, init_request: bytes) -> dict[str, str]:
+    """The environment a daemon executed in this process finds the connection `fd` in."""
+    return dict(os.environ, **{TAKEOVER_FD_ENV: str(fd), TAKEOVER_INIT_ENV: base64.b64encode(init_request).decode()})
+
+
+def inherited() -> Held | None:
+    """The connection the daemon before in this process handed over (`ckptfs restart`), if any."""
+    fd_text = os.environ.pop(TAKEOVER_FD_ENV, None)
+    init_text = os.environ.pop(TAKEOVER_INIT_ENV, None)
+    if fd_text is None or init_text is None:
+        return None
+    fd = int(fd_text)
+    os.set_inheritable(fd, False)
+    return Held(fd, base64.b64decode(init_text), None)
+
+
 def start(mountpoint: Path, fd: int, init_request: bytes, *, argv: list[str]) -> Link:
     """Start the holder of a connection this daemon just mounted and attach to it. `argv`: the `ckptfs`
     arguments that start a daemon like this one (the holder runs them when this one dies)."""
@@ -170,11 +201,10 @@ def start(mountpoint: Path, fd: int, init_request: bytes, *, argv: list[str]) ->
     if ready != b"ready":
         proc.wait()
         raise CkptfsError(f"the holder of the FUSE connection did not start (exit {proc.returncode})")
-    held = attach(mountpoint)
-    if held is None:
+    link = attach_link(mountpoint)  # (ours is the descriptor we mounted with)
+    if link is None:
         raise CkptfsError(f"the holder of the FUSE connection started but {holder_path(mountpoint)} is missing")
-    os.close(held.fd)  # ours is the one we mounted with
-    return held.link
+    return link
 
 
 # -- the holder process -----------------------------------------------------------------------------------

@@ -201,3 +201,43 @@ def test_without_keep_mount_a_dead_daemon_leaves_the_mount_aborted(mount_factory
     with pytest.raises(OSError) as failure:
         os.listdir(m.mnt)  # (a stat may be answered from the attributes the kernel cached)
     assert failure.value.errno == errno.ENOTCONN
+
+
+def test_restart_hands_the_mount_to_a_new_daemon_without_unmounting(mount: Mount) -> None:
+    """`ckptfs restart` (an upgrade): the daemon stops serving and executes the code installed now in the
+    same process, which takes the connection and the open files over: a file being written and one being
+    read carry on, and nothing is unmounted."""
+    (mount.mnt / "read.bin").write_bytes(b"r" * 5000)
+    reading = open(mount.mnt / "read.bin", "rb")  # noqa: SIM115
+    with open(mount.mnt / "log.txt", "w") as log:
+        log.write("before\n")
+        log.flush()
+        assert reading.read(1000) == b"r" * 1000
+        result = mount.cli("restart", str(mount.mnt))
+        assert result.returncode == 0, result.stderr
+        assert mount.proc is not None
+        assert f"new daemon (pid {mount.proc.pid})" in result.stdout
+        assert os.path.ismount(mount.mnt)
+        log.write("after\n")
+        assert reading.read() == b"r" * 4000
+        reading.close()
+        status = mount.status()
+        assert status["keep_mount"]["took_over"] is True
+        assert status["keep_mount"]["handles_taken_over"] == 2
+        assert status["keep_mount"]["holder_pid"] == mount.holder_pid()
+    mount.flush()
+    assert mount.store_files() == {"read.bin": b"r" * 5000, "log.txt": b"before\nafter\n"}
+    assert "restarting: the FUSE connection" in mount.log.read_text()
+
+
+def test_restart_of_a_mount_without_holder(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """With keep_mount off there is no holder: the connection goes to the new daemon in the process."""
+    m = mount_factory(extra_args=("--no-keep-mount",))
+    with open(m.mnt / "a.txt", "w") as f:
+        f.write("1")
+        f.flush()
+        assert m.cli("restart", str(m.mnt)).returncode == 0
+        f.write("2")
+    m.flush()
+    assert m.store_files() == {"a.txt": b"12"}
+    assert m.status()["keep_mount"] == {"holder_pid": None, "took_over": True, "handles_taken_over": 1}
