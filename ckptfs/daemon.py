@@ -48,7 +48,7 @@ from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_add
 from ckptfs.nodes import TOP_FILES, HeldError, NodeRecords, PeerRecords, node_id_of
 from ckptfs.recovery import DirLister, recover
 from ckptfs.retention import Checkpoint, Plan, pinned_by_pointers, plan
-from ckptfs.systemd import Notifier
+from ckptfs.systemd import Notifier, listen_fds
 from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,8 @@ class Daemon:
         self.restart_argv = restart_argv
         self.link: holder.Link | None = held.link if held is not None else None
         self._handles_taken_over = 0
+        # keep_mount under systemd: the unit's file descriptor store keeps the connection (no holder there)
+        self._systemd_keeps = False
         self._restarting = False  # `ckptfs restart`: hand the connection to a new daemon instead of unmounting
         self.restart: Restart | None = None  # set once handed over
         self.metrics = metrics
@@ -308,6 +310,10 @@ class Daemon:
             return EXIT_NOT_DRAINED
         return 0
 
+    def kept_by_systemd(self, kept: bool) -> None:
+        """The connection this daemon takes over came from systemd's store, which still keeps it."""
+        self._systemd_keeps = kept and self.notifier.enabled
+
     def _take_over_handles(self) -> None:
         """After pyfuse3.takeover: passthrough as the connection has it, the kernel's open handles, and the
         requests the dead daemon had read but not answered, queued again."""
@@ -321,7 +327,8 @@ class Daemon:
             resent = (f"the kernel cannot send again the requests it had not answered ({exc.strerror}; it needs"
                       " Linux >= 6.9): the processes waiting on them stay blocked")
             log.warning("taking over the mount of %s: %s", self.mountpoint, resent)
-        kept_by = f"holder pid {self.link.holder_pid}" if self.link is not None else "this process"
+        kept_by = (f"holder pid {self.link.holder_pid}" if self.link is not None
+                   else "systemd" if self.notifier.enabled else "this process")
         log.info("took over the FUSE connection of %s from the daemon before (kept by %s): %d open files (%d for"
                  " writing), %s", self.mountpoint, kept_by, restored, writers, resent)
 
@@ -329,14 +336,22 @@ class Daemon:
         """Hand a duplicate of the connection to a holder process, so that the mount outlives this daemon."""
         if not self.config.keep_mount or self.restart_argv is None:
             return
-        if self.notifier.enabled:
-            # Under systemd the holder would be killed with the unit; Restart= starts a new daemon anyway.
-            log.info("keep_mount: not under systemd (the unit's processes go with it); a daemon that dies"
-                     " leaves the mount to Restart=")
-            return
         init_request = pyfuse3.init_request()
         if init_request is None:
             log.warning("keep_mount is off for this mount: pyfuse3 did not keep the kernel's INIT request")
+            return
+        if self.notifier.enabled:
+            # Under systemd a holder would be killed with the unit's other processes; its file descriptor
+            # store keeps the connection instead, and Restart= starts the daemon that takes it over.
+            memfd = holder.init_memfd(init_request)
+            try:
+                self._systemd_keeps = (self.notifier.store_fd(holder.SYSTEMD_FUSE_FD, pyfuse3.fuse_fd())
+                                       and self.notifier.store_fd(holder.SYSTEMD_INIT_FD, memfd))
+            finally:
+                os.close(memfd)
+            if self._systemd_keeps:
+                log.info("the mount outlives this daemon: systemd's file descriptor store keeps the FUSE"
+                         " connection for the daemon Restart= starts (the unit needs FileDescriptorStoreMax=2)")
             return
         argv = list(self.restart_argv)
         if "--cache-dir" not in argv:
@@ -366,12 +381,16 @@ class Daemon:
             os.set_inheritable(fd, True)
             self.restart = Restart(self.restart_argv, holder.handover_env(fd, init_request))
             return
-        if self.link is not None and not unmounted and not journal_failed:
+        if (self.link is not None or self._systemd_keeps) and not unmounted and not journal_failed:
             pyfuse3.close(unmount=False)
             self.fs.backing = None
             self.link = None  # its socket closes with the process: the holder starts a new daemon
-            log.error("the daemon fails; the mount stays, held for the daemon the holder starts next")
+            log.error("the daemon fails; the mount stays, held for the daemon started next")
             return
+        if self._systemd_keeps:
+            self.notifier.remove_fds(holder.SYSTEMD_FUSE_FD)
+            self.notifier.remove_fds(holder.SYSTEMD_INIT_FD)
+            self._systemd_keeps = False
         # Closing our /dev/fuse descriptor without unmounting aborts the connection (with no holder left).
         pyfuse3.close(unmount=not journal_failed)
         self.fs.backing = None  # closed with the connection
@@ -805,6 +824,7 @@ class Daemon:
             "started_at": self.started_at,
             "keep_mount": {
                 "holder_pid": self.link.holder_pid if self.link is not None else None,
+                "systemd_keeps": self._systemd_keeps,
                 "took_over": self.held is not None,
                 "handles_taken_over": self._handles_taken_over,
             },
@@ -987,6 +1007,10 @@ async def run(
     # daemon, and this is the one. (A daemon that cannot start fails before it attaches: its holder counts
     # that, and gives up after a few.)
     held = holder.inherited()  # from the daemon before in this process (`ckptfs restart`)
+    from_systemd = False
+    if held is None:
+        held = holder.from_systemd(listen_fds())  # from a daemon of this unit that died (Restart=)
+        from_systemd = held is not None
     if held is None:
         held = holder.attach(config.mountpoint)
     else:
@@ -1029,6 +1053,8 @@ async def run(
                     cache.restore_spilled(inode_id, punched=state.punched, staged=state.size, sealed=not state.early)
             daemon = Daemon(config, engine, cache, journal, metrics, handle_table=handle_table, held=held,
                             restored=restored, restart_argv=restart_argv)
+            # Under systemd every connection taken over (Restart=, `ckptfs restart`) is also in its store.
+            daemon.kept_by_systemd(from_systemd or (held is not None and config.keep_mount))
             cache.configure_budget(config.cache_size, config.min_free, working_room=daemon.drain.spill_room)
             daemon.evictor.start(atimes)
             code = await daemon.run(ready)

@@ -178,6 +178,31 @@ def inherited() -> Held | None:
     return Held(fd, base64.b64decode(init_text), None)
 
 
+# Names of the descriptors kept in systemd's file descriptor store (keep_mount under systemd)
+SYSTEMD_FUSE_FD = "ckptfs-fuse"
+SYSTEMD_INIT_FD = "ckptfs-init"
+
+
+def init_memfd(init_request: bytes) -> int:
+    """A memory file holding the INIT request, to be stored beside the connection (systemd keeps only
+    descriptors)."""
+    fd = os.memfd_create(SYSTEMD_INIT_FD, os.MFD_CLOEXEC)
+    os.write(fd, init_request)
+    return fd
+
+
+def from_systemd(fds: dict[str, int]) -> Held | None:
+    """The connection systemd kept for this unit (a daemon of it died and Restart= started this one)."""
+    fuse_fd, init_fd = fds.get(SYSTEMD_FUSE_FD), fds.get(SYSTEMD_INIT_FD)
+    if fuse_fd is None or init_fd is None:
+        return None
+    try:
+        init_request = os.pread(init_fd, 1 << 16, 0)
+    finally:
+        os.close(init_fd)
+    return Held(fuse_fd, init_request, None)
+
+
 def start(mountpoint: Path, fd: int, init_request: bytes, *, argv: list[str]) -> Link:
     """Start the holder of a connection this daemon just mounted and attach to it. `argv`: the `ckptfs`
     arguments that start a daemon like this one (the holder runs them when this one dies)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 import shutil
 import socket
@@ -104,3 +105,77 @@ def test_daemon_notifies_ready_only_once_mounted_then_status_and_stopping(
         assert "draining" in stopping.get("STATUS", ""), stopping
     finally:
         listener.close()
+
+
+class FdStore(NotifyListener):
+    """The notify socket and, as systemd's file descriptor store, the descriptors sent with FDSTORE=1."""
+
+    def __init__(self, address: str) -> None:
+        self.stored: dict[str, int] = {}
+        super().__init__(address)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(16))
+            except TimeoutError:
+                continue
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            fds = [fd for level, kind, payload in ancillary if level == socket.SOL_SOCKET
+                   and kind == socket.SCM_RIGHTS for fd in array.array("i", payload)]
+            if fields.get("FDSTORE") == "1":
+                self.stored[fields["FDNAME"]] = fds[0]
+            elif fields.get("FDSTOREREMOVE") == "1":
+                os.close(self.stored.pop(fields["FDNAME"]))
+            self.messages.append((time.monotonic(), fields))
+
+
+def test_the_unit_s_fd_store_keeps_the_mount_for_the_daemon_restart_starts(mount_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """keep_mount under systemd: the daemon stores its FUSE connection and INIT request with FDSTORE=1 (no
+    holder: it would die with the unit). Killed, the next daemon gets them as Restart= passes them
+    (LISTEN_FDS from fd 3, LISTEN_FDNAMES, LISTEN_PID) and takes the mount over: a file open for writing
+    carries on. A clean unmount takes them out of the store (FDSTOREREMOVE=1). Here a socket stands in for
+    systemd, which does not run in this container; the unit file has FileDescriptorStoreMax=2."""
+    store = FdStore(str(tmp_path / "notify.sock"))
+    try:
+        m: Mount = mount_factory(start=False)
+        m.env["NOTIFY_SOCKET"] = store.address
+        m.start()
+        store.wait_for("READY")
+        deadline = time.monotonic() + 10
+        while len(store.stored) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(store.stored) == {"ckptfs-fuse", "ckptfs-init"}
+        assert m.holder_pid() is None
+        with open(m.mnt / "ckpt.bin", "wb") as f:
+            f.write(b"1" * 1000)
+            f.flush()
+            assert m.proc is not None
+            m.proc.kill()
+            m.proc.wait()
+            fuse_fd, init_fd = store.stored["ckptfs-fuse"], store.stored["ckptfs-init"]
+            env = dict(m.env, LISTEN_FDS="2", LISTEN_FDNAMES="ckptfs-fuse:ckptfs-init", FUSE_FD=str(fuse_fd),
+                       INIT_FD=str(init_fd))
+            with open(m.log, "ab") as log:
+                m.proc = subprocess.Popen(
+                    ["bash", "-c", 'exec 3<&"$FUSE_FD" 4<&"$INIT_FD"; unset FUSE_FD INIT_FD; LISTEN_PID=$$ exec "$@"',
+                     "bash", sys.executable, "-m", "ckptfs", "mount", m.source, str(m.mnt), "--cache-dir",
+                     str(m.cache), "--metrics-addr", "off", "--min-free", "0", "--log-level", "DEBUG"],
+                    env=env, pass_fds=(fuse_fd, init_fd), stdout=log, stderr=log)
+            f.write(b"2" * 1000)  # (a passthrough write does not even wait for the new daemon)
+        deadline = time.monotonic() + 60
+        while m.cli("status", str(m.mnt)).returncode != 0:
+            assert time.monotonic() < deadline, m.log.read_text()[-3000:]
+            time.sleep(0.1)
+        assert m.status()["keep_mount"]["systemd_keeps"] is True
+        assert m.status()["keep_mount"]["handles_taken_over"] == 1
+        m.flush()
+        assert m.store_files() == {"ckpt.bin": b"1" * 1000 + b"2" * 1000}
+        assert m.umount().returncode == 0
+        deadline = time.monotonic() + 10
+        while store.stored and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.stored == {}
+        assert not os.path.ismount(m.mnt)
+    finally:
+        store.close()
