@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -255,7 +256,17 @@ class FuseOperations(pyfuse3.Operations):
     async def create(
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT, ctx: RequestContext
     ) -> tuple[FileInfo, EntryAttributes]:
-        fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        try:
+            fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        except FsError as exc:
+            if exc.errno != errno.EEXIST or flags & os.O_EXCL:
+                raise
+            # The kernel sends CREATE only for a name it saw missing: this is one it sent again after a
+            # takeover (the daemon before created the file and died before answering). open(O_CREAT) of a
+            # name that exists opens it.
+            attr = self.fs.lookup(parent_inode, name)
+            fh = await self.fs.open(attr.ino, flags)
+            attr = self.fs.getattr(attr.ino)
         await self._announced(fh)
         return self._file_info(fh), _entry(attr)
 

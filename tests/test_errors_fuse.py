@@ -81,7 +81,9 @@ async def test_every_handler_answers_an_errno_never_an_exception(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The adapter over a real Filesystem: an FsError keeps its errno, an OSError its own, and anything
-    else (here: a handle the kernel never got, a KeyError inside fs) becomes EIO with one traceback."""
+    else (here: a bug inside fs) becomes EIO with one traceback. A handle the daemon does not know (the
+    kernel kept it across a takeover, and it could not be restored) is EBADF, and its release a no-op
+    (the kernel sends a release again after a takeover when the daemon before had done it)."""
     import pyfuse3
     from fsharness import make_stack
 
@@ -96,9 +98,47 @@ async def test_every_handler_answers_an_errno_never_an_exception(
     with pytest.raises(pyfuse3.FUSEError) as raised:
         await ops.getxattr(pyfuse3.ROOT_INODE, b"user.other", ctx)
     assert raised.value.errno == errno.ENODATA
-    for unexpected in (ops.release(999), ops.read(999, 0, 1), ops.write(999, 0, b"x"), ops.fsync(999, False)):
+    await ops.release(999)
+    for unknown in (ops.read(999, 0, 1), ops.write(999, 0, b"x"), ops.fsync(999, False)):
+        with pytest.raises(pyfuse3.FUSEError) as raised:
+            await unknown
+        assert raised.value.errno == errno.EBADF
+
+    def bug(*args: object) -> None:
+        raise KeyError("a bug")
+
+    stack.fs.getattr = bug  # type: ignore[method-assign]
+    stack.fs.readlink = bug  # type: ignore[method-assign]
+    for unexpected in (ops.getattr(pyfuse3.ROOT_INODE, ctx), ops.readlink(pyfuse3.ROOT_INODE, ctx)):
         with caplog.at_level("ERROR", logger="ckptfs.fuse_ops"), pytest.raises(pyfuse3.FUSEError) as raised:
             await unexpected
         assert raised.value.errno == errno.EIO
     tracebacks = [r for r in caplog.records if r.levelname == "ERROR" and r.exc_info]
-    assert len(tracebacks) == 4
+    assert len(tracebacks) == 2
+
+
+async def test_a_create_of_a_name_that_exists_opens_it_unless_exclusive(tmp_path: Path) -> None:
+    """The kernel sends CREATE only for a name it saw missing: one that exists is a CREATE the kernel sent
+    again after a takeover (the daemon before created the file and died before answering). Without O_EXCL
+    it opens the file, as open(O_CREAT) does (truncated with O_TRUNC); with O_EXCL, EEXIST."""
+    import pyfuse3
+    from fsharness import make_stack
+
+    from ckptfs.fuse_ops import FuseOperations
+
+    stack = make_stack(tmp_path)
+    ops = FuseOperations(stack.fs)
+    ctx = pyfuse3.RequestContext()
+    flags = os.O_WRONLY | os.O_CREAT
+    info, entry = await ops.create(pyfuse3.ROOT_INODE, b"f", 0o644, flags, ctx)
+    assert stack.fs.write(info.fh, 0, b"abc") == 3
+    again, entry_again = await ops.create(pyfuse3.ROOT_INODE, b"f", 0o644, flags, ctx)
+    assert entry_again.st_ino == entry.st_ino and again.fh != info.fh
+    assert entry_again.st_size == 3
+    truncated, entry_truncated = await ops.create(pyfuse3.ROOT_INODE, b"f", 0o644, flags | os.O_TRUNC, ctx)
+    assert entry_truncated.st_ino == entry.st_ino and entry_truncated.st_size == 0
+    with pytest.raises(pyfuse3.FUSEError) as raised:
+        await ops.create(pyfuse3.ROOT_INODE, b"f", 0o644, flags | os.O_EXCL, ctx)
+    assert raised.value.errno == errno.EEXIST
+    for fh in (info.fh, again.fh, truncated.fh):
+        await ops.release(fh)
