@@ -360,6 +360,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     passthrough = status.get("passthrough")
     if passthrough:
         print(f"passthrough {passthrough['why']} ({passthrough['opens']} opens)")
+    keep = status.get("keep_mount")
+    if keep:
+        kept = (f"holder pid {keep['holder_pid']}" if keep.get("holder_pid") else
+                "systemd's descriptor store" if keep.get("systemd_keeps") else None)
+        took = f"; took the mount over ({keep['handles_taken_over']} open files)" if keep.get("took_over") else ""
+        print(f"keep mount {'kept by ' + kept if kept else 'off: the mount ends with this daemon'}{took}")
     nodes = status.get("nodes")
     if nodes and nodes.get("cross_node_ordering"):
         unannounced = f"; records not written: {nodes['unannounced']}" if nodes.get("unannounced") else ""
