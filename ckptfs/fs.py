@@ -806,7 +806,8 @@ class Filesystem:
             self._cached_opens[inode_id] = self._cached_opens.get(inode_id, 0) + 1
         if record.writable:
             self._writer_count[inode_id] = self._writer_count.get(inode_id, 0) + 1
-            if record.dirtied:
+            if record.dirtied or inode.state != CLEAN:
+                # (dirty in the journal: the daemon before may have died between the two records)
                 self._changed.add(inode_id)
             if record.direct or backing:
                 self._uncached_writes.add(inode_id)
