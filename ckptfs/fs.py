@@ -344,6 +344,7 @@ class Filesystem:
             return
         with self.journal.transaction():
             self.journal.purge(inode_id)
+        self._counted.discard(inode_id)
         if inode.upload_state is not None:
             self._discard_upload(inode.upload_state)
         self._changed.discard(inode_id)
