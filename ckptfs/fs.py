@@ -749,10 +749,17 @@ class Filesystem:
             if writers == 0 and not dirtied:
                 with self.journal.transaction():
                     self.journal.mark_open_for_write(inode_id)
-        if self.handle_table is not None:
-            self.handle_table.put(fh, inode_id, flags, backing, dirtied=dirtied, direct=direct,
-                                  stream=reader is not None)
         return fh
+
+    def handed_out(self, fh: int) -> None:
+        """The open or create reply naming `fh` goes to the kernel now: record the handle for a daemon that
+        takes the mount over. Not earlier: a daemon that dies before its reply leaves no record of a handle
+        the kernel never got (the kernel sends that open again, and it gets a handle of its own)."""
+        if self.handle_table is not None:
+            handle = self.handles[fh]
+            self.handle_table.put(fh, handle.inode_id, os.O_RDWR if handle.writable else os.O_RDONLY,
+                                  handle.backing, dirtied=handle.dirtied, direct=handle.direct,
+                                  stream=handle.reader is not None)
 
     def restore_handles(self, records: list[OpenHandle]) -> int:
         """Take over the handles a daemon before this one handed to the kernel (the handle table of a

@@ -292,6 +292,7 @@ class FuseOperations(pyfuse3.Operations):
             setattr(info, _BACKING_ID, backing)
         if _HAS_NOFLUSH:
             setattr(info, _NOFLUSH, True)
+        self.fs.handed_out(fh)
         return info
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:

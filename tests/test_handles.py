@@ -45,9 +45,12 @@ async def test_a_takeover_restores_open_files_and_purges_an_unlinked_one_once_th
     table.open(keep=False)
     stack.fs.handle_table = table
     gone_fh, gone = stack.fs.create(ROOT_ID, b"gone", 0o644, RW_CREATE, 0, 0)
+    stack.fs.handed_out(gone_fh)
     stack.fs.write(gone_fh, 0, b"abc")
     kept_fh, kept = stack.fs.create(ROOT_ID, b"kept", 0o644, RW_CREATE, 0, 0)
-    stack.fs.write(kept_fh, 0, b"xyz")
+    stack.fs.write(kept_fh, 0, b"xyz")  # its first write before the reply: recorded with it
+    stack.fs.handed_out(kept_fh)
+    _, unanswered = stack.fs.create(ROOT_ID, b"unanswered", 0o644, RW_CREATE, 0, 0)  # the daemon dies first
     stack.fs.unlink(ROOT_ID, b"gone")
     stack.fs.forget(gone.ino, 1)  # the kernel forgets the name, not the open file
     assert stack.journal.get(gone.ino) is not None
@@ -57,7 +60,8 @@ async def test_a_takeover_restores_open_files_and_purges_an_unlinked_one_once_th
     after = make_stack(tmp_path)
     table = HandleTable(after.cache.root / "handles")
     records = table.open(keep=True)
-    assert {r.fh for r in records} == {gone_fh, kept_fh}
+    assert {r.fh for r in records} == {gone_fh, kept_fh}  # not `unanswered`: the kernel never got it
+    assert all(r.dirtied and r.writable for r in records)
     repair_journal(after.journal, after.cache, time.time(), still_open={r.inode_id for r in records},
                    still_writing={r.inode_id for r in records if r.writable})
     after.fs.handle_table = table
@@ -65,6 +69,8 @@ async def test_a_takeover_restores_open_files_and_purges_an_unlinked_one_once_th
     kept_inode = after.journal.get(kept.ino)
     assert kept_inode is not None and kept_inode.closed_at is None  # still open for writing: not uploaded
     assert after.fs.open_writers() == 2
+    unanswered_inode = after.journal.get(unanswered.ino)
+    assert unanswered_inode is not None and unanswered_inode.closed_at is not None  # closed by recovery
     assert await after.fs.read(gone_fh, 0, 3) == b"abc"
     assert after.fs.write(kept_fh, 3, b"!") == 1
 

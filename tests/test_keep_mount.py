@@ -243,4 +243,5 @@ def test_restart_of_a_mount_without_holder(mount_factory) -> None:  # type: igno
         f.write("2")
     m.flush()
     assert m.store_files() == {"a.txt": b"12"}
-    assert m.status()["keep_mount"] == {"holder_pid": None, "took_over": True, "handles_taken_over": 1}
+    assert m.status()["keep_mount"] == {"holder_pid": None, "systemd_keeps": False, "took_over": True,
+                                        "handles_taken_over": 1}
