@@ -112,6 +112,11 @@ class Config:
     """Commit markers also wait for the files other nodes (mounts of the same prefix) closed before them
     (docs/design/cross-node.md): each node keeps a small record of its pending work in the store."""
 
+    guard_mountpoint: bool = True
+    """After a clean unmount, mount a read-only guard (a tiny tmpfs, guard.py) over the mountpoint, so that a
+    job that keeps saving gets EROFS instead of writing onto the disk below, never uploaded. `ckptfs mount`
+    replaces the guard by itself; `ckptfs unguard MNT` removes it. Needs root."""
+
     allow_other: bool = False
     """Let other users access the mount (implies default_permissions)."""
 
@@ -196,7 +201,7 @@ def _coerce(name: str, value: Any) -> Any:
         if mode not in ("auto", "off"):
             raise UsageError(f"passthrough must be auto or off, not {value!r}")
         return mode
-    if name in ("allow_other", "daemon", "cross_node_ordering"):
+    if name in ("allow_other", "daemon", "cross_node_ordering", "guard_mountpoint"):
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value

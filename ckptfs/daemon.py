@@ -30,7 +30,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from ckptfs import ctl
+from ckptfs import ctl, guard
 from ckptfs.backends import open_store
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
@@ -79,6 +79,8 @@ class _StartedOnce:
 
 
 def check_mountpoint(mountpoint: Path) -> None:
+    # A guard (guard.py) kept writes off the bare directory while nothing served it: mounting replaces it.
+    guard.remove(mountpoint)
     try:
         st = os.stat(mountpoint)
     except FileNotFoundError:
@@ -262,6 +264,8 @@ class Daemon:
             self.fs.backing = None  # closed with the connection
             if not journal_failed:
                 self.fs.close_all()
+                if self.config.guard_mountpoint:  # writes into the bare directory fail (EROFS), not land on disk
+                    guard.place(self.mountpoint)
         if not unmounted or self.result is None or not self.result.ok:
             return EXIT_NOT_DRAINED
         return 0

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs import guard
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -131,6 +133,7 @@ class Mount:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+        guard.remove(self.mnt)  # the daemon guards the mountpoint after a clean unmount
         subprocess.run(["fusermount3", "-u", "-z", "-q", str(self.mnt)], check=False)
 
 
@@ -144,6 +147,15 @@ def finished_parts(journal: Path) -> int:
     finally:
         db.close()
     return max((len(json.loads(text)["parts"]) for (text,) in rows), default=0)
+
+
+@pytest.fixture(autouse=True)
+def _no_guard_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A daemon that unmounts cleanly leaves a read-only guard (ckptfs/guard.py) on its mountpoint, also when a
+    test ran it without the Mount fixture: remove every guard in the tmp dirs, or pytest could not delete them."""
+    yield
+    for mountpoint in guard.guarded_mountpoints(tmp_path_factory.getbasetemp()):
+        guard.remove(mountpoint)
 
 
 @pytest.fixture
