@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptfs import client
+from ckptfs import client, guard
 from ckptfs.config import Config, load_config
 from ckptfs.errors import CkptfsError, NotDurableError, UsageError
 
@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the mount outlives the daemon: a holder process keeps the FUSE connection and starts"
                             " a daemon that died again, which takes it over (the default; --no-keep-mount: a dead"
                             " daemon leaves the mount at 'Transport endpoint is not connected')")
+    mount.add_argument("--guard-mountpoint", action=argparse.BooleanOptionalAction, default=None,
+                       help="after a clean unmount, guard the bare mountpoint so that writes into it fail with EROFS"
+                            " (the default; --no-guard-mountpoint: leave the bare directory writable)")
     mount.add_argument("--endpoint-url")
     mount.add_argument("--transfers", type=int)
     mount.add_argument("--part-size")
@@ -91,6 +94,14 @@ def _parser() -> argparse.ArgumentParser:
                              " without unmounting: open files and the job carry on")
     restart.add_argument("mountpoint", type=Path, nargs="?")
     restart.add_argument("--config", type=Path, help="take the mountpoint from this file")
+    for name, what in (
+        ("guard", "mount a read-only guard over MOUNTPOINT while ckptfs does not serve it, so that writes into the"
+                  " bare directory fail with EROFS (at boot, or a unit's ExecStopPost)"),
+        ("unguard", "remove the guard from MOUNTPOINT (ckptfs mount does this by itself)"),
+    ):
+        command = sub.add_parser(name, help=what)
+        command.add_argument("mountpoint", type=Path, nargs="?")
+        command.add_argument("--config", type=Path, help="take the mountpoint (and guard_mountpoint) from this file")
 
     status = sub.add_parser("status", help="files and bytes per state, queue, oldest dirty age, last error")
     status.add_argument("mountpoint", type=Path)
@@ -138,6 +149,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "passthrough": args.passthrough,
         "cross_node_ordering": args.cross_node_ordering,
         "keep_mount": args.keep_mount,
+        "guard_mountpoint": args.guard_mountpoint,
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
         "part_size": args.part_size,
@@ -315,6 +327,52 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _guard_target(args: argparse.Namespace) -> tuple[Path, Config | None]:
+    """The mountpoint a guard/unguard command names, directly or through --config."""
+    config = None
+    if args.config is not None:
+        config = load_config(args.config, {"mountpoint": args.mountpoint})
+        args.mountpoint = config.mountpoint
+    if args.mountpoint is None:
+        raise UsageError(f"{args.command} needs a MOUNTPOINT (or --config FILE naming one)")
+    return client.canonical_mountpoint(args.mountpoint), config
+
+
+def cmd_guard(args: argparse.Namespace) -> int:
+    mountpoint, config = _guard_target(args)
+    if config is not None and not config.guard_mountpoint:
+        print(f"ckptfs: guard_mountpoint = false in {args.config}: {mountpoint} is left unguarded")
+        return 0
+    top = guard.mounted_at(mountpoint)
+    if top is not None and top.is_guard:
+        print(f"ckptfs: {mountpoint} is guarded already")
+        return 0
+    if top is not None and top.fstype == "fuse.ckptfs":
+        raise CkptfsError(f"{mountpoint} is a ckptfs mount (served, or left by a daemon that died): not guarding"
+                          f" over it; `ckptfs umount {mountpoint}` unmounts it and leaves a guard")
+    if top is not None:
+        raise CkptfsError(f"{mountpoint} is a mount point ({top.describe()}): not guarding over another mount")
+    guard.place(mountpoint, strict=True)
+    print(f"ckptfs: guarded {mountpoint}: writes into it fail with EROFS until ckptfs mounts it"
+          f" (`ckptfs unguard {mountpoint}` removes the guard)")
+    return 0
+
+
+def cmd_unguard(args: argparse.Namespace) -> int:
+    mountpoint, _ = _guard_target(args)
+    top = guard.mounted_at(mountpoint)
+    if top is None:
+        print(f"ckptfs: {mountpoint} is not guarded")
+        return 0
+    if not top.is_guard:
+        raise CkptfsError(f"{mountpoint} is not guarded: what is mounted there is {top.describe()}, not a ckptfs"
+                          " guard; left alone")
+    guard.remove(mountpoint, strict=True)
+    print(f"ckptfs: removed the guard on {mountpoint}: writes into it land on the disk below until ckptfs"
+          " mounts it")
+    return 0
+
+
 def _human_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -431,7 +489,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 COMMANDS = {
     "mount": cmd_mount, "umount": cmd_umount, "restart": cmd_restart,
     "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
-    "prune": cmd_prune, "nodes": cmd_nodes,
+    "prune": cmd_prune, "nodes": cmd_nodes, "guard": cmd_guard, "unguard": cmd_unguard,
 }
 
 

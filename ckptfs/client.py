@@ -215,6 +215,25 @@ def restart(mountpoint: StrPath, *, timeout: float = 120.0) -> int:
     raise DaemonError(f"no daemon answered at {mountpoint} within {timeout:.0f} s of the restart; see the log")
 
 
+def _fuse_mounted(mountpoint: Path) -> bool:
+    """Whether a FUSE filesystem is mounted exactly at `mountpoint`, from /proc/self/mountinfo (never a
+    stat of the mount itself, which could hang)."""
+    escaped = str(mountpoint)
+    for char, code in (("\\", "\\134"), (" ", "\\040"), ("\t", "\\011"), ("\n", "\\012")):
+        escaped = escaped.replace(char, code)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields, _, tail = line.partition(" - ")
+                parts = fields.split()
+                fstype = tail.split(" ", 1)[0]
+                if len(parts) > 4 and parts[4] == escaped and fstype.split(".")[0] in ("fuse", "fuseblk"):
+                    return True
+    except OSError:
+        return False
+    return False
+
+
 def unmount(mountpoint: StrPath, *, timeout: float | None = None) -> None:
     """Drain (up to `timeout` seconds; None: no limit), then unmount. Raises NotDrainedError if it unmounted
     with entries not yet in the store (they stay journaled and upload at the next mount)."""
@@ -223,8 +242,9 @@ def unmount(mountpoint: StrPath, *, timeout: float | None = None) -> None:
     # The daemon replies after unmounting, then closes its journal and lets go of its cache dir lock and
     # metrics port: wait for the kernel to show the mount gone and for the process to exit, so that a
     # mount started right after this returns finds both free.
+    # (Not os.path.ismount: the daemon mounts a guard over the bare directory after its own unmount.)
     deadline = time.monotonic() + 10
-    while os.path.ismount(mountpoint) and time.monotonic() < deadline:
+    while _fuse_mounted(mountpoint) and time.monotonic() < deadline:
         time.sleep(0.05)
     if isinstance(reply.get("pid"), int):
         _wait_for_exit(reply["pid"], deadline=time.monotonic() + EXIT_WAIT_SECONDS)

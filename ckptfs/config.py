@@ -116,6 +116,11 @@ class Config:
     """The mount outlives the daemon (holder.py): a holder process keeps the FUSE connection, and a daemon
     that dies is started again and takes it over; the job's requests wait instead of failing."""
 
+    guard_mountpoint: bool = True
+    """After a clean unmount, mount a read-only guard (a tiny tmpfs, guard.py) over the mountpoint, so that a
+    job that keeps saving gets EROFS instead of writing onto the disk below, never uploaded. `ckptfs mount`
+    replaces the guard by itself; `ckptfs unguard MNT` removes it. Needs root."""
+
     allow_other: bool = False
     """Let other users access the mount (implies default_permissions)."""
 
@@ -200,7 +205,7 @@ def _coerce(name: str, value: Any) -> Any:
         if mode not in ("auto", "off"):
             raise UsageError(f"passthrough must be auto or off, not {value!r}")
         return mode
-    if name in ("allow_other", "daemon", "cross_node_ordering", "keep_mount"):
+    if name in ("allow_other", "daemon", "cross_node_ordering", "keep_mount", "guard_mountpoint"):
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value

@@ -31,7 +31,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from ckptfs import ctl, holder
+from ckptfs import ctl, guard, holder
 from ckptfs.backends import open_store
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
@@ -95,7 +95,11 @@ class _StartedOnce:
             self.inner.started(value)
 
 
-def check_mountpoint(mountpoint: Path) -> None:
+def check_mountpoint(mountpoint: Path) -> bool:
+    """Whether `mountpoint` can be mounted on (CkptfsError naming why not). Returns whether a guard was
+    removed from it: a guard (guard.py) kept writes off the bare directory while nothing served it, and
+    mounting replaces it."""
+    removed = guard.remove(mountpoint)
     try:
         st = os.stat(mountpoint)
     except FileNotFoundError:
@@ -105,7 +109,7 @@ def check_mountpoint(mountpoint: Path) -> None:
             # A FUSE mount whose daemon died (kill -9, OOM): detach it so this daemon can take over.
             log.warning("mountpoint %s is a stale FUSE mount (its daemon died); detaching it", mountpoint)
             subprocess.run(["fusermount3", "-u", "-z", "-q", str(mountpoint)], check=False)
-            return check_mountpoint(mountpoint)
+            return check_mountpoint(mountpoint) or removed
         raise CkptfsError(f"mountpoint {mountpoint} cannot be used: {exc.strerror}") from None
     import stat as stat_module
 
@@ -115,6 +119,7 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise CkptfsError(f"mountpoint {mountpoint} is already a mount point; unmount it first")
     if any(os.scandir(mountpoint)):
         raise CkptfsError(f"mountpoint {mountpoint} is not empty; mount on an empty directory")
+    return removed
 
 
 def read_ahead_path(dev: int) -> str:
@@ -397,6 +402,8 @@ class Daemon:
         if self.held is not None and not journal_failed:
             _unmount(self.mountpoint)  # a connection taken over: libfuse did not mount it, so it does not unmount
         if not journal_failed:
+            if self.config.guard_mountpoint:  # writes into the bare directory fail (EROFS), not land on disk
+                guard.place(self.mountpoint)
             self.fs.close_all()
             if self.handle_table is not None:
                 self.handle_table.clear()
@@ -1015,8 +1022,19 @@ async def run(
         held = holder.attach(config.mountpoint)
     else:
         held.link = holder.attach_link(config.mountpoint)
-    if held is None:
-        check_mountpoint(config.mountpoint)
+    unguarded = held is None and check_mountpoint(config.mountpoint)
+    try:
+        return await _run_on(config, store, held, from_systemd, ready, restart_argv)
+    except BaseException:
+        if unguarded and config.guard_mountpoint and guard.mounted_at(config.mountpoint) is None:
+            guard.place(config.mountpoint)  # a start that failed before mounting: the guard goes back
+        raise
+
+
+async def _run_on(
+    config: Config, store: InstrumentedStore, held: holder.Held | None, from_systemd: bool,
+    ready: Callable[[], None], restart_argv: list[str] | None,
+) -> int:
     cache = CacheDir(config.resolved_cache_dir())
     cache.prepare()
     cache.lock()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs import guard
 from ckptfs.client import canonical_mountpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -165,6 +166,7 @@ class Mount:
             with contextlib.suppress(Exception):
                 self.cli("umount", str(self.mnt), timeout=60)
             self.kill_holder()
+        guard.remove(self.mnt)  # the daemon guards the mountpoint after a clean unmount
         subprocess.run(["fusermount3", "-u", "-z", "-q", str(self.mnt)], check=False)
 
 
@@ -178,6 +180,15 @@ def finished_parts(journal: Path) -> int:
     finally:
         db.close()
     return max((len(json.loads(text)["parts"]) for (text,) in rows), default=0)
+
+
+@pytest.fixture(autouse=True)
+def _no_guard_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A daemon that unmounts cleanly leaves a read-only guard (ckptfs/guard.py) on its mountpoint, also when a
+    test ran it without the Mount fixture: remove every guard in the tmp dirs, or pytest could not delete them."""
+    yield
+    for mountpoint in guard.guarded_mountpoints(tmp_path_factory.getbasetemp()):
+        guard.remove(mountpoint)
 
 
 @pytest.fixture

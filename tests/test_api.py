@@ -4,7 +4,6 @@ ckptfs loads no FUSE, trio or cloud SDK module."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from conftest import Mount
 
 import ckptfs
+from ckptfs import guard
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def test_prune_and_unmount(api_mount: Mount) -> None:
     assert (api_mount.mnt / "step_100").exists()
     assert ckptfs.prune(api_mount.mnt, keep_last=2).deleted == ["step_100"]
     ckptfs.unmount(api_mount.mnt, timeout=60)
-    assert not os.path.ismount(api_mount.mnt)
+    assert guard.is_guarded(api_mount.mnt)  # unmounted, and the bare directory guarded
     assert api_mount.proc is not None
     api_mount.proc.wait(timeout=30)
     api_mount.proc = None

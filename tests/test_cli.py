@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import Mount, ckptfs_cli
 
+from ckptfs import guard
 from ckptfs.cli import MALLOC_TUNABLE, _restart_with_malloc_pad, _with_malloc_pad
 from ckptfs.daemon import read_ahead_path
 from ckptfs.errors import UsageError
@@ -136,7 +137,7 @@ def test_daemon_mode_status_flush_umount(dirs: dict[str, Path]) -> None:
     finally:
         umount = ckptfs_cli("umount", str(dirs["mnt"]), env=env)
     assert umount.returncode == 0, umount.stderr
-    assert not os.path.ismount(dirs["mnt"])
+    assert guard.is_guarded(dirs["mnt"])  # unmounted, and the bare directory guarded
 
 
 def test_umount_returns_once_the_daemon_let_go_of_its_cache_dir_and_metrics_port(dirs: dict[str, Path]) -> None:
@@ -180,7 +181,6 @@ def test_flush_timeout_exit_code(mount: Mount) -> None:
 
 
 def test_sigterm_drains_then_unmounts(mount_factory) -> None:  # type: ignore[no-untyped-def]
-    import os
     import signal
 
     m: Mount = mount_factory(upload_delay=3600)  # nothing would upload on its own for an hour
@@ -190,7 +190,7 @@ def test_sigterm_drains_then_unmounts(mount_factory) -> None:  # type: ignore[no
     assert m.proc.wait(timeout=60) == 0
     m.proc = None
     assert m.store_files() == {"step_5.pt": b"w" * 100_000}
-    assert not os.path.ismount(m.mnt)
+    assert guard.is_guarded(m.mnt)  # unmounted, and the bare directory guarded
 
 
 @pytest.mark.parametrize("signals", [1, 2], ids=["one-signal", "second-signal"])
@@ -199,7 +199,6 @@ def test_sigterm_with_a_store_refusing_writes_exits_3_and_loses_nothing(
 ) -> None:
     """The drain cannot finish (the store is read-only): SIGTERM waits out drain_timeout, unmounts and exits 3;
     a second SIGTERM exits at once. Either way the file uploads at the next start of the same cache dir."""
-    import os
     import signal
     import time
 
@@ -219,7 +218,7 @@ def test_sigterm_with_a_store_refusing_writes_exits_3_and_loses_nothing(
         elapsed = time.monotonic() - started
         assert (elapsed < 4) if signals == 2 else (elapsed >= 4.9), elapsed
         m.proc = None
-        assert not os.path.ismount(m.mnt)
+        assert guard.is_guarded(m.mnt)  # unmounted, and the bare directory guarded
     finally:
         subprocess.run(["umount", str(m.store)], check=True)
     assert m.store_files() == {}

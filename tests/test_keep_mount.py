@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs import guard
 from tests.conftest import Mount
 
 KILLS = int(os.environ.get("CKPTFS_KEEP_MOUNT_KILLS", "6"))
@@ -122,7 +123,7 @@ def test_a_writer_never_sees_the_daemon_die(mount_factory, tmp_path: Path, passt
     _check_saved(m, names, source)
     result = m.cli("umount", str(m.mnt))
     assert result.returncode == 0, result.stderr
-    assert not os.path.ismount(m.mnt)
+    assert guard.is_guarded(m.mnt)  # unmounted, and the bare directory guarded
     assert m.holder_pid() is None
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, Mount
 
+from ckptfs import guard
+
 UNIT = REPO / "systemd" / "ckptfs@.service"
 
 
@@ -176,6 +178,6 @@ def test_the_unit_s_fd_store_keeps_the_mount_for_the_daemon_restart_starts(mount
         while store.stored and time.monotonic() < deadline:
             time.sleep(0.05)
         assert store.stored == {}
-        assert not os.path.ismount(m.mnt)
+        assert guard.is_guarded(m.mnt)  # unmounted, and the bare directory guarded
     finally:
         store.close()
