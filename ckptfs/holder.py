@@ -60,8 +60,9 @@ MAX_MESSAGE = 1 << 20
 
 def holder_path(mountpoint: str | Path) -> Path:
     """The holder's socket: beside the mount's control socket, found from the mountpoint alone (a stat of a
-    mount nobody serves would hang)."""
-    return socket_path(mountpoint).with_suffix(".holder")
+    mount nobody serves would hang). Its name is as long as the control socket's (a Unix socket's path has
+    at most 107 bytes)."""
+    return socket_path(mountpoint).with_suffix(".hold")
 
 
 class Link:
@@ -130,6 +131,10 @@ def attach(mountpoint: str | Path) -> Held | None:
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         return None
+    except OSError as exc:
+        sock.close()
+        raise CkptfsError(f"cannot reach the holder of {mountpoint}'s FUSE connection at {path}: {exc.strerror or exc}"
+                          " (a runtime dir with a shorter path: $CKPTFS_RUNTIME_DIR)") from None
     try:
         sock.sendall(json.dumps({"op": "attach", "pid": os.getpid()}).encode() + b"\n")
         data, fds = _recv_line(sock)

@@ -109,7 +109,7 @@ class Mount:
         digest = hashlib.sha256(str(canonical_mountpoint(self.mnt)).encode()).hexdigest()[:16]
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(str(self.runtime / f"{digest}.holder"))
+            sock.connect(str(self.runtime / f"{digest}.hold"))
             pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             return pid
         except OSError:

@@ -250,3 +250,20 @@ def test_restart_of_a_mount_without_holder(mount_factory) -> None:  # type: igno
     assert m.store_files() == {"a.txt": b"12"}
     assert m.status()["keep_mount"] == {"holder_pid": None, "systemd_keeps": False, "took_over": True,
                                         "handles_taken_over": 1}
+
+
+def test_a_runtime_dir_as_long_as_the_control_socket_allows(mount_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The holder's socket is no longer than the control socket: a runtime dir whose control socket path has
+    the most a Unix socket allows (107 bytes) works with keep_mount too (it failed the mount: "AF_UNIX path
+    too long")."""
+    m = mount_factory(start=False)
+    length = 107 - len("/0123456789abcdef.sock")
+    name_length = length - len(str(tmp_path)) - 1
+    if name_length < 1:
+        pytest.skip("the test's tmp dir is too long already")
+    m.runtime = tmp_path / ("r" * name_length)
+    m.env["CKPTFS_RUNTIME_DIR"] = str(m.runtime)
+    m.start()
+    assert m.holder_pid() is not None
+    (m.mnt / "a.txt").write_text("a")
+    assert m.status()["keep_mount"]["holder_pid"] == m.holder_pid()
