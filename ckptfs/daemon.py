@@ -22,6 +22,7 @@ import secrets
 import signal
 import struct
 import subprocess
+import threading
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -64,6 +65,7 @@ EXTEND_SECONDS = 30
 # A background service that failed unexpectedly starts again after this long (doubling up to the cap).
 RESTART_PAUSE = 1.0
 RESTART_PAUSE_CAP = 60.0
+STALE_MOUNT_STAT_WAIT = 5.0  # how long the start waits on a stat of a FUSE mount already on the mountpoint
 RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take
 # FUSE_NOTIFY_RESEND (Linux >= 6.9): the kernel queues again every request its daemon read and did not answer
 RESEND_NOTIFICATION = struct.pack("<IiQ", 16, 7, 0)  # struct fuse_out_header: len, notify code, unique 0
@@ -101,7 +103,7 @@ def check_mountpoint(mountpoint: Path) -> bool:
     mounting replaces it."""
     removed = guard.remove(mountpoint)
     try:
-        st = os.stat(mountpoint)
+        st = _stat_of_a_mountpoint(mountpoint)
     except FileNotFoundError:
         raise CkptfsError(f"mountpoint {mountpoint} does not exist; create it with: mkdir -p {mountpoint}") from None
     except OSError as exc:
@@ -120,6 +122,35 @@ def check_mountpoint(mountpoint: Path) -> bool:
     if any(os.scandir(mountpoint)):
         raise CkptfsError(f"mountpoint {mountpoint} is not empty; mount on an empty directory")
     return removed
+
+
+def _stat_of_a_mountpoint(mountpoint: Path) -> os.stat_result:
+    """os.stat, bounded where a FUSE mount is there: one whose connection something keeps while no daemon
+    serves it (a holder this daemon does not find, say one of another version) would make the stat wait
+    for ever. A dead one answers ENOTCONN at once."""
+    top = guard.mounted_at(mountpoint)
+    if top is None or not top.fstype.startswith("fuse"):
+        return os.stat(mountpoint)
+    result: list[os.stat_result | OSError] = []
+    probe = threading.Thread(target=lambda: result.append(_stat_or_error(mountpoint)), daemon=True)
+    probe.start()
+    probe.join(STALE_MOUNT_STAT_WAIT)
+    if not result:
+        raise CkptfsError(
+            f"mountpoint {mountpoint} is a FUSE mount ({top.describe()}) whose connection is kept alive but that no"
+            f" daemon serves, and no holder answers at {holder.holder_path(mountpoint)}: the mount was kept by"
+            " another ckptfs version's holder, or another process holds its /dev/fuse. Stop that process, or"
+            f" detach the mount (umount -l {mountpoint}: the processes using it then get errors), then mount again")
+    if isinstance(result[0], OSError):
+        raise result[0]
+    return result[0]
+
+
+def _stat_or_error(path: Path) -> os.stat_result | OSError:
+    try:
+        return os.stat(path)
+    except OSError as exc:
+        return exc
 
 
 def read_ahead_path(dev: int) -> str:

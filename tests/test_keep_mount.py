@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ckptfs import guard
+from ckptfs.client import canonical_mountpoint
 from tests.conftest import Mount
 
 KILLS = int(os.environ.get("CKPTFS_KEEP_MOUNT_KILLS", "6"))
@@ -267,3 +268,27 @@ def test_a_runtime_dir_as_long_as_the_control_socket_allows(mount_factory, tmp_p
     assert m.holder_pid() is not None
     (m.mnt / "a.txt").write_text("a")
     assert m.status()["keep_mount"]["holder_pid"] == m.holder_pid()
+
+
+def test_a_kept_mount_whose_holder_is_not_found_is_an_error_not_a_hang(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """A daemon that finds a FUSE mount on its mountpoint kept alive by something it cannot reach (here: the
+    holder's socket moved away, as a holder of another version would be) says so within seconds instead of
+    waiting for ever on a stat of it (it hung the start); once the holder is found again, a daemon takes
+    the mount over."""
+    m = mount_factory()
+    m.allowed_log_words += [*TAKEOVER_LOG_WORDS, "before serving", "whose connection is kept alive"]
+    digest = hashlib.sha256(str(canonical_mountpoint(m.mnt)).encode()).hexdigest()[:16]
+    socket_file = m.runtime / f"{digest}.hold"
+    moved = m.runtime / "moved.hold"
+    socket_file.rename(moved)
+    assert m.proc is not None
+    _kill(m, m.proc.pid)
+    deadline = time.monotonic() + 60
+    while "whose connection is kept alive but that no daemon serves" not in m.log.read_text():
+        assert time.monotonic() < deadline, m.log.read_text()[-3000:]
+        time.sleep(0.2)
+    moved.rename(socket_file)
+    _daemon_pid(m, None)
+    (m.mnt / "after.txt").write_text("served again")
+    m.flush()
+    assert m.store_files() == {"after.txt": b"served again"}
