@@ -195,6 +195,7 @@ class Daemon:
         self._handles_taken_over = 0
         # keep_mount under systemd: the unit's file descriptor store keeps the connection (no holder there)
         self._systemd_keeps = False
+        self._exiting_now = False  # a second signal: unmount without draining (not a failure to recover from)
         self._restarting = False  # `ckptfs restart`: hand the connection to a new daemon instead of unmounting
         self.restart: Restart | None = None  # set once handed over
         self.metrics = metrics
@@ -417,7 +418,8 @@ class Daemon:
             os.set_inheritable(fd, True)
             self.restart = Restart(self.restart_argv, holder.handover_env(fd, init_request))
             return
-        if (self.link is not None or self._systemd_keeps) and not unmounted and not journal_failed:
+        failed = not unmounted and not journal_failed and not self._exiting_now
+        if (self.link is not None or self._systemd_keeps) and failed:
             pyfuse3.close(unmount=False)
             self.fs.backing = None
             self.link = None  # its socket closes with the process: the holder starts a new daemon
@@ -527,6 +529,7 @@ class Daemon:
                     self.request_stop(self.config.drain_timeout)
                 else:
                     log.warning("second signal: exiting now; pending uploads stay journaled for the next start")
+                    self._exiting_now = True
                     nursery.cancel_scope.cancel()
                     return
 
