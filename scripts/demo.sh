@@ -8,7 +8,11 @@ scripts/install.sh demo
 
 demo=${CKPTFS_DEMO_DIR:-/tmp/ckptfs-demo}
 store=$demo/bucket mnt=$demo/checkpoints cache=$demo/cache
-if mountpoint -q "$mnt" 2>/dev/null; then ckptfs umount "$mnt" || fusermount3 -u -z "$mnt"; fi
+# A mount left by an earlier run, or the guard its unmount left on the bare directory, goes first.
+if mountpoint -q "$mnt" 2>/dev/null; then
+  ckptfs umount "$mnt" 2>/dev/null || ckptfs unguard "$mnt" 2>/dev/null || fusermount3 -u -z "$mnt"
+  ckptfs unguard "$mnt" 2>/dev/null || true
+fi
 rm -rf "$demo"  # every run starts from an empty store and cache
 mkdir -p "$store" "$mnt"
 
@@ -30,5 +34,6 @@ ckptfs status "$mnt"
 ls -l "$store"
 cmp "$mnt/step_100.pt" "$store/step_100.pt"
 ckptfs umount "$mnt"
+ls "$mnt"  # the guard: writes into the bare directory fail until the next mount
 set +x
 echo "demo done: $store/step_100.pt is byte-identical to what torch.save wrote"
