@@ -140,7 +140,8 @@ def run_ckptfs(target: Target, source: Path, root: Path, tag: str) -> dict[str, 
     for phase in ("write", "restore"):
         mnt, cache = root / f"mnt-{tag}-{phase}", root / f"cache-{tag}-{phase}"
         mnt.mkdir()
-        ckptfs("mount", url, str(mnt), "--cache-dir", str(cache), *target.mount_args, "--metrics-addr", "off",
+        ckptfs("mount", "--no-guard-mountpoint",
+               url, str(mnt), "--cache-dir", str(cache), *target.mount_args, "--metrics-addr", "off",
                "--daemon", env=env)
         try:
             pid = json.loads(ckptfs("status", str(mnt), "--json", env=env).stdout)["pid"]

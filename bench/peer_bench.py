@@ -391,7 +391,8 @@ class Ckptfs(System):
 
     def mount(self, bucket: str, tag: str) -> Mounted:
         mnt, cache = self.dirs(tag)
-        result = self.cli("mount", f"s3://{bucket}", str(mnt), "--endpoint-url", self.weed.endpoint,
+        result = self.cli("mount", "--no-guard-mountpoint",
+                          f"s3://{bucket}", str(mnt), "--endpoint-url", self.weed.endpoint,
                           "--cache-dir", str(cache), "--daemon")
         if result.returncode != 0:
             raise BenchError(f"ckptfs mount failed: {(result.stderr or result.stdout).strip()}")

@@ -65,7 +65,8 @@ def run_ckptfs(server: S3Server, root: Path, run: int, size: int, files: int) ->
     mnt.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV_UNSET}
     env.update(CLIENT_ENV, CKPTFS_RUNTIME_DIR=str(root / "run"))
-    ckptfs("mount", f"s3://{BUCKET}/run", str(mnt), "--cache-dir", str(cache), "--endpoint-url", server.endpoint,
+    ckptfs("mount", "--no-guard-mountpoint",
+           f"s3://{BUCKET}/run", str(mnt), "--cache-dir", str(cache), "--endpoint-url", server.endpoint,
            "--daemon", env=env)
     try:
         drop_page_cache()

@@ -112,7 +112,8 @@ def run_ckptfs(
     env.update(CLIENT_ENV, CKPTFS_RUNTIME_DIR=str(root / "run"))
     if checkout is not None:  # another version of ckptfs, for a before/after comparison in the same run
         env["PYTHONPATH"] = str(checkout)
-    ckptfs("mount", f"s3://{bucket}/ckptfs-{tag}", str(mnt), "--cache-dir", str(cache), "--endpoint-url",
+    ckptfs("mount", "--no-guard-mountpoint",
+           f"s3://{bucket}/ckptfs-{tag}", str(mnt), "--cache-dir", str(cache), "--endpoint-url",
            server.endpoint, "--metrics-addr", "off", "--daemon", *mount_args, env=env)
     try:
         pid = json.loads(ckptfs("status", str(mnt), "--json", env=env).stdout)["pid"]

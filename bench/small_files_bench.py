@@ -81,7 +81,8 @@ def run_ckptfs(root: Path, tag: str, files: int, seed: int, extra: tuple[str, ..
     store.mkdir()
     mnt.mkdir()
     env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(root / "run"))
-    ckptfs("mount", f"file://{store}", str(mnt), "--cache-dir", str(cache), "--metrics-addr", "off", "--daemon",
+    ckptfs("mount", "--no-guard-mountpoint",
+           f"file://{store}", str(mnt), "--cache-dir", str(cache), "--metrics-addr", "off", "--daemon",
            *extra, env=env)
     try:
         quiet_disk(QUIET_PAUSE)

@@ -207,7 +207,8 @@ class Mount:
     def mount(self) -> None:
         for d in (self.store, self.mnt):
             d.mkdir(parents=True, exist_ok=True)
-        result = self.cli("mount", f"file://{self.store}", str(self.mnt), "--cache-dir", str(self.cache),
+        result = self.cli("mount", "--no-guard-mountpoint",
+                          f"file://{self.store}", str(self.mnt), "--cache-dir", str(self.cache),
                           "--daemon", "--upload-delay", str(self.upload_delay), *self.mount_args)
         if result.returncode != 0:
             raise BenchError(f"ckptfs mount failed: {(result.stderr or result.stdout).strip()}")
