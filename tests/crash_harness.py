@@ -1679,6 +1679,18 @@ class Harness:
         injected_before = dict(self.proxy.injected) if self.proxy is not None else {}
         round_started = time.monotonic()
 
+        def check_faults() -> None:
+            if self.proxy is None:
+                return
+            result.fired = {k: v - injected_before.get(k, 0) for k, v in self.proxy.injected.items()
+                            if v > injected_before.get(k, 0)}
+            sure = [r for r in rules if r.count == 1]
+            silent = [r.action for r in sure if r.fired == 0]
+            # A round killed before its first write may never PUT anything: nothing to inject into.
+            puts = sum(1 for at, line, _ in self.proxy.log if at >= round_started and line.startswith("PUT "))
+            if silent and puts >= len(sure):
+                raise RoundFailed(f"faults {silent} never fired (proxy saw {self.proxy.requests} requests)")
+
         if cfg.prephase != "none":  # an earlier life of the job: the store already holds checkpoints
             pre = PlanBuilder(rng, f"{index}a", names, dirs, scale, cfg.unlisted_dir_ops)
             for _ in range(rng.randint(1, 2)):
@@ -1729,7 +1741,7 @@ class Harness:
 
         m = self.mount(node, store, cfg, *extra)
         if cfg.keep_mount:
-            self._kept_round(rng, cfg, store, model, plan, m, round_dir, result)
+            self._kept_round(rng, cfg, store, model, plan, m, round_dir, result, check_faults)
             return
         filler = m.cache.parent / "filler" if cfg.full_cache else None
         if filler is not None and cfg.filler_mib:
@@ -1786,15 +1798,7 @@ class Harness:
         stored = store.snapshot()
         check_store_matches(stored, mount_tree, store.leftover_uploads())
         check_journal_against_store(m.cache / "journal.db", stored)
-        if self.proxy is not None:
-            result.fired = {k: v - injected_before.get(k, 0) for k, v in self.proxy.injected.items()
-                            if v > injected_before.get(k, 0)}
-            sure = [r for r in rules if r.count == 1]
-            silent = [r.action for r in sure if r.fired == 0]
-            # A round killed before its first write may never PUT anything: nothing to inject into.
-            puts = sum(1 for at, line, _ in self.proxy.log if at >= round_started and line.startswith("PUT "))
-            if silent and puts >= len(sure):
-                raise RoundFailed(f"faults {silent} never fired (proxy saw {self.proxy.requests} requests)")
+        check_faults()
         self.stop(m, "after flush")
 
         # A fresh node on the same store; in "fetch" rounds it is killed while reading and restarted.
@@ -1814,7 +1818,7 @@ class Harness:
             check_store_matches(store.snapshot(), Tree({p: bytes(d) for p, d in model.files.items()}, model.dirs), [])
 
     def _kept_round(self, rng: random.Random, cfg: RoundConfig, store: StoreView, model: Model, plan: list[Op],
-                    m: Mount, round_dir: Path, result: RoundResult) -> None:
+                    m: Mount, round_dir: Path, result: RoundResult, check_faults: Callable[[], None]) -> None:
         """--keep-mount: the workload goes on across kills of its daemon; the holder's next daemon takes the
         mount over each time. The writer must see no error at all."""
         pre_ops = len(model.applied)
@@ -1870,6 +1874,7 @@ class Harness:
         stored = store.snapshot()
         check_store_matches(stored, mount_tree, store.leftover_uploads())
         check_journal_against_store(m.cache / "journal.db", stored)
+        check_faults()
         takeovers.verify_log()
         self.stop(m, "after flush")
 
