@@ -51,9 +51,11 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import zlib
@@ -69,6 +71,7 @@ if str(TESTS) not in sys.path:  # `python -m tests.crash_harness` from the repo:
 from conftest import Mount  # noqa: E402
 from crash_writer import EXIT_MOUNT_GONE, data_for  # noqa: E402
 
+from ckptfs.client import canonical_mountpoint  # noqa: E402
 from ckptfs.drain import BURST_QUIET  # noqa: E402
 
 KiB = 1 << 10
@@ -1334,6 +1337,13 @@ class RoundConfig:
     lockstep: bool = False  # every node waits at the barrier (else only node 0, which writes the marker)
     steps: int = 0
     kill_plan: list[KillPlan] = field(default_factory=list)
+    # --keep-mount: the daemons run with keep_mount, and a kill leaves the mount to the holder's next daemon
+    # (no detach, no restart by the harness). Workload/spill kills: the op indices (kill_at first) and the
+    # pause after each; drain and fetch kills: the pause before each (after the writer finished, or after
+    # the previous daemon took over; after the reader started).
+    keep_mount: bool = False
+    kill_ats: list[int] = field(default_factory=list)
+    kill_sleeps: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -1354,6 +1364,9 @@ class RoundResult:
     polls: int = 0  # multi-node rounds: store polls of the cross-node check
     marker_polls: int = 0  # ... that found a marker in the store (and checked what it commits)
     held_polls: int = 0  # ... while node 0's newest closed marker was not in the store yet
+    # --keep-mount: kill-point checks made while the killed daemon was dead (a check the holder's next
+    # daemon may have raced, started before it ended, is not counted and not trusted)
+    kill_point_checks: int = 0
 
 
 CASCADE_ERRNOS = ("ENOSPC", "ENOENT", "EBADF", "ENOTEMPTY", "EEXIST", "ENOTDIR", "EISDIR")
@@ -1397,6 +1410,11 @@ class Harness:
         self.proxy: Any = None
         self.live: list[Mount] = []
         self.tmpfs: list[Path] = []
+        # Every mount's control and holder sockets, in one short directory: under pytest's tmp_path a round's
+        # node-fresh/run/<hash>.holder is longer than an AF_UNIX path may be, and a daemon then fails to
+        # start even with --no-keep-mount (an open bug: test_a_mount_starts_where_only_the_holder_socket_
+        # path_is_too_long in test_crash_harness.py). The sockets are named after the mountpoint.
+        self.runtime = Path(tempfile.mkdtemp(prefix="ckptfs-crash-run-"))
         self.writers: list[subprocess.Popen[bytes]] = []
 
     # server lifetime: once per run, reused by every round
@@ -1423,6 +1441,7 @@ class Harness:
             self.proxy.stop()
         if self.server is not None:
             self.server.stop()
+        shutil.rmtree(self.runtime, ignore_errors=True)
 
     def reap(self) -> None:
         """Kill every daemon this round started (by its own pid) and undo its mounts."""
@@ -1432,6 +1451,15 @@ class Harness:
                 w.wait()
         self.writers.clear()
         for m in self.live:
+            # keep_mount: the holder first (so that it starts no daemon any more), then the daemons it
+            # started (its children: the one serving, or one still starting), all by pid
+            holder = m.holder_pid()
+            started = holder_children(holder) if holder is not None else []
+            if holder is not None:
+                m.kill_holder()
+            for pid in started:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             if m.proc is not None:
                 m.proc.kill()
                 m.proc.wait()
@@ -1458,7 +1486,7 @@ class Harness:
             # `mv step_100 step_100.bak` on a fresh node lists nothing first; `rm -r` lists: both, by turns
             unlisted_dir_ops=(rng.random() < 0.5) or self.args.unlisted_dir_ops,  # drawn either way: replays
             part_size=rng.choice(["64M", "1M", "2M"]), upload_while_writing=rng.choice(["off", "auto", "on"]),
-            passthrough=self.args.passthrough or rng.choice(["auto", "off"]),
+            passthrough=self.args.passthrough or rng.choice(["auto", "off"]), keep_mount=self.args.keep_mount,
         )
 
     def choose_multi(self, rng: random.Random) -> RoundConfig:
@@ -1481,10 +1509,18 @@ class Harness:
     def mount(self, root: Path, store: StoreView, cfg: RoundConfig, *extra: str,
               upload_delay: float | None = None) -> Mount:
         args = [*store.daemon_args, *extra]
+        if not self.args.keep_mount:
+            # The harness's kills test recovery from a dead daemon: the mount dies with it (ENOTCONN), is
+            # detached, and a daemon the harness restarts on the same cache dir recovers. That is still what
+            # happens without a holder (keep_mount off, or a holder that gave up). With keep_mount on, the
+            # holder would start a daemon behind the harness's back; --keep-mount tests that path instead.
+            args.append("--no-keep-mount")
         if cfg.full_cache:
             args += ["--dirty-wait", "3"]
         delay = cfg.upload_delay if upload_delay is None else upload_delay
         m = Mount(root, upload_delay=delay, source=store.source, extra_args=tuple(args))
+        m.runtime = self.runtime
+        m.env["CKPTFS_RUNTIME_DIR"] = str(self.runtime)
         if cfg.full_cache and not m.cache.exists():
             # A small filesystem of its own under the cache dir, partly filled by someone else.
             fs_root = root / "cachefs"
@@ -1517,7 +1553,11 @@ class Harness:
 
     def stop(self, m: Mount, what: str) -> None:
         """SIGTERM, as systemd stops the daemon: drain (with drain_timeout), unmount, exit 0. No CLI
-        process to start, which keeps rounds short."""
+        process to start, which keeps rounds short. (--keep-mount: a daemon the holder started is not our
+        child, so `ckptfs umount` stops it, and the holder must exit with the mount.)"""
+        if self.args.keep_mount:
+            self.stop_kept(m, what)
+            return
         assert m.proc is not None
         m.proc.send_signal(signal.SIGTERM)
         try:
@@ -1528,6 +1568,28 @@ class Harness:
         self.live.remove(m)
         if code != 0:
             raise RoundFailed(f"{what}: the daemon exited {code} on SIGTERM")
+
+    def stop_kept(self, m: Mount, what: str) -> None:
+        """--keep-mount: `ckptfs umount` (drain, unmount; the daemon serving may be one the holder started),
+        then the daemon and the holder must be gone."""
+        pid = status_pid(m)
+        result = m.cli("umount", str(m.mnt), "--timeout", "240", timeout=300)
+        if result.returncode != 0:
+            raise RoundFailed(f"{what}: ckptfs umount exited {result.returncode}: {result.stderr.strip()[-300:]}")
+        if m.proc is not None:
+            code = m.proc.wait(timeout=60)
+            m.proc = None
+            if code != 0:
+                raise RoundFailed(f"{what}: the daemon exited {code} after ckptfs umount")
+        deadline = time.monotonic() + 30
+        while (pid is not None and not process_gone(pid)) or m.holder_pid() is not None:
+            if time.monotonic() > deadline:
+                raise RoundFailed(f"{what}: after ckptfs umount, daemon pid {pid} or holder pid {m.holder_pid()}"
+                                  " is still there")
+            time.sleep(0.05)
+        if os.path.ismount(m.mnt):
+            raise RoundFailed(f"{what}: still mounted after ckptfs umount")
+        self.live.remove(m)
 
     def run_writer(self, plan: list[Op], dir_: Path, mnt: Path, name: str) -> tuple[subprocess.Popen[bytes], Path]:
         plan_path = dir_ / f"{name}.plan.json"
@@ -1617,6 +1679,18 @@ class Harness:
         injected_before = dict(self.proxy.injected) if self.proxy is not None else {}
         round_started = time.monotonic()
 
+        def check_faults() -> None:
+            if self.proxy is None:
+                return
+            result.fired = {k: v - injected_before.get(k, 0) for k, v in self.proxy.injected.items()
+                            if v > injected_before.get(k, 0)}
+            sure = [r for r in rules if r.count == 1]
+            silent = [r.action for r in sure if r.fired == 0]
+            # A round killed before its first write may never PUT anything: nothing to inject into.
+            puts = sum(1 for at, line, _ in self.proxy.log if at >= round_started and line.startswith("PUT "))
+            if silent and puts >= len(sure):
+                raise RoundFailed(f"faults {silent} never fired (proxy saw {self.proxy.requests} requests)")
+
         if cfg.prephase != "none":  # an earlier life of the job: the store already holds checkpoints
             pre = PlanBuilder(rng, f"{index}a", names, dirs, scale, cfg.unlisted_dir_ops)
             for _ in range(rng.randint(1, 2)):
@@ -1653,8 +1727,22 @@ class Harness:
             cfg.kill_at = rng.choice(chunks[20:] or chunks)
         else:
             cfg.kill_at = rng.randint(0, len(plan))
+        if cfg.keep_mount:  # 1 to 3 kills; each waits for the takeover of the one before
+            if cfg.kill in ("workload", "spill"):
+                more = [rng.choice(chunks) if cfg.kill == "spill" else rng.randint(0, len(plan))
+                        for _ in range(rng.randint(0, 2))]
+                cfg.kill_ats = sorted([cfg.kill_at, *more])
+                cfg.kill_sleeps = [rng.uniform(0, 0.03) for _ in cfg.kill_ats]
+            elif cfg.kill == "drain":
+                cfg.kill_sleeps = [rng.uniform(0, cfg.upload_delay + BURST_QUIET + 0.3)
+                                   for _ in range(rng.randint(1, 3))]
+            else:
+                cfg.kill_sleeps = [rng.uniform(0, 0.4) for _ in range(rng.randint(1, 2))]
 
         m = self.mount(node, store, cfg, *extra)
+        if cfg.keep_mount:
+            self._kept_round(rng, cfg, store, model, plan, m, round_dir, result, check_faults)
+            return
         filler = m.cache.parent / "filler" if cfg.full_cache else None
         if filler is not None and cfg.filler_mib:
             filler.write_bytes(bytes(cfg.filler_mib * MiB))
@@ -1710,15 +1798,7 @@ class Harness:
         stored = store.snapshot()
         check_store_matches(stored, mount_tree, store.leftover_uploads())
         check_journal_against_store(m.cache / "journal.db", stored)
-        if self.proxy is not None:
-            result.fired = {k: v - injected_before.get(k, 0) for k, v in self.proxy.injected.items()
-                            if v > injected_before.get(k, 0)}
-            sure = [r for r in rules if r.count == 1]
-            silent = [r.action for r in sure if r.fired == 0]
-            # A round killed before its first write may never PUT anything: nothing to inject into.
-            puts = sum(1 for at, line, _ in self.proxy.log if at >= round_started and line.startswith("PUT "))
-            if silent and puts >= len(sure):
-                raise RoundFailed(f"faults {silent} never fired (proxy saw {self.proxy.requests} requests)")
+        check_faults()
         self.stop(m, "after flush")
 
         # A fresh node on the same store; in "fetch" rounds it is killed while reading and restarted.
@@ -1736,6 +1816,250 @@ class Harness:
         self.stop(fresh, "fresh node")
         if cfg.kill == "fetch":
             check_store_matches(store.snapshot(), Tree({p: bytes(d) for p, d in model.files.items()}, model.dirs), [])
+
+    def _kept_round(self, rng: random.Random, cfg: RoundConfig, store: StoreView, model: Model, plan: list[Op],
+                    m: Mount, round_dir: Path, result: RoundResult, check_faults: Callable[[], None]) -> None:
+        """--keep-mount: the workload goes on across kills of its daemon; the holder's next daemon takes the
+        mount over each time. The writer must see no error at all."""
+        pre_ops = len(model.applied)
+        takeovers = Takeovers(m, result)
+
+        def kill_point() -> None:  # the daemon is dead: the store is quiet; read it before the writer's log
+            stored = store.snapshot()
+            failure = logged_failure(plan, log)
+            if failure:
+                writer_failed(m, failure, "no error may reach it across a takeover")
+            now = model.copy()
+            in_flight, _ = now.apply_log(plan, log)
+            result.ops_done = len(now.applied) - pre_ops
+            check_kill_point(stored, now, in_flight)
+
+        proc, log = self.run_writer(plan, round_dir, m.mnt, "main")
+        if cfg.kill in ("workload", "spill"):
+            for n, (at, pause) in enumerate(zip(cfg.kill_ats, cfg.kill_sleeps, strict=True)):
+                deadline = time.monotonic() + 300
+                while proc.poll() is None and count_lines(log) < at:
+                    if time.monotonic() > deadline:
+                        raise RoundFailed(f"writer stuck at op {count_lines(log)} of {len(plan)}")
+                    time.sleep(0.003)
+                time.sleep(pause)
+                takeovers.kill(f"{cfg.kill}{n}@op{count_lines(log)}", kill_point)
+        try:
+            code = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            raise RoundFailed(f"writer stuck at op {count_lines(log)} of {len(plan)} after"
+                              f" {takeovers.kills} takeovers") from None
+        if code != 0:
+            raise RoundFailed(f"writer exited {code}{' (it saw a dead mount)' if code == EXIT_MOUNT_GONE else ''}"
+                              f" across {takeovers.kills} takeovers: {(round_dir / 'main.stderr').read_text()[-300:]}")
+        if cfg.kill == "drain":
+            for n, pause in enumerate(cfg.kill_sleeps):
+                time.sleep(pause)
+                takeovers.kill(f"drain{n}", kill_point)
+        # (the first failure is the round's: the model cannot follow a writer that carried on after one)
+        failure = logged_failure(plan, log)
+        if failure:
+            writer_failed(m, failure, f"across {takeovers.kills} takeovers")
+        in_flight, _ = model.apply_log(plan, log)
+        result.ops_done = len(model.applied) - pre_ops
+        if in_flight is not None:
+            raise RoundFailed(f"writer exited 0 before {describe(in_flight)}")
+        # No operation in doubt: none failed, so the mount holds the model exactly.
+        problem = first_difference(read_mount(m.mnt), model.files, model.dirs,  # type: ignore[arg-type]
+                                   f"mount after {takeovers.kills} takeovers")
+        if problem:
+            raise RoundFailed(problem)
+        m.flush(timeout=300)
+        mount_tree = read_mount(m.mnt)
+        stored = store.snapshot()
+        check_store_matches(stored, mount_tree, store.leftover_uploads())
+        check_journal_against_store(m.cache / "journal.db", stored)
+        check_faults()
+        takeovers.verify_log()
+        self.stop(m, "after flush")
+
+        # A fresh node on the same store; in "fetch" rounds its daemon is killed while a reader reads every
+        # file (remote ones: a fetch in flight across the takeover), and the reader must see no error.
+        fresh = self.mount(round_dir / "node-fresh", store, cfg)
+        fresh_takeovers = Takeovers(fresh, result)
+        if cfg.kill == "fetch":
+            reads = [{"op": "read", "path": p} for p in sorted(model.files)]
+            rng.shuffle(reads)
+            reader, reader_log = self.run_writer(reads, round_dir, fresh.mnt, "reader")
+            want = Tree({p: bytes(d) for p, d in model.files.items()}, model.dirs)
+
+            def unchanged() -> None:  # a reader never changes the store: at the kill it holds the model exactly
+                check_store_matches(store.snapshot(), want, [])
+
+            for n, pause in enumerate(cfg.kill_sleeps):
+                time.sleep(pause)
+                fresh_takeovers.kill(f"fetch{n}", unchanged)
+            try:
+                code = reader.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                raise RoundFailed(f"reader stuck after {fresh_takeovers.kills} takeovers") from None
+            _, failures = Model().apply_log(reads, reader_log)
+            if code != 0 or failures:
+                raise RoundFailed(f"reader exited {code} across {fresh_takeovers.kills} takeovers"
+                                  f"{': ' + failures[0] if failures else ''}")
+        problem = first_difference(read_mount(fresh.mnt), model.files, model.dirs, "fresh node")  # type: ignore[arg-type]
+        if problem:
+            raise RoundFailed(problem)
+        fresh_takeovers.verify_log()
+        self.stop(fresh, "fresh node")
+        if cfg.kill == "fetch":
+            check_store_matches(store.snapshot(), Tree({p: bytes(d) for p, d in model.files.items()}, model.dirs), [])
+
+
+# -- --keep-mount: kills the holder's next daemon takes over -------------------------------------------------
+
+TAKEOVER_WAIT = 60.0  # seconds after a kill within which a new daemon must answer `status`
+HOLDER_STARTS = b"starting a daemon to take the connection over"  # the holder's log line (holder.py)
+DAEMON_DIED = re.compile(r"holder of \S+: daemon pid \d+ died")
+TOOK_OVER = "took over the FUSE connection of"
+
+
+# The open bug of test_a_request_done_but_not_answered_at_the_kill_is_not_done_twice: a request the killed
+# daemon carried out but did not answer is sent again and carried out again by the daemon that took over:
+# mkdir and create answer EEXIST, rename, unlink and rmdir ENOENT (the name is the one the daemon logs).
+REDONE_FAILURE = re.compile(r"op #\d+ (mkdir|open|rename|unlink|rmdir) (?:\S+/)?([^/\s]+)(?: -> \S+)? failed: "
+                            r"(EEXIST|ENOENT)$")
+REDONE_ERRNO = {"mkdir": "EEXIST", "open": "EEXIST", "rename": "ENOENT", "unlink": "ENOENT", "rmdir": "ENOENT"}
+REDONE_TEST = "test_a_request_done_but_not_answered_at_the_kill_is_not_done_twice"
+
+
+def logged_failure(plan: list[Op], log: Path) -> str | None:
+    """The writer's first failed operation, as Model.apply_lines words it (None: none failed)."""
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if "err" in entry:
+                name = errno.errorcode.get(entry["err"], entry["err"])
+                return f"op #{entry['i']} {describe(plan[entry['i']])} failed: {name}"
+    return None
+
+
+def writer_failed(m: Mount, failure: str, context: str) -> None:
+    """Raise the round's failure for the writer's first failed operation: KnownBug when it has the signature
+    of a redone request (the daemon that answered the error had taken the mount over)."""
+    message = f"writer: {failure} ({context})"
+    found = REDONE_FAILURE.search(failure)
+    if found and REDONE_ERRNO[found.group(1)] == found.group(3):
+        call = "create" if found.group(1) == "open" else found.group(1)
+        text = m.log.read_text(errors="replace")
+        answered = text.rfind(f"{call} failed: [{found.group(3)}] ")
+        if answered > text.find(TOOK_OVER) >= 0 and repr(found.group(2)) in text[answered:text.find("\n", answered)]:
+            raise KnownBug(REDONE_TEST, message)
+    raise RoundFailed(message)
+
+
+def holder_children(pid: int) -> list[int]:
+    """The daemons a holder started (its child processes), by pid."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def process_gone(pid: int) -> bool:
+    """The process exited (gone, or a zombie its parent has not reaped yet: none of its threads runs)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def status_pid(m: Mount) -> int | None:
+    """The pid of the daemon that answers `ckptfs status --json` on m (the same request on its control
+    socket, without starting a CLI process per poll), or None if none answers."""
+    name = hashlib.sha256(str(canonical_mountpoint(m.mnt)).encode()).hexdigest()[:16]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    try:
+        sock.connect(str(m.runtime / f"{name}.sock"))
+        sock.sendall(json.dumps({"op": "status"}).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+        reply = json.loads(buf)
+    except (OSError, ValueError):
+        return None
+    finally:
+        sock.close()
+    return int(reply["pid"]) if reply.get("ok") and isinstance(reply.get("pid"), int) else None
+
+
+def log_tail(path: Path, offset: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read()
+
+
+class Takeovers:
+    """--keep-mount: SIGKILL the daemon serving a mount and let the holder's next daemon take the mount
+    over; the harness neither detaches nor restarts anything, and the clients' requests just wait."""
+
+    def __init__(self, m: Mount, result: RoundResult) -> None:
+        self.m = m
+        self.result = result
+        self.kills = 0
+
+    def kill(self, label: str, check: Callable[[], None] | None = None) -> None:
+        """Kill the daemon now; while it is dead (the holder waits RESTART_DELAY before it starts the next),
+        run `check` (the kill-point invariants: the store is quiet); then wait until a new daemon answers."""
+        m = self.m
+        pid = status_pid(m)
+        if pid is None:
+            raise RoundFailed(f"{label}: no daemon answers status on {m.root.name} before the kill")
+        offset = m.log.stat().st_size
+        if m.proc is not None and m.proc.pid == pid:  # the first daemon is the harness's child
+            m.proc.kill()
+            m.proc.wait(timeout=30)
+            m.proc = None
+        else:  # one the holder started (the holder reaps it)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while not process_gone(pid):
+                if time.monotonic() > deadline:
+                    raise RoundFailed(f"{label}: daemon pid {pid} did not die of SIGKILL")
+                time.sleep(0.002)
+        self.kills += 1
+        self.result.kills_done.append(label)
+        if check is not None:
+            try:
+                check()
+                failure = None
+            except RoundFailed as exc:
+                failure = exc
+            # A check that ended after the holder started the next daemon may have seen that daemon's
+            # recovery change the store: not trusted either way (counted as not made).
+            if HOLDER_STARTS not in log_tail(m.log, offset):
+                if failure is not None:
+                    failure.args = (f"{label}, daemon dead: {failure}",)  # a KnownBug stays one
+                    raise failure
+                self.result.kill_point_checks += 1
+        deadline = time.monotonic() + TAKEOVER_WAIT
+        while True:
+            new = status_pid(m)
+            if new is not None and new != pid:
+                return
+            if time.monotonic() > deadline:
+                raise RoundFailed(f"{label}: no daemon took the mount over within {TAKEOVER_WAIT:.0f} s after the"
+                                  f" kill of pid {pid} (holder pid {m.holder_pid()})")
+            time.sleep(0.05)
+
+    def verify_log(self) -> None:
+        """Every daemon that died was killed by the harness, and each kill was followed by a takeover."""
+        text = self.m.log.read_text(errors="replace")
+        died, took_over = len(DAEMON_DIED.findall(text)), text.count(TOOK_OVER)
+        if died != self.kills or took_over != self.kills:
+            raise RoundFailed(f"{self.m.root.name}: {self.kills} kills, but the holder saw {died} daemons die and"
+                              f" {took_over} took the mount over (a daemon died by itself, or one failed to start)")
 
 
 def count_lines(path: Path) -> int:
@@ -1790,6 +2114,8 @@ def describe_round(index: int, r: RoundResult) -> str:
         parts.append(f"filler={cfg.filler_mib}MiB enospc={sum('ENOSPC' in e for e in r.errors)} waits={r.waits}")
     if cfg.kill == "spill" or r.spills:
         parts.append(f"spilled_files={r.spills}")
+    if cfg.keep_mount:
+        parts.append(f"takeovers={','.join(r.kills_done) or '-'} kill-point-checks={r.kill_point_checks}")
     return "  ".join(parts)
 
 
@@ -1807,6 +2133,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[R
                 flags += f" --nodes {args.nodes}" if args.nodes > 1 else ""
                 flags += f" --passthrough {args.passthrough}" if args.passthrough else ""
                 flags += " --no-cross-node-ordering" if args.no_cross_node_ordering else ""
+                flags += " --keep-mount" if args.keep_mount else ""
                 emit(f"  first difference: {r.message}")
                 emit(f"  replay: python -m tests.crash_harness --seed {args.seed} --store {args.store}{flags} "
                      f"--round {index} --rounds 1 --keep   (kept: {harness.workdir / f'round-{index}'})")
@@ -1850,7 +2177,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "markers (a marker never lands before the files closed on any node before the barrier)")
     parser.add_argument("--no-cross-node-ordering", action="store_true",
                         help="with --nodes: run the daemons without cross-node ordering, to see the check fail")
+    parser.add_argument("--keep-mount", action="store_true",
+                        help="the daemons run with keep_mount: each kill (1 to 3 a round) leaves the mount to the "
+                        "daemon the holder starts next, the workload goes on and must see no error (without it, "
+                        "every mount has --no-keep-mount and a kill leaves a dead mount the harness restarts)")
     args = parser.parse_args(argv)
+    if args.keep_mount and (args.nodes > 1 or args.full_cache):
+        parser.error("--keep-mount does not combine with --nodes or --full-cache (yet): their writers expect "
+                     "dead mounts (restarted steps) or errors (ENOSPC), a takeover lets them see neither")
     if args.faults and args.store != "seaweedfs":
         parser.error("--faults needs --store seaweedfs (the fault proxy speaks HTTP)")
     if args.nodes > 1 and (args.faults or args.full_cache):

@@ -1,12 +1,17 @@
-"""The crash-and-fault harness (tests/crash_harness.py) in CI: a short run of about 24 rounds over file://,
-SeaweedFS, SeaweedFS behind the fault proxy, a full cache filesystem and two nodes on one store; and the
-regression tests of the product bugs the harness found (xfail(strict=True) while they are open, each with
-its reason; plain regression tests once fixed)."""
+"""The crash-and-fault harness (tests/crash_harness.py) in CI: a short run of about 27 rounds over file://,
+SeaweedFS, SeaweedFS behind the fault proxy, a full cache filesystem, two nodes on one store, and kills that
+the holder's next daemon takes over (--keep-mount); and the regression tests of the product bugs the harness
+found (xfail(strict=True) while they are open, each with its reason; plain regression tests once fixed)."""
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
+import sqlite3
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +42,9 @@ CI_RUNS = [
     pytest.param(["--store", "seaweedfs", "--faults", "--rounds", "4", "--seed", "1203"], id="seaweedfs-faults"),
     pytest.param(["--store", "file", "--full-cache", "--rounds", "4", "--seed", "1204"], id="full-cache"),
     pytest.param(["--store", "file", "--nodes", "2", "--rounds", "4", "--seed", "1205"], id="two-nodes"),
+    # keep_mount: kills the holder's next daemon takes over, the workload going on (one round killed
+    # mid-workload, one with a fresh node mid-fetch, one mid-drain)
+    pytest.param(["--store", "file", "--keep-mount", "--rounds", "3", "--seed", "1338"], id="keep-mount"),
 ]
 
 
@@ -48,6 +56,13 @@ def test_crash_rounds_lose_nothing(argv: list[str], tmp_path: Path) -> None:
     report = "\n".join(lines)
     # A round that hit an open bug with its own xfail test below counts as known, not as a new failure.
     assert results and all(r.ok or r.known for r in results), report
+
+
+def test_keep_mount_refuses_the_modes_whose_writers_expect_errors() -> None:
+    assert parse_args(["--keep-mount", "--store", "seaweedfs", "--faults"]).keep_mount
+    for other in (["--nodes", "2"], ["--full-cache"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--keep-mount", *other])
 
 
 def test_the_checks_catch_what_they_claim() -> None:
@@ -215,6 +230,95 @@ def test_fresh_node_rmdir_of_a_never_listed_non_empty_directory_is_enotempty(mou
     with pytest.raises(OSError) as raised:
         os.rmdir(reader.mnt / "a" / "b")  # a is listed by this lookup; b is not
     assert raised.value.errno == errno.ENOTEMPTY
+
+
+@pytest.mark.xfail(strict=True, reason="holder.attach (run before every mount, keep_mount or not) lets connect()'s"
+                   " 'AF_UNIX path too long' end the daemon, where the control socket's path, two characters"
+                   " shorter, fits")
+def test_a_mount_starts_where_only_the_holder_socket_path_is_too_long(mount_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Found by the CI run of the harness (every round failed at its fresh node, under pytest's long tmp_path):
+    <runtime>/<hash>.sock fits in an AF_UNIX address (107 characters) and <runtime>/<hash>.holder does not.
+    Such a mount worked before keep_mount; with --no-keep-mount it must still."""
+    m: Mount = mount_factory("m", start=False, extra_args=("--no-keep-mount",))
+    base = str(tmp_path / "r")
+    m.runtime = Path(base + "x" * (84 - len(base)))  # + "/" + 16 hex + ".sock" = 106, ".holder" = 108
+    m.env["CKPTFS_RUNTIME_DIR"] = str(m.runtime)
+    m.start()
+    (m.mnt / "a").write_bytes(b"a")
+    m.flush()
+    assert m.store_files() == {"a": b"a"}
+
+
+def _in_journal(m: Mount, path: str) -> bool:
+    db = sqlite3.connect(f"file:{m.cache / 'journal.db'}?mode=ro", uri=True, timeout=10)
+    try:
+        return db.execute("SELECT 1 FROM inodes WHERE path = ?", (path,)).fetchone() is not None
+    finally:
+        db.close()
+
+
+@pytest.mark.xfail(strict=True, reason="a request the killed daemon carried out but did not answer is sent again"
+                   " (FUSE_NOTIFY_RESEND) and carried out again: mkdir and create of the name it made answer"
+                   " EEXIST, rename and unlink of the name it removed ENOENT")
+@pytest.mark.parametrize("call", ["mkdir", "create", "rename", "unlink"])
+def test_a_request_done_but_not_answered_at_the_kill_is_not_done_twice(mount_factory, call: str) -> None:  # type: ignore[no-untyped-def]
+    """--keep-mount, --seed 4242 --store file, rounds 10 (`open step_00004/shard-0.bin failed: EEXIST`), 26 and
+    27 (`mkdir step_00003 failed: EEXIST`); --seed 1207 round 1 (`rename step_00002.tmp-1b -> step_00002
+    failed: ENOENT`): the daemon is killed after it recorded the change in its journal and before its answer
+    reached the kernel; the kernel sends the request again to the daemon that takes the mount over, which
+    finds the name taken (or gone). Here strace holds every answer of the daemon on /dev/fuse for 2 s, and the
+    kill comes once the journal has the change. Each call must succeed (and a created file be like any other:
+    written, closed, uploaded)."""
+    m: Mount = mount_factory()
+    m.allowed_log_words += ["died; the mount stays"]
+    if call in ("rename", "unlink"):
+        (m.mnt / "made").write_bytes(b"data")
+    assert m.proc is not None
+    tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-p", str(m.proc.pid), "-P", "/dev/fuse",
+                               "-e", "trace=writev", "-e", "inject=writev:delay_enter=2000000"],
+                              stderr=subprocess.DEVNULL)
+    time.sleep(1.5)  # attached to every thread
+    outcome: list[object] = []
+
+    def job() -> None:
+        try:
+            if call == "mkdir":
+                os.mkdir(m.mnt / "made")
+            elif call == "create":
+                fd = os.open(m.mnt / "made", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.write(fd, b"data")
+                os.close(fd)
+            elif call == "rename":
+                os.rename(m.mnt / "made", m.mnt / "moved")
+            else:
+                os.unlink(m.mnt / "made")
+            outcome.append("ok")
+        except OSError as exc:
+            outcome.append(exc)
+
+    def done() -> bool:
+        return _in_journal(m, "moved") if call == "rename" else _in_journal(m, "made") == (call != "unlink")
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline, "the daemon never recorded the change"
+        time.sleep(0.01)
+    m.proc.kill()  # its answer is held back by strace: the kernel has not got it
+    m.proc.wait()
+    m.proc = None
+    tracer.wait(timeout=30)
+    thread.join(timeout=60)
+    if outcome != ["ok"]:
+        # (the daemon that took over keeps the create's handle, which the kernel never got, open for writing:
+        # its drain would wait for it; the teardown's umount would wait a minute)
+        pid = m.status()["pid"]
+        m.kill_holder()
+        os.kill(pid, signal.SIGKILL)
+    assert outcome == ["ok"], outcome
+    m.flush()
+    assert m.store_files() == {"create": {"made": b"data"}, "rename": {"moved": b"data"}}.get(call, {})
 
 
 def test_local_store_copy_redone_leaves_no_temp(tmp_path: Path) -> None:
