@@ -49,6 +49,8 @@ RESERVED_PREFIX = b".ckptfs-tmp."
 # PASSTHROUGH_ROOM_SHARE of the budget: its writes no longer wait for room (see Filesystem._passthrough).
 PASSTHROUGH_ROOM = 1 << 30
 PASSTHROUGH_ROOM_SHARE = 0.1
+# FUSE_UNIQUE_RESEND: the high bit of a request id marks a request the kernel sent again after a takeover
+RESENT = 1 << 63
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
@@ -263,6 +265,8 @@ class Filesystem:
         # count), `_counted` holds those.
         self._refs_inherited = False
         self._counted: set[int] = set()
+        # Restored handles by the id of the open or create request they answered (see unanswered)
+        self._unanswered: dict[int, int] = {}
         # Inodes written since their last close by any handle: their close queues an upload.
         self._changed: set[int] = set()
         # Closes the journal could not record (the cache filesystem was full), with whether the content
@@ -751,15 +755,27 @@ class Filesystem:
                     self.journal.mark_open_for_write(inode_id)
         return fh
 
-    def handed_out(self, fh: int) -> None:
-        """The open or create reply naming `fh` goes to the kernel now: record the handle for a daemon that
-        takes the mount over. Not earlier: a daemon that dies before its reply leaves no record of a handle
-        the kernel never got (the kernel sends that open again, and it gets a handle of its own)."""
+    def handed_out(self, fh: int, request: int = 0) -> None:
+        """The reply of the kernel's open or create `request` (its id) naming `fh` goes to the kernel now:
+        record the handle for a daemon that takes the mount over. Not earlier: a daemon that dies before its
+        reply leaves no record of a handle the kernel never got (the kernel sends that open again, and it
+        gets a handle of its own). A daemon killed between the record and the reply is what `unanswered` is
+        for."""
         if self.handle_table is not None:
             handle = self.handles[fh]
             self.handle_table.put(fh, handle.inode_id, os.O_RDWR if handle.writable else os.O_RDONLY,
                                   handle.backing, dirtied=handle.dirtied, direct=handle.direct,
-                                  stream=handle.reader is not None)
+                                  stream=handle.reader is not None, request=request & ~RESENT)
+
+    def unanswered(self, request: int) -> int | None:
+        """The handle a daemon before this one made for the kernel's open or create `request` and died before
+        its reply went out: the kernel sent the request again (it never got the handle), and it gets that
+        handle now instead of a second one that would keep the file open for ever."""
+        fh = self._unanswered.pop(request & ~RESENT, None)
+        return fh if fh is not None and fh in self.handles else None
+
+    def inode_of(self, fh: int) -> int:
+        return self._handle(fh).inode_id
 
     def restore_handles(self, records: list[OpenHandle]) -> int:
         """Take over the handles a daemon before this one handed to the kernel (the handle table of a
@@ -771,6 +787,8 @@ class Filesystem:
         for record in records:
             if self._restore_handle(record):
                 restored += 1
+                if record.request:
+                    self._unanswered[record.request] = record.fh
             elif self.handle_table is not None:
                 self.handle_table.drop(record.fh)
         used = set(self.handles)

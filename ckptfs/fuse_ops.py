@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from pyfuse3 import (
 )
 
 from ckptfs.errors import Faults, FsError
-from ckptfs.fs import Attr, Filesystem, RoomNeeded, SetAttrs
+from ckptfs.fs import RESENT, Attr, Filesystem, RoomNeeded, SetAttrs
 from ckptfs.journal import journal_unusable
 from ckptfs.metrics import OpStats
 
@@ -52,6 +53,13 @@ TIMED_OPS = (
     "create", "open", "flush", "release", "fsync", "opendir", "readdir", "fsyncdir", "statfs", "getxattr", "listxattr",
     "setxattr", "removexattr",
 )
+
+
+def _sent_again(ctx: RequestContext) -> bool:
+    """The kernel sent this request again after a takeover (FUSE_NOTIFY_RESEND): the daemon before had read
+    it and died before its answer went out, perhaps after it had done what it asked. Builds of pyfuse3
+    without the request id (the stock one) never say so."""
+    return bool(getattr(ctx, "unique", 0) & RESENT)
 
 
 def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
@@ -221,23 +229,49 @@ class FuseOperations(pyfuse3.Operations):
         raise AssertionError("link() always raises")
 
     async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, ctx: RequestContext) -> EntryAttributes:
-        attr = self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid)
+        try:
+            attr = self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid)
+        except FsError as exc:
+            attr = self._done_before(exc, errno.EEXIST, ctx, parent_inode, name, stat.S_IFDIR)
         await self.fs.announce(attr.ino)
         return _entry(attr)
+
+    def _done_before(self, exc: FsError, found: int, ctx: RequestContext, parent_inode: InodeT, name: FileNameT,
+                     kind: int) -> Attr:
+        """A mkdir or symlink sent again after a takeover that finds its entry made: the daemon before made
+        it and died before answering. Anything else re-raises `exc`."""
+        if exc.errno != found or not _sent_again(ctx):
+            raise exc
+        attr = self.fs.lookup(parent_inode, name)
+        if stat.S_IFMT(attr.mode) != kind:
+            raise exc
+        return attr
 
     async def symlink(
         self, parent_inode: InodeT, name: FileNameT, target: FileNameT, ctx: RequestContext
     ) -> EntryAttributes:
-        attr = self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid)
+        try:
+            attr = self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid)
+        except FsError as exc:
+            attr = self._done_before(exc, errno.EEXIST, ctx, parent_inode, name, stat.S_IFLNK)
         await self.fs.announce(attr.ino)
         return _entry(attr)
 
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
-        self.fs.unlink(parent_inode, name)
+        try:
+            self.fs.unlink(parent_inode, name)
+        except FsError as exc:
+            if exc.errno != errno.ENOENT or not _sent_again(ctx):
+                raise
+            # (sent again after a takeover: the daemon before removed it and died before answering)
 
     async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
-        await self.fs.prepare_rmdir(parent_inode, name)
-        self.fs.rmdir(parent_inode, name)
+        try:
+            await self.fs.prepare_rmdir(parent_inode, name)
+            self.fs.rmdir(parent_inode, name)
+        except FsError as exc:
+            if exc.errno != errno.ENOENT or not _sent_again(ctx):
+                raise
 
     async def rename(
         self,
@@ -248,18 +282,32 @@ class FuseOperations(pyfuse3.Operations):
         flags: FlagT,
         ctx: RequestContext,
     ) -> None:
-        await self.fs.prepare_rename(parent_inode_old, name_old, parent_inode_new, name_new)
-        moved = self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        try:
+            await self.fs.prepare_rename(parent_inode_old, name_old, parent_inode_new, name_new)
+            moved = self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        except FsError as exc:
+            if exc.errno != errno.ENOENT or not _sent_again(ctx):
+                raise
+            # Sent again after a takeover, and the source is gone: the daemon before renamed it and died
+            # before answering, if the new name is there.
+            self.fs.lookup(parent_inode_new, name_new)  # ENOENT if not: then it is the caller's error
+            return
         if moved is not None:
             await self.fs.announce(*moved)
 
     async def create(
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT, ctx: RequestContext
     ) -> tuple[FileInfo, EntryAttributes]:
+        resent = _sent_again(ctx)
+        fh = self.fs.unanswered(ctx.unique) if resent else None
+        if fh is not None:  # made by the daemon before, which died before its answer went out
+            ino = self.fs.inode_of(fh)
+            self.fs.remember(ino)
+            return self._file_info(fh, ctx), _entry(self.fs.getattr(ino))
         try:
             fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         except FsError as exc:
-            if exc.errno != errno.EEXIST or flags & os.O_EXCL:
+            if exc.errno != errno.EEXIST or (flags & os.O_EXCL and not resent):
                 raise
             # The kernel sends CREATE only for a name it saw missing: this is one it sent again after a
             # takeover (the daemon before created the file and died before answering). open(O_CREAT) of a
@@ -268,12 +316,14 @@ class FuseOperations(pyfuse3.Operations):
             fh = await self.fs.open(attr.ino, flags)
             attr = self.fs.getattr(attr.ino)
         await self._announced(fh)
-        return self._file_info(fh), _entry(attr)
+        return self._file_info(fh, ctx), _entry(attr)
 
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
-        fh = await self.fs.open(inode, flags)
-        await self._announced(fh)
-        return self._file_info(fh)
+        fh = self.fs.unanswered(ctx.unique) if _sent_again(ctx) else None
+        if fh is None:
+            fh = await self.fs.open(inode, flags)
+            await self._announced(fh)
+        return self._file_info(fh, ctx)
 
     async def _announced(self, fh: int) -> None:
         """Announce a writer (cross-node ordering); a handle whose open then fails is released here, since
@@ -284,7 +334,7 @@ class FuseOperations(pyfuse3.Operations):
             self.fs.release(fh)
             raise
 
-    def _file_info(self, fh: int) -> FileInfo:
+    def _file_info(self, fh: int, ctx: RequestContext) -> FileInfo:
         direct_io, keep_cache = self.fs.caching(fh)
         info = pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
         backing = self.fs.backing_of(fh)
@@ -292,7 +342,7 @@ class FuseOperations(pyfuse3.Operations):
             setattr(info, _BACKING_ID, backing)
         if _HAS_NOFLUSH:
             setattr(info, _NOFLUSH, True)
-        self.fs.handed_out(fh)
+        self.fs.handed_out(fh, getattr(ctx, "unique", 0))
         return info
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:

@@ -22,8 +22,9 @@ import struct
 from pathlib import Path
 from typing import NamedTuple
 
-# fh, inode, open flags, backing id, state bits (below); 32 bytes a slot
-SLOT = struct.Struct("<QQIiI4x")
+# fh, inode, open flags, backing id, state bits (below), the id of the kernel's open or create request that
+# the handle answered; 40 bytes a slot
+SLOT = struct.Struct("<QQIiI4xQ")
 IN_USE = 1
 DIRTIED = 2
 DIRECT = 4
@@ -41,6 +42,7 @@ class OpenHandle(NamedTuple):
     dirtied: bool
     direct: bool
     stream: bool
+    request: int  # the kernel's id of the open or create this handle answered (0: unknown)
 
     @property
     def writable(self) -> bool:
@@ -70,20 +72,20 @@ class HandleTable:
     def _records(self) -> list[OpenHandle]:
         assert self._map is not None
         found = []
-        for fh, inode_id, flags, backing, state in SLOT.iter_unpack(self._map):
+        for fh, inode_id, flags, backing, state, request in SLOT.iter_unpack(self._map):
             if state & IN_USE:
                 found.append(OpenHandle(fh, inode_id, flags, backing, bool(state & DIRTIED), bool(state & DIRECT),
-                                        bool(state & STREAM)))
+                                        bool(state & STREAM), request))
         return found
 
     def put(self, fh: int, inode_id: int, flags: int, backing: int, *, dirtied: bool, direct: bool,
-            stream: bool) -> None:
+            stream: bool, request: int = 0) -> None:
         if self._map is None:
             return
         if fh > self._slots:
             self._grow(fh)
         state = IN_USE | (DIRTIED if dirtied else 0) | (DIRECT if direct else 0) | (STREAM if stream else 0)
-        SLOT.pack_into(self._map, (fh - 1) * SLOT.size, fh, inode_id, flags & 0xFFFFFFFF, backing, state)
+        SLOT.pack_into(self._map, (fh - 1) * SLOT.size, fh, inode_id, flags & 0xFFFFFFFF, backing, state, request)
 
     def dirtied(self, fh: int) -> None:
         """The handle wrote for the first time (its inode's change began)."""
@@ -98,7 +100,7 @@ class HandleTable:
     def drop(self, fh: int) -> None:
         if self._map is None or fh > self._slots:
             return
-        SLOT.pack_into(self._map, (fh - 1) * SLOT.size, 0, 0, 0, 0, 0)
+        SLOT.pack_into(self._map, (fh - 1) * SLOT.size, 0, 0, 0, 0, 0, 0)
 
     def _grow(self, fh: int) -> None:
         assert self._map is not None

@@ -6,7 +6,10 @@ cd "$(dirname "$0")/.."
 extras="${1:-}"
 
 need=()
-for pkg in fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev; do
+packages=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev)
+# The tests hold a daemon's answers back with strace to kill it between its work and its answer.
+[[ ",$extras," == *",test,"* ]] && packages+=(strace)
+for pkg in "${packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
