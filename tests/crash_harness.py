@@ -698,6 +698,17 @@ def check_store_matches(store: Tree, mount: Tree, leftovers: list[str]) -> None:
         raise RoundFailed(f"store after flush: multipart uploads left behind: {leftovers[:5]}")
 
 
+def flush_and_check(m: Mount, store: StoreView, check_faults: Callable[[], None]) -> None:
+    """Check 3: after `ckptfs flush` the store holds exactly the mount's tree, no leftover upload, and the
+    journal agrees with it; the round's faults fired as planned."""
+    m.flush(timeout=300)
+    mount_tree = read_mount(m.mnt)
+    stored = store.snapshot()
+    check_store_matches(stored, mount_tree, store.leftover_uploads())
+    check_journal_against_store(m.cache / "journal.db", stored)
+    check_faults()
+
+
 def check_journal_against_store(journal_path: Path, store: Tree, only: set[str] | None = None) -> None:
     """The journal, read-only, against the store itself (not the cache): after a flush every linked inode is
     in the store at its own key ('clean', or 'remote' when the cache holds none or only part of it: evicted,
@@ -1794,12 +1805,7 @@ class Harness:
         if problem:
             raise RoundFailed(problem)
         model = final
-        m.flush(timeout=300)
-        mount_tree = read_mount(m.mnt)
-        stored = store.snapshot()
-        check_store_matches(stored, mount_tree, store.leftover_uploads())
-        check_journal_against_store(m.cache / "journal.db", stored)
-        check_faults()
+        flush_and_check(m, store, check_faults)
         self.stop(m, "after flush")
 
         # A fresh node on the same store; in "fetch" rounds it is killed while reading and restarted.
@@ -1870,12 +1876,7 @@ class Harness:
                                    f"mount after {takeovers.kills} takeovers")
         if problem:
             raise RoundFailed(problem)
-        m.flush(timeout=300)
-        mount_tree = read_mount(m.mnt)
-        stored = store.snapshot()
-        check_store_matches(stored, mount_tree, store.leftover_uploads())
-        check_journal_against_store(m.cache / "journal.db", stored)
-        check_faults()
+        flush_and_check(m, store, check_faults)
         takeovers.verify_log()
         self.stop(m, "after flush")
 

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import Mount
 
 from ckptfs import guard
 from ckptfs.client import canonical_mountpoint
-from tests.conftest import Mount
 
 KILLS = int(os.environ.get("CKPTFS_KEEP_MOUNT_KILLS", "6"))
 FILE_MIB = int(os.environ.get("CKPTFS_KEEP_MOUNT_FILE_MIB", "48"))
