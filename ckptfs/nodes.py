@@ -150,6 +150,7 @@ class NodeRecords:
         # Set while a record could not be written: closes then go on without it (cross-node order weakened).
         self.unannounced: str | None = None
         self.announce_failures = 0
+        self._store_refusals = 0  # record writes and deletes the store refused (the checker backs off)
         self.records_written = 0
         self.records_deleted = 0
 
@@ -251,6 +252,7 @@ class NodeRecords:
 
     def _announce_failed(self, why: str) -> None:
         self.announce_failures += 1
+        self._store_refusals += 1
         if self.unannounced is None:
             log.warning("cross-node ordering: cannot write this node's pending record to the store (%s); closes"
                         " go on without it, so another node's commit marker may not wait for this node's"
@@ -271,12 +273,21 @@ class NodeRecords:
                             " again in %.0f s", exc, pause)
                 await trio.sleep(pause)
                 pause = min(pause * 2, POLL_MAX)
+        pause = CHECK_INTERVAL
         while True:
             with trio.move_on_after(CHECK_INTERVAL):
                 await self._check.wait()
             self._check = trio.Event()
             if self._records:
+                refused = self._store_refusals
                 await self.tidy()
+                if self._store_refusals > refused:
+                    # The store refused a write or delete: ask it again after a pause that doubles, not at
+                    # once (each failure asks for a check again)
+                    await trio.sleep(pause)
+                    pause = min(pause * 2, POLL_MAX)
+                else:
+                    pause = CHECK_INTERVAL
 
     async def _inherit(self) -> None:
         names = await self.engine.call(self.store.list_notes, f"{PENDING}{self.node}/")
@@ -364,6 +375,7 @@ class NodeRecords:
                         await self.engine.call(self.store.delete_note, record_name(self.node, record.gen))
                     except BackendError as exc:
                         record.retiring = False  # tried again at the next check
+                        self._store_refusals += 1
                         log.debug("cannot delete pending record %d: %s", record.gen, exc)
                         self._check.set()
                         return

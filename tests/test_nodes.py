@@ -16,6 +16,7 @@ from fsharness import GID, UID, Stack, make_stack
 
 from ckptfs import nodes as nodes_module
 from ckptfs.backends.base import TransientBackendError
+from ckptfs.errors import BackendError
 from ckptfs.journal import ROOT_ID
 from ckptfs.nodes import PENDING, TOP_FILES, NodeRecords, PeerRecords
 
@@ -303,3 +304,23 @@ async def test_a_store_that_does_not_answer_delays_one_open_not_every_open(
     assert b.records.unannounced is not None
     answering.set()
     await _until(lambda: bool(b.pending_records()) and b.records.unannounced is None)
+
+
+async def test_a_store_that_keeps_refusing_records_is_asked_again_with_backoff_not_in_a_loop(
+    tmp_path: Path, nursery: trio.Nursery, quick: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that refuses every record write (or delete) for good: the checker asks it again after a pause
+    that doubles, not at once. It asked again at once, thousands of times a second (a daemon whose file://
+    store directory was deleted under it spun at 60% CPU)."""
+    monkeypatch.setattr(nodes_module, "ANNOUNCE_WAIT", 0.2)
+    b = Node(tmp_path, tmp_path / "store", "node-b")
+    b.stack.drain.engine.attempts = 1
+    await nursery.start(b.records.run)
+    refusals = 100_000
+    b.stack.store.failures = [BackendError("403 Forbidden")] * refusals
+    await b.close_file("shard", b"b")
+    await trio.sleep(2)
+    asked = refusals - len(b.stack.store.failures)
+    assert 1 <= asked < 40, asked
+    b.stack.store.failures = []
+    await _until(lambda: bool(b.pending_records()) or b.records.unannounced is None)
