@@ -99,7 +99,8 @@ def open_runtime_dir() -> Iterator[Path]:
 
 
 def test_control_socket_refuses_other_users(mount_factory, open_runtime_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    node = mount_factory(start=False)
+    # (no holder: the fixture removes the runtime dir's sockets before the mount's teardown unmounts it)
+    node = mount_factory(start=False, extra_args=("--no-keep-mount",))
     node.env["CKPTFS_RUNTIME_DIR"] = str(open_runtime_dir)
     node.start()
     node.allowed_log_words.append("control socket: refused a request from uid")
@@ -120,6 +121,18 @@ def test_control_socket_refuses_other_users(mount_factory, open_runtime_dir: Pat
     (node.mnt / "f").write_bytes(b"x")
     node.flush()
     assert node.status()["states"]
+
+
+def test_the_holder_socket_is_the_mount_owners_alone(mount_factory, open_runtime_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """keep_mount's holder hands out the FUSE connection: its socket is 0600 like the control socket (the
+    holder also checks the caller's uid, as the daemon does)."""
+    node = mount_factory(start=False)
+    node.env["CKPTFS_RUNTIME_DIR"] = str(open_runtime_dir)
+    node.runtime = open_runtime_dir
+    node.start()
+    (holder,) = [p for p in open_runtime_dir.iterdir() if p.suffix == ".hold"]
+    assert stat.S_IMODE(holder.stat().st_mode) == 0o600
+    node.umount()
 
 
 ACCESS_KEY = "AKIAZZLEAKCANARY7Q2X"
