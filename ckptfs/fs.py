@@ -1123,6 +1123,8 @@ class Filesystem:
                 self.announcer.released(inode_id)
             if self.handle_table is not None:
                 self.handle_table.drop(fh)
+            if self._unanswered:  # (after a takeover) the number goes back to the pool: no longer that handle
+                self._unanswered = {request: kept for request, kept in self._unanswered.items() if kept != fh}
             heapq.heappush(self._free_fhs, fh)
 
     async def announce_writer(self, fh: int) -> None:

@@ -8,8 +8,9 @@ open; a new handle of the same inode must name the same id).
 
 It is a file of fixed-size slots mapped into memory: slot `fh - 1` describes handle `fh` (Filesystem hands
 out the lowest free handle numbers, so the table stays as small as the most files ever open at once). A
-slot is written when its handle is made and zeroed when it is released: a store into memory, no system
-call, no journal transaction on the open path. It survives the daemon's death, not the machine's: pages of
+slot is written when the open or create reply naming its handle goes out (with that request's id: see
+Filesystem.handed_out and unanswered) and zeroed when the handle is released: a store into memory, no
+system call, no journal transaction on the open path. It survives the daemon's death, not the machine's: pages of
 a shared mapping stay in the page cache when the process dies, and after a reboot the kernel's handles are
 gone too, so nothing is lost by not syncing it.
 """
