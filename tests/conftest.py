@@ -103,13 +103,17 @@ class Mount:
         self.proc = None
         return result
 
+    def holder_socket(self) -> Path:
+        """Where the holder of this mount's FUSE connection listens (holder.holder_path, in this runtime dir)."""
+        digest = hashlib.sha256(str(canonical_mountpoint(self.mnt)).encode()).hexdigest()[:16]
+        return self.runtime / f"{digest}.hold"
+
     def holder_pid(self) -> int | None:
         """The pid of the process that keeps this mount's FUSE connection (keep_mount), if there is one: the
         peer of its socket (connecting without a request asks nothing of it)."""
-        digest = hashlib.sha256(str(canonical_mountpoint(self.mnt)).encode()).hexdigest()[:16]
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(str(self.runtime / f"{digest}.hold"))
+            sock.connect(str(self.holder_socket()))
             pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             return pid
         except OSError:

@@ -21,7 +21,6 @@ import pytest
 from conftest import Mount
 
 from ckptfs import guard
-from ckptfs.client import canonical_mountpoint
 
 KILLS = int(os.environ.get("CKPTFS_KEEP_MOUNT_KILLS", "6"))
 FILE_MIB = int(os.environ.get("CKPTFS_KEEP_MOUNT_FILE_MIB", "48"))
@@ -279,8 +278,7 @@ def test_a_kept_mount_whose_holder_is_not_found_is_an_error_not_a_hang(mount_fac
     the mount over."""
     m = mount_factory()
     m.allowed_log_words += [*TAKEOVER_LOG_WORDS, "before serving", "whose connection is kept alive"]
-    digest = hashlib.sha256(str(canonical_mountpoint(m.mnt)).encode()).hexdigest()[:16]
-    socket_file = m.runtime / f"{digest}.hold"
+    socket_file = m.holder_socket()
     moved = m.runtime / "moved.hold"
     socket_file.rename(moved)
     assert m.proc is not None
