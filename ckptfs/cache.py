@@ -57,7 +57,7 @@ class CacheFile:
         # Handles that write to the file through FUSE passthrough (the kernel writes the data file directly:
         # `size` is what observe() saw last). A spill never seals such a file: nothing could stop a write.
         self.passthrough_writers = 0
-        # Content changes begun (fs.py, before their first byte): an upload that read the file in another
+        # Content changes begun (fs/changes.py, before their first byte): an upload that read the file in another
         # thread compares it with what it saw when it chose the file (Transfers.put_files).
         self.changes = 0
         # A spill (drain.py) uploads the start of a file still being written and punches it out:

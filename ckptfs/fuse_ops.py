@@ -3,9 +3,9 @@
 Owns only type conversion and error translation: every request goes through one wrapper (`_timed`, or
 the inline copy in the hot read/write) whose `_fuse_error` turns whatever it raised into a FUSEError, here
 and nowhere else. A handler never lets an exception reach pyfuse3: that would end the FUSE session.
-No POSIX semantics live here (fs.py has them), and no store is reached from here. It also registers cache
+No POSIX semantics live here (the fs package has them), and no store is reached from here. It also registers cache
 files with the kernel for FUSE passthrough (KernelBackingFiles) and names the backing id in open and create
-replies; when a handle gets one is fs.py's decision.
+replies; when a handle gets one is fs/kernel_cache.py's decision.
 """
 
 from __future__ import annotations

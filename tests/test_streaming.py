@@ -18,8 +18,8 @@ import pytest
 import trio
 from fsharness import Stack, check_consistency, make_stack
 
-from ckptfs.fs import data_path
 from ckptfs.errors import FsError
+from ckptfs.fs import data_path
 from ckptfs.journal import CLEAN, REMOTE, ROOT_ID
 from ckptfs.recovery import repair_journal
 

@@ -129,6 +129,14 @@ class Filesystem:
     def passthrough_files(self) -> int:
         return self._kernel_cache.passthrough_files()
 
+    # -- open_files.py ---------------------------------------------------------------------------------------
+
+    def in_use(self, inode_id: int) -> bool:
+        return self._open_files.in_use(inode_id)
+
+    def inode_of(self, fh: int) -> int:
+        return self._open_files.get(fh).inode_id
+
     def open_writers(self) -> int:
         return self._open_files.open_writers()
 
@@ -189,9 +197,6 @@ class Filesystem:
     def forget(self, inode_id: int, count: int) -> None:
         self._references.forget(inode_id, count)
 
-    def in_use(self, inode_id: int) -> bool:
-        return self._open_files.in_use(inode_id)
-
     # -- attributes.py --------------------------------------------------------------------------------------
 
     def getattr(self, inode_id: int) -> Attr:
@@ -234,9 +239,6 @@ class Filesystem:
 
     def fsyncdir(self) -> None:
         self.journal.sync()
-
-    def inode_of(self, fh: int) -> int:
-        return self._open_files.get(fh).inode_id
 
     def stop_writes(self) -> None:
         self._data_path.stop_writes()
