@@ -4,7 +4,7 @@ Layout (all 0700 / 0600):
     CACHE_DIR/lock         flock()ed by the one daemon using this cache dir
     CACHE_DIR/journal.db   the journal (journal.py owns its contents)
     CACHE_DIR/data/<id>    the content of file inode <id>, byte for byte; its size and mtime are the file's
-    CACHE_DIR/tmp/         partial files of remote objects being read (fetch.py), sparse at the object's
+    CACHE_DIR/tmp/         partial files of remote objects being read (fetch/), sparse at the object's
                            size; renamed into data/ once every chunk is there and verified. Removed at
                            start-up: a partial file is never mistaken for a local copy.
 
@@ -12,7 +12,7 @@ Space accounting (trio thread only: the write path updates it without a lock): `
 the apparent sizes of the data files, minus ranges already freed by a spill (see drain.py) and minus the
 holes that a truncate or a write past the end left (the filesystem under the cache stores nothing for
 them), plus
-`reserved`: the chunks of partial files that are present or in flight (fetch.py reserves a chunk before
+`reserved`: the chunks of partial files that are present or in flight (fetch/ reserves a chunk before
 it is fetched and unreserves it when it is punched out or its file dropped or adopted into data/);
 `limit` is the budget: `cache_size`,
 lowered when the cache filesystem would otherwise keep less than `min_free` free, but never below the
@@ -379,7 +379,7 @@ class CacheDir:
             self.used += entry.charge
 
     def reserve(self, size: int) -> None:
-        """Count a chunk of a partial file (fetch.py) before its bytes arrive, and while they are there."""
+        """Count a chunk of a partial file (fetch/) before its bytes arrive, and while they are there."""
         self.reserved += size
         self.used += size
 

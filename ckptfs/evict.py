@@ -6,8 +6,8 @@ back-pressure: a write that finds the cache over its budget waits here until evi
 room, up to `dirty_wait`, then fails with ENOSPC. While writers wait it asks the drain (through
 `on_pressure`) to upload at once, ignoring upload_delay, and to spill files still open for writing.
 
-An evicted file keeps its inode and becomes 'remote': the next read fetches what it needs (fetch.py).
-Partial files of remote objects (fetch.py) count against the budget too: those no handle has open are
+An evicted file keeps its inode and becomes 'remote': the next read fetches what it needs (fetch/).
+Partial files of remote objects (fetch/) count against the budget too: those no handle has open are
 dropped like clean files, and chunks of open ones that no reader is near are punched out.
 Everything here runs in the trio thread; eviction itself is a journal update and an unlink.
 """
@@ -59,7 +59,7 @@ class EvictStats:
 
 
 class PartialFiles(Protocol):
-    """Partial files of remote objects being read (fetch.Fetcher): more room the evictor can make."""
+    """Partial files of remote objects being read (fetch.PartialFiles): more room the evictor can make."""
 
     def droppable(self) -> list[int]:
         """Inode ids whose partial file no handle has open: dropped like clean files (LRU)."""
