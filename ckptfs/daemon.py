@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import functools
 import logging
 import math
 import os
@@ -44,11 +45,11 @@ from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations, KernelBackingFiles, passthrough_build, passthrough_granted
 from ckptfs.handles import HandleTable, OpenHandle
-from ckptfs.journal import DIR, FILE, ROOT_ID, Inode, Journal, JournalError, journal_unusable
+from ckptfs.journal import ROOT_ID, Inode, Journal, JournalError, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_addr
-from ckptfs.nodes import TOP_FILES, HeldError, NodeRecords, PeerRecords, node_id_of
+from ckptfs.nodes import HeldError, NodeRecords, PeerRecords, node_id_of
+from ckptfs.prune import Pruner
 from ckptfs.recovery import DirLister, recover
-from ckptfs.retention import Checkpoint, Plan, pinned_by_pointers, plan
 from ckptfs.systemd import Notifier, listen_fds
 from ckptfs.transfer import Transfers
 
@@ -224,7 +225,6 @@ class Daemon:
                              streams=self.fetcher, wait_uploaded=lambda path: self.drain.wait_durable([path]),
                              discard_upload=self.drain.discard_upload, failure_of=self.drain.failure_of)
         self.lister.vanished = self.fs.vanished
-        self._prune_wanted = trio.Event()
         self.drain.on_marker_uploaded = self._marker_uploaded
         # Cross-node ordering of commit markers (nodes.py): only markers need it.
         self.node_id = node_id_of(journal, lambda: secrets.token_hex(4))
@@ -237,6 +237,8 @@ class Daemon:
             self.drain.waits_for_nodes = self.peers.blocks
             self.drain.why_marker_waits = self.peers.why
             self.fs.announcer = self.records
+        self.pruner = Pruner(journal, self.fs, self.lister, is_commit_marker=self.drain.is_commit_marker,
+                             peers=self.peers, faults=self.faults)
         self.lister.forget_kernel_data = _forget_kernel_data
         self.lister.forget_kernel_entry = _forget_kernel_entry
         self.drain.on_spilled = self.evictor.evict_if_clean
@@ -259,7 +261,7 @@ class Daemon:
         if self.peers is not None:
             self.peers.uploaded(inode)
         if self.config.keep_last:
-            self._prune_wanted.set()
+            self.pruner.checkpoint_completed()
 
     def request_stop(self, timeout: float | None) -> None:
         if not self._stop_requested.is_set():
@@ -321,7 +323,8 @@ class Daemon:
                 if self.metrics is not None:
                     nursery.start_soon(self._supervised, "metrics", self._publish_metrics)
                 if self.config.keep_last:
-                    nursery.start_soon(self._supervised, "retention", self._retention)
+                    nursery.start_soon(self._supervised, "retention", functools.partial(
+                        self.pruner.run, self.config.keep_last, self.config.keep))
                 nursery.start_soon(self._watch_signals, nursery)
                 await self._stop_requested.wait()
                 if self._restarting:
@@ -533,89 +536,6 @@ class Daemon:
                     nursery.cancel_scope.cancel()
                     return
 
-    async def _retention(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Apply keep_last after each completed checkpoint (a commit marker reached the store)."""
-        task_status.started()
-        while True:
-            await self._prune_wanted.wait()
-            self._prune_wanted = trio.Event()
-            try:
-                result = await self.prune(self.config.keep_last, self.config.keep, dry_run=False)
-            except Exception as exc:
-                if journal_unusable(exc):
-                    raise
-                log.exception("retention failed; it runs again after the next checkpoint")
-                self.faults.record("retention", repr(exc))
-                continue
-            if result.delete:
-                log.info("retention (keep_last %d): deleted %s", self.config.keep_last, ", ".join(result.delete))
-
-    async def prune(self, keep_last: int, keep_globs: tuple[str, ...], *, dry_run: bool) -> Plan:
-        """Delete all but the newest `keep_last` top-level checkpoints (see retention.py) through the
-        namespace, so that the drain removes them from the store too."""
-        await self.lister.ensure(ROOT_ID)
-        top = [c for c in self.journal.all_children(ROOT_ID) if c.name and not c.name.startswith(".")]
-        pointers = [c for c in top if c.kind == FILE and (self.drain.is_commit_marker(c.name) or c.name == "latest")]
-        texts = {}
-        for pointer in pointers:
-            if pointer.size <= 4096:
-                texts[pointer.name or ""] = (await self._read_small(pointer)).decode("utf-8", "replace")
-        candidates = [c for c in top if c not in pointers]
-        # What other nodes still have pending work in is not complete, however it looks from here.
-        elsewhere: set[str] = set()
-        if self.peers is not None:
-            await self.peers.refresh()
-            elsewhere = self.peers.pending_entries()
-        checkpoints = [Checkpoint(c.name or "", c.mtime_ns, self._complete(c) and c.name not in elsewhere
-                                  and not (c.kind != DIR and TOP_FILES in elsewhere))
-                       for c in candidates]
-        result = plan(checkpoints, keep_last=keep_last, keep_globs=keep_globs,
-                      pinned=pinned_by_pointers(texts, [c.name for c in checkpoints]))
-        if not dry_run:
-            for name in result.delete:
-                await self._remove_tree(name)
-        return result
-
-    def _complete(self, inode: Inode) -> bool:
-        for entry in [inode, *self.journal.descendants(inode.path or "")]:
-            if entry.state in ("dirty", "uploading") or (entry.kind == FILE and entry.closed_at is None):
-                return False
-        return True
-
-    async def _read_small(self, inode: Inode) -> bytes:
-        fh = await self.fs.open(inode.id, os.O_RDONLY)
-        try:
-            return await self.fs.read(fh, 0, 4096)
-        finally:
-            self.fs.release(fh)
-
-    async def _remove_tree(self, name: str) -> None:
-        """rm -r of a top-level entry, through the fs (its store listing is read first: objects nobody
-        here has listed must be deleted too)."""
-        entry = self.journal.lookup(ROOT_ID, name)
-        if entry is None:
-            return
-        if entry.kind == DIR:
-            await self._list_subtree(entry.id)
-            for child in sorted(self.journal.descendants(entry.path or ""),
-                                key=lambda i: -(i.path or "").count("/")):
-                parent = child.parent
-                if parent is None or child.name is None:
-                    continue
-                if child.kind == DIR:
-                    self.fs.rmdir(parent, child.name.encode())
-                else:
-                    self.fs.unlink(parent, child.name.encode())
-            self.fs.rmdir(ROOT_ID, name.encode())
-        else:
-            self.fs.unlink(ROOT_ID, name.encode())
-
-    async def _list_subtree(self, inode_id: int) -> None:
-        await self.lister.ensure(inode_id, required=True, fresh=True)
-        for child in self.journal.all_children(inode_id):
-            if child.kind == DIR:
-                await self._list_subtree(child.id)
-
     async def _publish_metrics(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         assert self.metrics is not None
         task_status.started()
@@ -781,7 +701,8 @@ class Daemon:
             keep_last = request.get("keep_last")
             if not isinstance(keep_last, int) or keep_last < 1:
                 return {"ok": False, "error": "keep_last must be a whole number >= 1"}
-            pruned = await self.prune(keep_last, tuple(request.get("keep") or ()), dry_run=bool(request.get("dry_run")))
+            pruned = await self.pruner.prune(keep_last, tuple(request.get("keep") or ()),
+                                             dry_run=bool(request.get("dry_run")))
             return {"ok": True, "delete": pruned.delete, "reasons": pruned.reasons}
         if op == "refresh":
             self.lister.invalidate_all()
