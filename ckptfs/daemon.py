@@ -46,10 +46,11 @@ from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations, KernelBackingFiles, passthrough_build, passthrough_granted
 from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import ROOT_ID, Inode, Journal, JournalError, journal_unusable
-from ckptfs.metrics import InstrumentedStore, MetricsServer, Snapshot, parse_addr
+from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords, node_id_of
 from ckptfs.prune import Pruner
 from ckptfs.recovery import DirLister, recover
+from ckptfs.status import KeepMount, MountStats, gather, metrics_snapshot, status_json, status_line
 from ckptfs.systemd import Notifier, listen_fds
 from ckptfs.transfer import Transfers
 
@@ -317,7 +318,7 @@ class Daemon:
                 log.info("%s %s on %s (cache %s)", "took over the mount of" if self.held else "mounted",
                          self.store.url, self.mountpoint, self.cache.root)
                 ready()
-                self.notifier.notify(ready=1, status=self._status_line())
+                self.notifier.notify(ready=1, status=status_line(self.statistics()))
                 if self.notifier.enabled:
                     nursery.start_soon(self._supervised, "systemd notifier", self._report_to_systemd)
                 if self.metrics is not None:
@@ -540,86 +541,22 @@ class Daemon:
         assert self.metrics is not None
         task_status.started()
         while True:
-            self.metrics.publish(self.metrics_snapshot())
+            self.metrics.publish(metrics_snapshot(self.statistics()))
             await trio.sleep(METRICS_INTERVAL)
 
-    def metrics_snapshot(self) -> Snapshot:
-        """Every metric's current value (metrics.METRICS names them), read in the trio thread."""
-        summary = self.journal.state_summary()
-        states = ("dirty", "uploading", "clean", "remote")
-        oldest = self.journal.oldest_dirty_closed_at()
-        drain, evict = self.drain.stats, self.evictor.stats
-        reads = self.fetcher.statistics()
-        moved = self.engine.statistics()
-        out: Snapshot = {
-            "ckptfs_files": [((s,), summary.get(s, {}).get("files", 0)) for s in states],
-            "ckptfs_bytes": [((s,), summary.get(s, {}).get("bytes", 0)) for s in states],
-            "ckptfs_upload_queue": [
-                (("uploads",), len(self.journal.pending_uploads())),
-                (("moves",), len(self.journal.misplaced())),
-                (("deletes",), len(self.journal.pending_deletes())),
-            ],
-            "ckptfs_transfers_in_flight": [((), self.drain.in_flight())],
-            "ckptfs_transfer_parts_in_flight": [(("up",), moved.parts_up), (("down",), moved.parts_down)],
-            "ckptfs_transfer_bytes": [(("up",), moved.bytes_up), (("down",), moved.bytes_down)],
-            "ckptfs_transfer_retries": [((), moved.retries)],
-            "ckptfs_transfer_memory_bytes": [((), moved.memory_in_use)],
-            "ckptfs_transfer_memory_budget_bytes": [((), moved.memory_budget)],
-            "ckptfs_oldest_dirty_age_seconds": [((), max(0.0, time.time() - oldest) if oldest else 0.0)],
-            "ckptfs_cache_used_bytes": [((), self.cache.used)],
-            "ckptfs_cache_budget_bytes": [((), self.cache.limit if self.cache.limit != math.inf else 0)],
-            "ckptfs_uploaded_files": [((), drain.uploaded_files)],
-            "ckptfs_uploaded_bytes": [((), drain.uploaded_bytes)],
-            "ckptfs_upload_seconds": [((), drain.upload_seconds)],
-            "ckptfs_spilled_bytes": [((), drain.spilled_bytes)],
-            "ckptfs_drain_errors": [((job,), n) for job, n in sorted(drain.errors_by_job.items())],
-            "ckptfs_internal_errors": [((where,), n) for where, n in sorted(self.faults.counts.items())],
-            "ckptfs_passthrough_enabled": [((), 1.0 if self.fs.backing is not None else 0.0)],
-            "ckptfs_passthrough_opens": [((), self.fs.passthrough_opens)],
-            "ckptfs_drain_parked": [((), len(self.drain.failing()))],
-            **self._node_metrics(),
-            "ckptfs_cache_hits": [((), self.fs.cache_hits)],
-            "ckptfs_cache_misses": [((), self.fs.cache_misses)],
-            "ckptfs_fetch_bytes": [((), reads.bytes_downloaded)],
-            "ckptfs_fetch_chunks": [((), reads.chunks_fetched)],
-            "ckptfs_fetch_chunks_punched": [((), reads.chunks_punched)],
-            "ckptfs_fetch_readers_waiting": [((), reads.readers_waiting)],
-            "ckptfs_fetch_partial_bytes": [((), reads.partial_bytes)],
-            "ckptfs_fetch_checksum_failures": [((), reads.checksum_failures)],
-            "ckptfs_evicted_files": [((), evict.evicted_files)],
-            "ckptfs_evicted_bytes": [((), evict.evicted_bytes)],
-            "ckptfs_backpressure_waits": [((), evict.waits)],
-            "ckptfs_backpressure_wait_seconds": [((), evict.wait_seconds)],
-            "ckptfs_backpressure_enospc": [((), evict.enospc)],
-        }
-        if isinstance(self.store, InstrumentedStore):
-            calls, errors, seconds = self.store.op_stats.rows()
-            out.update(ckptfs_store_requests=calls, ckptfs_store_errors=errors, ckptfs_store_seconds=seconds)
-        if self.fuse_ops is not None:
-            calls, errors, seconds = self.fuse_ops.op_stats.rows()
-            out.update(ckptfs_fuse_requests=calls, ckptfs_fuse_errors=errors, ckptfs_fuse_seconds=seconds)
-        return out
-
-    def _node_metrics(self) -> Snapshot:
-        if self.records is None or self.peers is None:
-            return {"ckptfs_node_records": [((), 0)], "ckptfs_node_record_failures": [((), 0)],
-                    "ckptfs_markers_waiting_for_nodes": [((), 0)], "ckptfs_waiting_for_node": []}
-        waiting = self.peers.waiting_markers()
-        per_node = self.peers.waiting_per_node()
-        return {
-            "ckptfs_node_records": [((), len(self.records.status()["records"]))],
-            "ckptfs_node_record_failures": [((), self.records.announce_failures)],
-            "ckptfs_markers_waiting_for_nodes": [((), len(waiting))],
-            "ckptfs_waiting_for_node": [((node, entry), n) for (node, entry), n in sorted(per_node.items())],
-        }
-
-    def _status_line(self) -> str:
-        summary = self.journal.state_summary()
-        pending_files = sum(summary.get(s, {}).get("files", 0) for s in ("dirty", "uploading"))
-        pending_bytes = sum(summary.get(s, {}).get("bytes", 0) for s in ("dirty", "uploading"))
-        what = "draining before unmount" if self._stop_requested.is_set() else "mounted"
-        return (f"{what}: {pending_files} files ({_human(pending_bytes)}) not yet uploaded,"
-                f" {self.drain.in_flight()} transfers in flight, cache {_human(self.cache.used)} used")
+    def statistics(self) -> MountStats:
+        """Every statistic of the mount, read once (status.py derives the status, metrics and STATUS=)."""
+        keep_mount = KeepMount(self.link.holder_pid if self.link is not None else None, self._systemd_keeps,
+                               self.held is not None, self._handles_taken_over)
+        return gather(
+            journal=self.journal, drain=self.drain, engine=self.engine, fetcher=self.fetcher, evictor=self.evictor,
+            cache=self.cache, fs=self.fs, faults=self.faults, node_id=self.node_id, records=self.records,
+            peers=self.peers, source=self.store.url, mountpoint=str(self.mountpoint), started_at=self.started_at,
+            shutting_down=self._stop_requested.is_set(), keep_mount=keep_mount,
+            passthrough_why=self.passthrough_why,
+            store_ops=self.store.op_stats if isinstance(self.store, InstrumentedStore) else None,
+            fuse_ops=self.fuse_ops.op_stats if self.fuse_ops is not None else None,
+        )
 
     async def _report_to_systemd(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """STATUS= now and then; while a stop drains and makes progress, ask for more stop time."""
@@ -627,7 +564,7 @@ class Daemon:
         last_uploaded = self.drain.stats.uploaded_bytes + self.drain.stats.spilled_bytes
         while True:
             await trio.sleep(STATUS_INTERVAL)
-            fields: dict[str, str | int] = {"status": self._status_line()}
+            fields: dict[str, str | int] = {"status": status_line(self.statistics())}
             uploaded = self.drain.stats.uploaded_bytes + self.drain.stats.spilled_bytes
             if self._stop_requested.is_set() and uploaded > last_uploaded:
                 fields["extend_timeout_usec"] = EXTEND_SECONDS * 1_000_000
@@ -635,7 +572,7 @@ class Daemon:
             self.notifier.notify(**fields)
 
     async def _shutdown(self) -> None:
-        self.notifier.notify(stopping=1, status=self._status_line())
+        self.notifier.notify(stopping=1, status=status_line(self.statistics()))
         self.fs.stop_writes()
         self.result = await self.drain.flush(None, _deadline(self._stop_timeout))
         if self.result.ok and self.records is not None:
@@ -682,7 +619,7 @@ class Daemon:
     async def _control(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "status":
-            return {"ok": True, **self.status()}
+            return {"ok": True, **status_json(self.statistics())}
         if op == "flush":
             paths = [p.strip("/") for p in request.get("paths") or []] or None
             deadline = _deadline(request.get("timeout"))
@@ -760,106 +697,6 @@ class Daemon:
         return {"ok": True, "this_node": self.node_id, "nodes": self.peers.nodes(),
                 "waiting_markers": self.peers.waiting_markers(), "forgot_records": forgotten}
 
-    def _nodes_status(self) -> dict[str, Any]:
-        if self.records is None or self.peers is None:
-            return {"node": self.node_id, "cross_node_ordering": False}
-        return {**self.records.status(), "cross_node_ordering": True,
-                "waiting_markers": self.peers.waiting_markers(), "listing_error": self.peers.last_error}
-
-    def status(self) -> dict[str, Any]:
-        summary = self.journal.state_summary()
-        pending = self.journal.pending_uploads()
-        oldest = self.journal.oldest_dirty_closed_at()
-        stats = self.drain.stats
-        moved = self.engine.statistics()
-        reads = self.fetcher.statistics()
-        failing = self.drain.failing()
-        last_error, last_error_at = stats.last_error, stats.last_error_at
-        if self.faults.last_at is not None and (last_error_at is None or self.faults.last_at > last_error_at):
-            last_error, last_error_at = self.faults.last, self.faults.last_at
-        return {
-            "source": self.store.url,
-            "mountpoint": str(self.mountpoint),
-            "cache_dir": str(self.cache.root),
-            "pid": os.getpid(),
-            "uptime_seconds": round(time.time() - self.started_at, 1),
-            "started_at": self.started_at,
-            "keep_mount": {
-                "holder_pid": self.link.holder_pid if self.link is not None else None,
-                "systemd_keeps": self._systemd_keeps,
-                "took_over": self.held is not None,
-                "handles_taken_over": self._handles_taken_over,
-            },
-            "states": {s: summary.get(s, {"files": 0, "bytes": 0}) for s in ("dirty", "uploading", "clean", "remote")},
-            "queue": {
-                "uploads": len(pending),
-                "moves": len(self.journal.misplaced()),
-                "deletes": len(self.journal.pending_deletes()),
-                "in_flight": self.drain.in_flight(),
-            },
-            "oldest_dirty_age_seconds": round(time.time() - oldest, 1) if oldest else None,
-            "open_for_write": self.fs.open_writers(),
-            "nodes": self._nodes_status(),
-            "passthrough": {
-                "enabled": self.fs.backing is not None,
-                "why": self.passthrough_why,
-                "opens": self.fs.passthrough_opens,
-                "files_open": self.fs.passthrough_files(),
-                "refused": self.fs.passthrough_errors,
-            },
-            "cache": {
-                "used_bytes": self.cache.used,
-                "budget_bytes": int(self.cache.limit) if self.cache.limit != math.inf else None,
-                "short_of_free_space": self.cache.squeezed,
-                "evicted_files": self.evictor.stats.evicted_files,
-                "evicted_bytes": self.evictor.stats.evicted_bytes,
-                "writes_waiting": self.evictor.waiting,
-                "waits": self.evictor.stats.waits,
-                "wait_seconds": round(self.evictor.stats.wait_seconds, 3),
-                "enospc": self.evictor.stats.enospc,
-            },
-            "reads": {
-                "bytes_downloaded": reads.bytes_downloaded,
-                "chunks_fetched": reads.chunks_fetched,
-                "chunks_punched": reads.chunks_punched,
-                "readers_waiting": reads.readers_waiting,
-                "partial_files": reads.partial_files,
-                "partial_bytes": reads.partial_bytes,
-                "files_verified": reads.files_verified,
-                "checksum_failures": reads.checksum_failures,
-            },
-            "uploaded": {
-                "files": stats.uploaded_files,
-                "bytes": stats.uploaded_bytes,
-                "seconds": round(stats.upload_seconds, 3),
-                "moves": stats.moves,
-                "deletes": stats.deletes,
-                "spilled_bytes": stats.spilled_bytes,
-            },
-            "transfers": {
-                "parts_up": moved.parts_up,
-                "parts_down": moved.parts_down,
-                "up_bytes_per_second": round(moved.up_bytes_per_second),
-                "down_bytes_per_second": round(moved.down_bytes_per_second),
-                "bytes_up": moved.bytes_up,
-                "bytes_down": moved.bytes_down,
-                "retries": moved.retries,
-                "memory_bytes": moved.memory_in_use,
-                "memory_peak_bytes": moved.memory_peak,
-                "memory_budget_bytes": moved.memory_budget,
-            },
-            "errors": stats.errors,
-            "last_error": last_error,
-            "last_error_at": last_error_at,
-            "internal_errors": dict(self.faults.counts),
-            "failing": [
-                {"path": path, "job": parked.job, "error": parked.error, "since": parked.since}
-                for path, parked in failing[:100]
-            ],
-            "failing_count": len(failing),
-            "shutting_down": self._stop_requested.is_set(),
-        }
-
 
 def _innermost(exc: BaseException) -> BaseException:
     """The first error inside the exception groups that nurseries wrap errors in."""
@@ -882,14 +719,6 @@ def _effective(config: Config, cache: CacheDir) -> str:
     fields["commit_markers"] = ",".join(config.commit_markers)
     fields["keep"] = ",".join(config.keep)
     return ", ".join(f"{key} {value}" for key, value in fields.items())
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _deadline(timeout: float | None) -> float:
