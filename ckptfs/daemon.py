@@ -21,7 +21,6 @@ import os
 import resource
 import secrets
 import signal
-import struct
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -44,12 +43,13 @@ from ckptfs.fuse_ops import FuseOperations, KernelBackingFiles, passthrough_buil
 from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import ROOT_ID, Inode, Journal, JournalError, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
-from ckptfs.mountpoint import check_mountpoint, set_read_ahead, unmount
+from ckptfs.mountpoint import check_mountpoint, set_read_ahead
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords, node_id_of
 from ckptfs.prune import Pruner
 from ckptfs.recovery import DirLister, recover
 from ckptfs.status import KeepMount, MountStats, gather, metrics_snapshot, status_json, status_line
 from ckptfs.systemd import Notifier, listen_fds
+from ckptfs.takeover import ConnectionKeeper, Restart
 from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
@@ -66,21 +66,9 @@ EXTEND_SECONDS = 30
 RESTART_PAUSE = 1.0
 RESTART_PAUSE_CAP = 60.0
 RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take
-# FUSE_NOTIFY_RESEND (Linux >= 6.9): the kernel queues again every request its daemon read and did not answer
-RESEND_NOTIFICATION = struct.pack("<IiQ", 16, 7, 0)  # struct fuse_out_header: len, notify code, unique 0
 # `ckptfs restart`: how long the requests being served may take to finish before the connection goes to the
 # new daemon anyway (the kernel sends it the unfinished ones again)
 RESTART_REQUESTS_WAIT = 10.0
-
-
-class Restart(Exception):  # not an error: how run() hands the connection to its caller
-    """The daemon stopped serving to let a new one (the code installed now) take the connection over:
-    the caller executes `argv` with `env` in this process (same pid: systemd and the holder see no death)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        super().__init__("restart")
-        self.argv = argv
-        self.env = env
 
 
 class _StartedOnce:
@@ -104,17 +92,9 @@ class Daemon:
         restart_argv: list[str] | None = None,
     ) -> None:
         self.config = config
-        # The mount outliving this daemon (holder.py): a connection taken over from the daemon before
-        # (`held`, with the handles the kernel still holds), the link to the holder, and what the holder
-        # runs to start a daemon again (None: no holder is started).
         self.handle_table = handle_table
         self.held = held
-        self.restored = restored or []
         self.restart_argv = restart_argv
-        self.link: holder.Link | None = held.link if held is not None else None
-        self._handles_taken_over = 0
-        # keep_mount under systemd: the unit's file descriptor store keeps the connection (no holder there)
-        self._systemd_keeps = False
         self._exiting_now = False  # a second signal: unmount without draining (not a failure to recover from)
         self._restarting = False  # `ckptfs restart`: hand the connection to a new daemon instead of unmounting
         self.restart: Restart | None = None  # set once handed over
@@ -171,6 +151,11 @@ class Daemon:
         self.passthrough_why = "off: not probed yet"
         self.notifier = Notifier()
         self.fuse_ops: FuseOperations | None = None
+        # The mount outliving this daemon (takeover.py): holder, systemd's store, the handles taken over.
+        self.keeper = ConnectionKeeper(
+            pyfuse3, self.fs, self.notifier, mountpoint=self.mountpoint, cache_root=cache.root,
+            keep_mount=config.keep_mount, guard_mountpoint=config.guard_mountpoint, handle_table=handle_table,
+            held=held, restored=restored or [], restart_argv=restart_argv)
 
     def _in_use(self, inode_id: int) -> bool:
         return self.fs.in_use(inode_id)
@@ -204,7 +189,8 @@ class Daemon:
         self.fs.handle_table = self.handle_table
         if self.held is not None:
             pyfuse3.takeover(self.fuse_ops, self.held.fd, self.held.init_request, options)
-            self._take_over_handles()
+            self._probe_passthrough()
+            self.keeper.take_over_handles()
         else:
             pyfuse3.init(self.fuse_ops, str(self.mountpoint), options)
         unmounted = False
@@ -229,7 +215,7 @@ class Daemon:
                 root = await trio.to_thread.run_sync(os.stat, self.mountpoint)
                 if self.held is None:
                     self._probe_passthrough()  # the kernel answered INIT before that stat
-                    await self._start_holder()
+                    await self.keeper.start_holder()
                 read_ahead = parse_size(self.config.read_ahead)
                 if read_ahead:
                     set_read_ahead(root.st_dev, read_ahead)
@@ -264,110 +250,11 @@ class Daemon:
             raise CkptfsError(f"the journal {self.journal.path} cannot be used any more: {_innermost(exc)}; fix"
                               " the cache filesystem, then mount again (the mount is left aborted)") from None
         finally:
-            self._let_go_of_connection(unmounted=unmounted, journal_failed=journal_failed)
+            self.restart = self.keeper.let_go(unmounted=unmounted, journal_failed=journal_failed,
+                                              restarting=self._restarting, exiting_now=self._exiting_now)
         if not unmounted or self.result is None or not self.result.ok:
             return EXIT_NOT_DRAINED
         return 0
-
-    def kept_by_systemd(self, kept: bool) -> None:
-        """The connection this daemon takes over came from systemd's store, which still keeps it."""
-        self._systemd_keeps = kept and self.notifier.enabled
-
-    def _take_over_handles(self) -> None:
-        """After pyfuse3.takeover: passthrough as the connection has it, the kernel's open handles, and the
-        requests the dead daemon had read but not answered, queued again."""
-        self._probe_passthrough()
-        restored = self._handles_taken_over = self.fs.restore_handles(self.restored)
-        writers = sum(1 for record in self.restored if record.writable)
-        try:
-            os.write(pyfuse3.fuse_fd(), RESEND_NOTIFICATION)
-            resent = "the requests it had not answered are sent again"
-        except OSError as exc:
-            resent = (f"the kernel cannot send again the requests it had not answered ({exc.strerror}; it needs"
-                      " Linux >= 6.9): the processes waiting on them stay blocked")
-            log.warning("taking over the mount of %s: %s", self.mountpoint, resent)
-        kept_by = (f"holder pid {self.link.holder_pid}" if self.link is not None
-                   else "systemd" if self.notifier.enabled else "this process")
-        log.info("took over the FUSE connection of %s from the daemon before (kept by %s): %d open files (%d for"
-                 " writing), %s", self.mountpoint, kept_by, restored, writers, resent)
-
-    async def _start_holder(self) -> None:
-        """Hand a duplicate of the connection to a holder process, so that the mount outlives this daemon."""
-        if not self.config.keep_mount or self.restart_argv is None:
-            return
-        init_request = pyfuse3.init_request()
-        if init_request is None:
-            log.warning("keep_mount is off for this mount: pyfuse3 did not keep the kernel's INIT request")
-            return
-        if self.notifier.enabled:
-            # Under systemd a holder would be killed with the unit's other processes; its file descriptor
-            # store keeps the connection instead, and Restart= starts the daemon that takes it over.
-            memfd = holder.init_memfd(init_request)
-            try:
-                self._systemd_keeps = (self.notifier.store_fd(holder.SYSTEMD_FUSE_FD, pyfuse3.fuse_fd())
-                                       and self.notifier.store_fd(holder.SYSTEMD_INIT_FD, memfd))
-            finally:
-                os.close(memfd)
-            if self._systemd_keeps:
-                log.info("the mount outlives this daemon: systemd's file descriptor store keeps the FUSE"
-                         " connection for the daemon Restart= starts (the unit needs FileDescriptorStoreMax=2)")
-            return
-        argv = list(self.restart_argv)
-        if "--cache-dir" not in argv:
-            argv += ["--cache-dir", str(self.cache.root)]
-        try:
-            self.link = await trio.to_thread.run_sync(
-                lambda: holder.start(self.mountpoint, pyfuse3.fuse_fd(), init_request, argv=argv))
-        except CkptfsError as exc:
-            log.warning("keep_mount is off for this mount: %s; a daemon that dies leaves the mount at"
-                        " 'Transport endpoint is not connected'", exc)
-            return
-        log.info("the mount outlives this daemon: holder pid %d keeps the FUSE connection", self.link.holder_pid)
-
-    def _let_go_of_connection(self, *, unmounted: bool, journal_failed: bool) -> None:
-        """The end of serving: unmount after a clean stop; leave the connection aborted when the journal
-        failed (every access then fails with ENOTCONN, none lands on the disk below the mountpoint); hand
-        it to the new daemon of a `ckptfs restart`; and when this daemon fails otherwise while a holder keeps
-        the connection, leave it to the daemon the holder starts next, handles and all."""
-        if self._restarting and not journal_failed and self.restart_argv is not None:
-            fd = os.dup(pyfuse3.fuse_fd())  # the session's own descriptor goes with close()
-            init_request = pyfuse3.init_request() or b""
-            pyfuse3.close(unmount=False)
-            self.fs.backing = None
-            if self.link is not None:
-                self.link.handover()
-                self.link = None
-            os.set_inheritable(fd, True)
-            self.restart = Restart(self.restart_argv, holder.handover_env(fd, init_request))
-            return
-        failed = not unmounted and not journal_failed and not self._exiting_now
-        if (self.link is not None or self._systemd_keeps) and failed:
-            pyfuse3.close(unmount=False)
-            self.fs.backing = None
-            self.link = None  # its socket closes with the process: the holder starts a new daemon
-            log.error("the daemon fails; the mount stays, held for the daemon started next")
-            return
-        if self._systemd_keeps:
-            self.notifier.remove_fds(holder.SYSTEMD_FUSE_FD)
-            self.notifier.remove_fds(holder.SYSTEMD_INIT_FD)
-            self._systemd_keeps = False
-        # Closing our /dev/fuse descriptor without unmounting aborts the connection (with no holder left).
-        pyfuse3.close(unmount=not journal_failed)
-        self.fs.backing = None  # closed with the connection
-        if self.held is not None and not journal_failed:
-            unmount(self.mountpoint)  # a connection taken over: libfuse did not mount it, so it does not unmount
-        if not journal_failed:
-            if self.config.guard_mountpoint:  # writes into the bare directory fail (EROFS), not land on disk
-                guard.place(self.mountpoint)
-            self.fs.close_all()
-            if self.handle_table is not None:
-                self.handle_table.clear()
-        if self.link is not None:
-            if journal_failed:
-                self.link.abort()
-            else:
-                self.link.release()
-            self.link = None
 
     def _probe_passthrough(self) -> None:
         """Turn FUSE passthrough on where the option, the pyfuse3 build, the kernel and this process's
@@ -464,8 +351,9 @@ class Daemon:
 
     def statistics(self) -> MountStats:
         """Every statistic of the mount, read once (status.py derives the status, metrics and STATUS=)."""
-        keep_mount = KeepMount(self.link.holder_pid if self.link is not None else None, self._systemd_keeps,
-                               self.held is not None, self._handles_taken_over)
+        keeper = self.keeper
+        keep_mount = KeepMount(keeper.link.holder_pid if keeper.link is not None else None, keeper.systemd_keeps,
+                               self.held is not None, keeper.handles_taken_over)
         return gather(
             journal=self.journal, drain=self.drain, engine=self.engine, fetcher=self.fetcher, evictor=self.evictor,
             cache=self.cache, fs=self.fs, faults=self.faults, node_id=self.node_id, records=self.records,
@@ -767,7 +655,7 @@ async def _run_on(
             daemon = Daemon(config, engine, cache, journal, metrics, handle_table=handle_table, held=held,
                             restored=restored, restart_argv=restart_argv)
             # Under systemd every connection taken over (Restart=, `ckptfs restart`) is also in its store.
-            daemon.kept_by_systemd(from_systemd or (held is not None and config.keep_mount))
+            daemon.keeper.kept_by_systemd(from_systemd or (held is not None and config.keep_mount))
             cache.configure_budget(config.cache_size, config.min_free, working_room=daemon.drain.spill_room)
             daemon.evictor.start(atimes)
             code = await daemon.run(ready)

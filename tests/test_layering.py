@@ -33,10 +33,11 @@ ALLOWED: dict[str, set[str]] = {
     "holder": {"client", "errors"},
     "guard": {"client", "errors"},
     "mountpoint": {"errors", "guard", "holder"},
+    "takeover": {"errors", "fs", "guard", "handles", "holder", "mountpoint", "systemd"},
     "daemon": {"backends", "cache", "config", "ctl", "drain", "errors", "evict", "fetch", "fs", "fuse_ops", "guard",
                "handles", "holder", "journal", "mountpoint",
-               "nodes", "prune", "recovery", "status", "systemd", "metrics", "transfer"},
-    "cli": {"client", "config", "daemon", "errors"},
+               "nodes", "prune", "recovery", "status", "systemd", "takeover", "metrics", "transfer"},
+    "cli": {"client", "config", "daemon", "errors", "takeover"},
     "__main__": {"cli"},
     "__init__": {"client", "errors"},
 }
