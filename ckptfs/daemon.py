@@ -16,7 +16,6 @@ import dataclasses
 import errno
 import functools
 import logging
-import math
 import os
 import resource
 import secrets
@@ -24,7 +23,6 @@ import signal
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import pyfuse3
 import trio
@@ -34,6 +32,7 @@ from ckptfs.backends import open_store
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
 from ckptfs.config import Config, parse_size
+from ckptfs.control import RETIRE_RECORDS_WAIT, ControlRequests, deadline_after
 from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, Faults
 from ckptfs.evict import Evictor
@@ -41,13 +40,13 @@ from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations, KernelBackingFiles, passthrough_build, passthrough_granted
 from ckptfs.handles import HandleTable, OpenHandle
-from ckptfs.journal import ROOT_ID, Inode, Journal, JournalError, journal_unusable
+from ckptfs.journal import Inode, Journal, JournalError, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
 from ckptfs.mountpoint import check_mountpoint, set_read_ahead
-from ckptfs.nodes import HeldError, NodeRecords, PeerRecords, node_id_of
+from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
 from ckptfs.prune import Pruner
 from ckptfs.recovery import DirLister, recover
-from ckptfs.status import KeepMount, MountStats, gather, metrics_snapshot, status_json, status_line
+from ckptfs.status import KeepMount, MountStats, gather, metrics_snapshot, status_line
 from ckptfs.systemd import Notifier, listen_fds
 from ckptfs.takeover import ConnectionKeeper, Restart
 from ckptfs.transfer import Transfers
@@ -65,7 +64,6 @@ EXTEND_SECONDS = 30
 # A background service that failed unexpectedly starts again after this long (doubling up to the cap).
 RESTART_PAUSE = 1.0
 RESTART_PAUSE_CAP = 60.0
-RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take
 # `ckptfs restart`: how long the requests being served may take to finish before the connection goes to the
 # new daemon anyway (the kernel sends it the unfinished ones again)
 RESTART_REQUESTS_WAIT = 10.0
@@ -151,6 +149,8 @@ class Daemon:
         self.passthrough_why = "off: not probed yet"
         self.notifier = Notifier()
         self.fuse_ops: FuseOperations | None = None
+        self.control = ControlRequests(self, self.drain, self.lister, self.pruner, cache_root=cache.root,
+                                       node_id=self.node_id, records=self.records, peers=self.peers)
         # The mount outliving this daemon (takeover.py): holder, systemd's store, the handles taken over.
         self.keeper = ConnectionKeeper(
             pyfuse3, self.fs, self.notifier, mountpoint=self.mountpoint, cache_root=cache.root,
@@ -171,6 +171,21 @@ class Daemon:
         if not self._stop_requested.is_set():
             self._stop_timeout = timeout
             self._stop_requested.set()
+
+    async def stopped(self) -> FlushResult:
+        await self._finished.wait()
+        assert self.result is not None
+        return self.result
+
+    def begin_restart(self) -> str | None:
+        if self.restart_argv is None:
+            return ("this daemon was not started by `ckptfs mount`, so it cannot start itself again; unmount and"
+                    " mount instead")
+        if self._stop_requested.is_set():
+            return "the daemon is stopping"
+        self._restarting = True
+        self._stop_requested.set()
+        return None
 
     async def run(self, ready: Callable[[], None]) -> int:
         options = set(pyfuse3.default_options) - {"default_permissions"}
@@ -380,7 +395,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         self.notifier.notify(stopping=1, status=status_line(self.statistics()))
         self.fs.stop_writes()
-        self.result = await self.drain.flush(None, _deadline(self._stop_timeout))
+        self.result = await self.drain.flush(None, deadline_after(self._stop_timeout))
         if self.result.ok and self.records is not None:
             # Nothing of this node is pending: its records go, so that no other node's marker waits for it.
             with trio.move_on_after(RETIRE_RECORDS_WAIT):
@@ -416,92 +431,9 @@ class Daemon:
     async def _serve_control(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         path = ctl.socket_path(self.mountpoint)
         try:
-            await ctl.serve(path, self._control, self._control_stop, task_status=task_status)
+            await ctl.serve(path, self.control.answer, self._control_stop, task_status=task_status)
         finally:
             self._control_done.set()
-
-    # -- control socket -----------------------------------------------------------------------------
-
-    async def _control(self, request: dict[str, Any]) -> dict[str, Any]:
-        op = request.get("op")
-        if op == "status":
-            return {"ok": True, **status_json(self.statistics())}
-        if op == "flush":
-            paths = [p.strip("/") for p in request.get("paths") or []] or None
-            deadline = _deadline(request.get("timeout"))
-            result = await self.drain.flush(paths, deadline)
-            if result.ok and self.records is not None:
-                # Flushed: this node's records whose work is done go now, not after LINGER, so that no
-                # other node's marker waits for them and the store holds no bookkeeping of a quiet node.
-                with trio.move_on_at(min(deadline, trio.current_time() + RETIRE_RECORDS_WAIT)):
-                    await self.records.tidy(final=True)
-            if result.ok and request.get("all_nodes"):
-                result = await self._flush_other_nodes(deadline)
-            return {"ok": result.ok, "remaining": result.remaining[:100], "remaining_count": len(result.remaining)}
-        if op == "nodes":
-            return await self._nodes(request)
-        if op == "prune":
-            keep_last = request.get("keep_last")
-            if not isinstance(keep_last, int) or keep_last < 1:
-                return {"ok": False, "error": "keep_last must be a whole number >= 1"}
-            pruned = await self.pruner.prune(keep_last, tuple(request.get("keep") or ()),
-                                             dry_run=bool(request.get("dry_run")))
-            return {"ok": True, "delete": pruned.delete, "reasons": pruned.reasons}
-        if op == "refresh":
-            self.lister.invalidate_all()
-            await self.lister.ensure(ROOT_ID)
-            return {"ok": True}
-        if op == "restart":
-            if self.restart_argv is None:
-                return {"ok": False, "error": "this daemon was not started by `ckptfs mount`, so it cannot start"
-                                              " itself again; unmount and mount instead"}
-            if self._stop_requested.is_set():
-                return {"ok": False, "error": "the daemon is stopping"}
-            self._restarting = True
-            self._stop_requested.set()
-            return {"ok": True, "pid": os.getpid()}
-        if op == "umount":
-            self.request_stop(request.get("timeout"))
-            await self._finished.wait()
-            assert self.result is not None
-            return {
-                "ok": self.result.ok,
-                "remaining": self.result.remaining[:100],
-                "remaining_count": len(self.result.remaining),
-                "cache_dir": str(self.cache.root),
-                "pid": os.getpid(),
-            }
-        return {"ok": False, "error": f"unknown op {op!r}"}
-
-    async def _flush_other_nodes(self, deadline: float) -> FlushResult:
-        """After this node's flush: wait until every other node's work pending now is durable."""
-        if self.peers is None:
-            raise CkptfsError("--all-nodes needs cross-node ordering (cross_node_ordering = true and commit"
-                              " markers configured)")
-        try:
-            with trio.move_on_at(deadline):
-                await self.peers.wait_all()
-                return FlushResult(True, [])
-        except HeldError as exc:
-            return FlushResult(False, exc.lines)
-        return FlushResult(False, self.peers.describe(self.peers.waited_for()))
-
-    async def _nodes(self, request: dict[str, Any]) -> dict[str, Any]:
-        """`ckptfs nodes`: every node with pending records in the store; `forget` gives one up."""
-        if self.peers is None:
-            return {"ok": False, "error": "cross-node ordering is off on this mount (cross_node_ordering = false,"
-                    " or no commit_markers)"}
-        forget = request.get("forget")
-        forgotten = None
-        if forget:
-            if not isinstance(forget, str) or forget == self.node_id:
-                return {"ok": False, "error": f"cannot forget {forget!r}: name another node (ckptfs nodes lists"
-                        " them)"}
-            forgotten = await self.peers.forget(forget)
-        else:
-            await self.peers.refresh()
-        return {"ok": True, "this_node": self.node_id, "nodes": self.peers.nodes(),
-                "waiting_markers": self.peers.waiting_markers(), "forgot_records": forgotten}
 
 
 def _innermost(exc: BaseException) -> BaseException:
@@ -525,10 +457,6 @@ def _effective(config: Config, cache: CacheDir) -> str:
     fields["commit_markers"] = ",".join(config.commit_markers)
     fields["keep"] = ",".join(config.keep)
     return ", ".join(f"{key} {value}" for key, value in fields.items())
-
-
-def _deadline(timeout: float | None) -> float:
-    return math.inf if timeout is None else trio.current_time() + float(timeout)
 
 
 def _owner_tag(journal: Journal) -> str:
