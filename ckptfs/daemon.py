@@ -11,17 +11,12 @@ This is the only module besides fuse_ops.py that imports pyfuse3, and the only o
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-import errno
 import functools
 import logging
 import os
-import resource
 import secrets
 import signal
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable
 
 import pyfuse3
@@ -38,12 +33,13 @@ from ckptfs.errors import CkptfsError, Faults
 from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
-from ckptfs.fuse_ops import FuseOperations, KernelBackingFiles, passthrough_build, passthrough_granted
+from ckptfs.fuse_ops import FuseOperations, forget_kernel_data, forget_kernel_entry, probe_passthrough
 from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import Inode, Journal, JournalError, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
 from ckptfs.mountpoint import check_mountpoint, set_read_ahead
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
+from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
 from ckptfs.prune import Pruner
 from ckptfs.recovery import DirLister, recover
 from ckptfs.status import KeepMount, MountStats, gather, metrics_snapshot, status_line
@@ -52,8 +48,6 @@ from ckptfs.takeover import ConnectionKeeper, Restart
 from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
-
-M_MMAP_THRESHOLD = -3  # mallopt(3)
 
 EXIT_NOT_DRAINED = 3
 # How often systemd hears how things are (STATUS=), and how much more stop time a draining stop asks for
@@ -136,8 +130,8 @@ class Daemon:
             self.fs.announcer = self.records
         self.pruner = Pruner(journal, self.fs, self.lister, is_commit_marker=self.drain.is_commit_marker,
                              peers=self.peers, faults=self.faults)
-        self.lister.forget_kernel_data = _forget_kernel_data
-        self.lister.forget_kernel_entry = _forget_kernel_entry
+        self.lister.forget_kernel_data = forget_kernel_data
+        self.lister.forget_kernel_entry = forget_kernel_entry
         self.drain.on_spilled = self.evictor.evict_if_clean
         self._stop_requested = trio.Event()
         self._fuse_done = trio.Event()
@@ -272,32 +266,10 @@ class Daemon:
         return 0
 
     def _probe_passthrough(self) -> None:
-        """Turn FUSE passthrough on where the option, the pyfuse3 build, the kernel and this process's
-        privileges allow it; otherwise the mount works as without it. Never a failure: says which."""
-        if self.config.passthrough == "off":
-            self.passthrough_why = "off: passthrough = off"
-        elif not passthrough_build():
-            self.passthrough_why = ("off: this pyfuse3 is the stock build, without passthrough support"
-                                    " (scripts/install.sh builds one against libfuse >= 3.17)")
-        elif not passthrough_granted():
-            self.passthrough_why = ("off: the kernel did not grant FUSE passthrough (it needs Linux >= 6.9"
-                                    " with CONFIG_FUSE_PASSTHROUGH)")
-        else:
-            backing = KernelBackingFiles()
-            probe = self.cache.tmp_path(0) + ".passthrough-probe"
-            try:
-                fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                try:
-                    backing.close(backing.open(fd))
-                finally:
-                    os.close(fd)
-                    os.unlink(probe)
-            except OSError as exc:
-                need = " (it needs CAP_SYS_ADMIN: run the daemon as root)" if exc.errno == errno.EPERM else ""
-                self.passthrough_why = f"off: the kernel refused a backing file: {exc.strerror}{need}"
-            else:
-                self.fs.backing = backing
-                self.passthrough_why = "on: the kernel reads and writes the cache files of open files itself"
+        backing, self.passthrough_why = probe_passthrough(self.config.passthrough,
+                                                          self.cache.tmp_path(0) + ".passthrough-probe")
+        if backing is not None:
+            self.fs.backing = backing
         log.info("FUSE passthrough %s", self.passthrough_why)
 
     async def _supervised(
@@ -443,22 +415,6 @@ def _innermost(exc: BaseException) -> BaseException:
     return exc
 
 
-def _effective(config: Config, cache: CacheDir) -> str:
-    """The effective configuration, one line, for the log (config holds no secrets; an endpoint URL's
-    user:password part, if any, is dropped)."""
-    fields = dataclasses.asdict(config)
-    fields["cache_dir"] = str(cache.root)
-    if config.endpoint_url:
-        parts = urllib.parse.urlsplit(config.endpoint_url)
-        fields["endpoint_url"] = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")
-                                                if parts.hostname else parts.netloc).geturl()
-    fields.pop("source")
-    fields.pop("mountpoint")
-    fields["commit_markers"] = ",".join(config.commit_markers)
-    fields["keep"] = ",".join(config.keep)
-    return ", ".join(f"{key} {value}" for key, value in fields.items())
-
-
 def _owner_tag(journal: Journal) -> str:
     """A random id of this cache dir, created once; it tags the uploads it stages in the store."""
     tag = journal.get_meta("owner")
@@ -469,55 +425,13 @@ def _owner_tag(journal: Journal) -> str:
     return tag
 
 
-def _forget_kernel_data(inode_id: int) -> None:
-    """Another node replaced this file: the kernel must not serve its old pages or size (readable handles
-    keep the page cache across opens)."""
-    try:
-        pyfuse3.invalidate_inode(inode_id)
-    except OSError:
-        pass  # ENOENT: the kernel holds nothing of it
-
-
-def _forget_kernel_entry(parent_id: int, name: str) -> None:
-    """Another node deleted this entry: the kernel must not keep resolving the name for entry_timeout."""
-    pyfuse3.invalidate_entry_async(parent_id, name.encode(), ignore_enoent=True)
-
-
-def _return_freed_part_buffers() -> None:
-    """Part buffers (MiBs each) come and go on many threads. glibc raises its mmap threshold after the
-    first large free and then serves such buffers from per-thread arenas it rarely gives back, so the
-    daemon's RSS would settle far above what the transfer engine holds. A fixed threshold keeps every
-    buffer of 256 KiB or more mmapped, and returned to the system when it is freed."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(M_MMAP_THRESHOLD, 256 << 10)
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
-
-
-def raise_open_file_limit() -> None:
-    """Every open file in the mount holds a descriptor on its cache file, and the drain and the store
-    clients hold more: the usual soft limit of 1024 is reached by one big checkpoint save. Raise it to
-    the hard limit (systemd's LimitNOFILE=, or the shell's ulimit -Hn), which needs no privilege."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft >= hard:
-        log.info("open file limit %d (the hard limit)", soft)
-        return
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError) as exc:
-        log.warning("cannot raise the open file limit from %d to %s: %s", soft, hard, exc)
-        return
-    log.info("open file limit raised from %d to %s (the hard limit)", soft, hard)
-
-
 async def run(
     config: Config, ready: Callable[[], None] = lambda: None, restart_argv: list[str] | None = None
 ) -> int:
     """Mount and serve until stopped (or take over the mount a holder keeps for a daemon that died). Raises
     CkptfsError for anything the user must fix before mounting. `restart_argv`: the `ckptfs` arguments that
     start this daemon again (keep_mount; None: no holder)."""
-    _return_freed_part_buffers()
+    return_freed_part_buffers()
     raise_open_file_limit()
     store = InstrumentedStore(open_store(config.source, endpoint_url=config.endpoint_url))
     await trio.to_thread.run_sync(store.check)
@@ -567,7 +481,7 @@ async def _run_on(
                     f"cache dir {cache.root} holds data of {bound}, not {store.url};"
                     " use another --cache-dir (or mount that source)"
                 )
-            log.info("ckptfs %s -> %s: %s", store.url, config.mountpoint, _effective(config, cache))
+            log.info("ckptfs %s -> %s: %s", store.url, config.mountpoint, config.effective(cache.root))
             engine = Transfers(
                 store, part_size=parse_size(config.part_size), memory_budget=parse_size(config.memory_budget),
                 parts_in_flight=config.parts_in_flight,

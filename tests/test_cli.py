@@ -372,13 +372,11 @@ def test_repeated_log_messages_are_rate_limited() -> None:
 
 
 def test_effective_configuration_is_logged_without_credentials(tmp_path: Path) -> None:
-    from ckptfs.cache import CacheDir
     from ckptfs.config import load_config
-    from ckptfs.daemon import _effective
 
     config = load_config(None, {"source": "s3://b/p", "mountpoint": tmp_path,
                                 "endpoint_url": "http://user:secret@127.0.0.1:9000"})
-    line = _effective(config, CacheDir(tmp_path / "cache"))
+    line = config.effective(tmp_path / "cache")
     assert "secret" not in line and "user" not in line
     assert "endpoint_url http://127.0.0.1:9000" in line and "cache_size 80%" in line and "transfers 8" in line
 
