@@ -7,6 +7,10 @@ with a deadline, unmount, close the journal. A second signal skips the drain; no
 because whatever was not uploaded stays journaled for the next start.
 
 This is the only module besides fuse_ops.py that imports pyfuse3, and the only owner of the root nursery.
+It wires and starts; what it starts lives in modules of their own: mountpoint.py (can it be mounted on),
+takeover.py (the connection beyond this daemon: holder, systemd's store, handles taken over), control.py
+(the control socket's requests), status.py (status, metrics and STATUS=, from one gathering), prune.py
+(retention carried out).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
 from ckptfs.prune import Pruner
 from ckptfs.recovery import DirLister, recover
 from ckptfs.status import KeepMount, MountStats, gather, metrics_snapshot, status_line
-from ckptfs.systemd import Notifier, listen_fds
-from ckptfs.takeover import ConnectionKeeper, Restart
+from ckptfs.systemd import Notifier
+from ckptfs.takeover import ConnectionKeeper, Restart, find_held_connection
 from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
@@ -438,15 +442,7 @@ async def run(
     # Before anything touches the mountpoint: if a holder keeps its connection, a stat would wait for a
     # daemon, and this is the one. (A daemon that cannot start fails before it attaches: its holder counts
     # that, and gives up after a few.)
-    held = holder.inherited()  # from the daemon before in this process (`ckptfs restart`)
-    from_systemd = False
-    if held is None:
-        held = holder.from_systemd(listen_fds())  # from a daemon of this unit that died (Restart=)
-        from_systemd = held is not None
-    if held is None:
-        held = holder.attach(config.mountpoint)
-    else:
-        held.link = holder.attach_link(config.mountpoint)
+    held, from_systemd = find_held_connection(config.mountpoint)
     unguarded = held is None and check_mountpoint(config.mountpoint)
     try:
         return await _run_on(config, store, held, from_systemd, ready, restart_argv)

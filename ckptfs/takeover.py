@@ -23,7 +23,7 @@ from ckptfs.errors import CkptfsError
 from ckptfs.fs import Filesystem
 from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.mountpoint import unmount
-from ckptfs.systemd import Notifier
+from ckptfs.systemd import Notifier, listen_fds
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,21 @@ class FuseConnection(Protocol):
     def init_request(self) -> bytes | None: ...
 
     def close(self, unmount: bool = ...) -> None: ...
+
+
+def find_held_connection(mountpoint: Path) -> tuple[holder.Held | None, bool]:
+    """The connection a daemon before left for this one to take over, if any, and whether it came from
+    systemd's store (which then still keeps it). Looked for before anything touches the mountpoint."""
+    held = holder.inherited()  # from the daemon before in this process (`ckptfs restart`)
+    from_systemd = False
+    if held is None:
+        held = holder.from_systemd(listen_fds())  # from a daemon of this unit that died (Restart=)
+        from_systemd = held is not None
+    if held is None:
+        held = holder.attach(mountpoint)
+    else:
+        held.link = holder.attach_link(mountpoint)
+    return held, from_systemd
 
 
 class ConnectionKeeper:
