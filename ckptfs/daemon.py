@@ -81,6 +81,8 @@ class _StartedOnce:
 
 
 class Daemon:
+    """One mount: its parts built and wired together, run in the root nursery until stopped."""
+
     def __init__(
         self, config: Config, engine: Transfers, cache: CacheDir, journal: Journal,
         metrics: MetricsServer | None = None, *, handle_table: HandleTable | None = None,
