@@ -4,8 +4,9 @@ Owns only type conversion and error translation: every request goes through one 
 the inline copy in the hot read/write) whose `_fuse_error` turns whatever it raised into a FUSEError, here
 and nowhere else. A handler never lets an exception reach pyfuse3: that would end the FUSE session.
 No POSIX semantics live here (fs.py has them), and no store is reached from here. It also registers cache
-files with the kernel for FUSE passthrough (KernelBackingFiles) and names the backing id in open and create
-replies; when a handle gets one is fs.py's decision.
+files with the kernel for FUSE passthrough (KernelBackingFiles, probed once by `probe_passthrough`) and
+names the backing id in open and create replies; when a handle gets one is fs.py's decision. The kernel's
+caches of entries another node changed are dropped here too (`forget_kernel_*`), for recovery.DirLister.
 """
 
 from __future__ import annotations
@@ -143,6 +144,46 @@ def passthrough_build() -> bool:
 def passthrough_granted() -> bool:
     """The kernel granted FUSE_PASSTHROUGH at INIT (asked for when enable_passthrough is set)."""
     return passthrough_build() and bool(getattr(pyfuse3, "passthrough_enabled")())  # noqa: B009
+
+
+def probe_passthrough(mode: str, probe_path: str) -> tuple[KernelBackingFiles | None, str]:
+    """FUSE passthrough where the option (`mode`), the pyfuse3 build, the kernel and this process's
+    privileges allow it: the backing files to use (None: the mount works as without it), and why. Never a
+    failure. `probe_path`: a scratch file on the cache filesystem, removed again."""
+    if mode == "off":
+        return None, "off: passthrough = off"
+    if not passthrough_build():
+        return None, ("off: this pyfuse3 is the stock build, without passthrough support"
+                      " (scripts/install.sh builds one against libfuse >= 3.17)")
+    if not passthrough_granted():
+        return None, ("off: the kernel did not grant FUSE passthrough (it needs Linux >= 6.9"
+                      " with CONFIG_FUSE_PASSTHROUGH)")
+    backing = KernelBackingFiles()
+    try:
+        fd = os.open(probe_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            backing.close(backing.open(fd))
+        finally:
+            os.close(fd)
+            os.unlink(probe_path)
+    except OSError as exc:
+        need = " (it needs CAP_SYS_ADMIN: run the daemon as root)" if exc.errno == errno.EPERM else ""
+        return None, f"off: the kernel refused a backing file: {exc.strerror}{need}"
+    return backing, "on: the kernel reads and writes the cache files of open files itself"
+
+
+def forget_kernel_data(inode_id: int) -> None:
+    """Another node replaced this file: the kernel must not serve its old pages or size (readable handles
+    keep the page cache across opens)."""
+    try:
+        pyfuse3.invalidate_inode(inode_id)
+    except OSError:
+        pass  # ENOENT: the kernel holds nothing of it
+
+
+def forget_kernel_entry(parent_id: int, name: str) -> None:
+    """Another node deleted this entry: the kernel must not keep resolving the name for entry_timeout."""
+    pyfuse3.invalidate_entry_async(parent_id, name.encode(), ignore_enoent=True)
 
 
 class FuseOperations(pyfuse3.Operations):
