@@ -38,7 +38,6 @@ import errno
 import itertools
 import logging
 import os
-import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -48,7 +47,7 @@ from ckptfs.backends.base import crc32_combine, crc_text
 from ckptfs.cache import CacheDir, punch_hole_fd
 from ckptfs.errors import BackendError, FsError, NotFoundBackendError, ObjectChangedError, errno_for_backend_error
 from ckptfs.evict import HIGH_WATER, Evictor
-from ckptfs.journal import REMOTE, Inode, Journal, journal_full
+from ckptfs.journal import REMOTE, Inode, Journal, JournalFull
 from ckptfs.transfer import Priority, Transfers
 
 log = logging.getLogger(__name__)
@@ -572,9 +571,7 @@ class Fetcher:
         try:
             with self.journal.transaction():
                 self.journal.finish_fetch(stream.inode_id, size=stream.size, mtime_ns=current.mtime_ns)
-        except sqlite3.OperationalError as exc:
-            if not journal_full(exc):
-                raise
+        except JournalFull:
             # The journal cannot say the file is local (the cache filesystem is full): it stays remote,
             # without a cache file, and its readers keep the bytes they have open.
             self.cache.remove_data(stream.inode_id)

@@ -16,7 +16,7 @@ import sqlite3
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 SCHEMA_VERSION = 1
 ROOT_ID = 1
@@ -126,10 +126,20 @@ def _prefix_range(prefix: str) -> tuple[str, str]:
     return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
-def journal_full(exc: BaseException) -> bool:
+class JournalError(Exception):
+    """The journal cannot do what was asked: a journal of another schema at open, or a statement that
+    failed for a reason of neither kind below (a bug)."""
+
+
+class JournalFull(JournalError):
     """The journal could not grow: its file system (the cache's) is full. Nothing was changed; the same
     write works once there is room."""
-    return isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+
+
+class JournalUnusable(JournalError):
+    """The journal can no longer record anything: its file cannot be read or written (an I/O error, a
+    corrupt page, a cache filesystem remounted read-only) or its connection is closed. Every promise
+    rests on it, so this alone may end the daemon; any other failure is one entry's or one task's."""
 
 
 # Primary SQLite result codes after which the journal cannot be trusted or reached any more.
@@ -139,16 +149,80 @@ _UNUSABLE_CODES = frozenset(
 )
 
 
-def journal_unusable(exc: BaseException) -> bool:
-    """The journal can no longer record anything: its file cannot be read or written (an I/O error, a
-    corrupt page, a cache filesystem remounted read-only) or its connection is closed. Every promise
-    rests on it, so this alone may end the daemon; any other failure is one entry's or one task's."""
-    if isinstance(exc, BaseExceptionGroup):  # raised out of a nursery
-        return any(journal_unusable(inner) for inner in exc.exceptions)
-    if isinstance(exc, sqlite3.ProgrammingError):
-        return "closed" in str(exc)
+def _translated(exc: sqlite3.Error) -> JournalError:
+    """What a failed statement means to the journal's callers; the one place that reads SQLite's codes."""
     code = getattr(exc, "sqlite_errorcode", None)
-    return isinstance(exc, sqlite3.DatabaseError) and code is not None and code & 0xFF in _UNUSABLE_CODES
+    if code == sqlite3.SQLITE_FULL:
+        return JournalFull(str(exc))
+    if isinstance(exc, sqlite3.ProgrammingError) and "closed" in str(exc):
+        return JournalUnusable(str(exc))
+    if isinstance(exc, sqlite3.DatabaseError) and code is not None and code & 0xFF in _UNUSABLE_CODES:
+        return JournalUnusable(str(exc))
+    return JournalError(str(exc))
+
+
+def journal_unusable(exc: BaseException) -> bool:
+    """Is `exc` a JournalUnusable, or a group raised out of a nursery that holds one?"""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(JournalUnusable) is not None
+    return isinstance(exc, JournalUnusable)
+
+
+def journal_full(exc: BaseException) -> bool:
+    """Is `exc` a JournalFull? (For callers that test a caught exception rather than catch JournalFull.)"""
+    return isinstance(exc, JournalFull)
+
+
+class _Cursor(sqlite3.Cursor):
+    """A cursor whose statements and rows raise journal errors, never sqlite3's."""
+
+    def execute(self, sql: str, parameters: Any = (), /) -> _Cursor:
+        try:
+            return super().execute(sql, parameters)
+        except sqlite3.Error as exc:
+            raise _translated(exc) from exc
+
+    def fetchone(self) -> Any:
+        try:
+            return super().fetchone()
+        except sqlite3.Error as exc:
+            raise _translated(exc) from exc
+
+    def fetchall(self) -> list[Any]:
+        try:
+            return super().fetchall()
+        except sqlite3.Error as exc:
+            raise _translated(exc) from exc
+
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()
+        except sqlite3.Error as exc:
+            raise _translated(exc) from exc
+
+
+class _Connection(sqlite3.Connection):
+    """The journal's connection: every statement runs on a _Cursor, so no sqlite3 error leaves the journal."""
+
+    def execute(self, sql: str, parameters: Any = (), /) -> _Cursor:
+        try:
+            cursor = self.cursor(_Cursor)
+        except sqlite3.Error as exc:  # a closed connection
+            raise _translated(exc) from exc
+        return cursor.execute(sql, parameters)
+
+    def executescript(self, script: str, /) -> sqlite3.Cursor:
+        try:
+            return super().executescript(script)
+        except sqlite3.Error as exc:
+            raise _translated(exc) from exc
+
+
+def _connect(path: Path) -> _Connection:
+    try:
+        return sqlite3.connect(path, isolation_level=None, check_same_thread=False, factory=_Connection)
+    except sqlite3.Error as exc:
+        raise _translated(exc) from exc
 
 
 class Inode(NamedTuple):
@@ -209,15 +283,11 @@ def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:
     return Inode(*row)
 
 
-class JournalError(Exception):
-    pass
-
-
 class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         fresh = not path.exists()
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db = _connect(path)
         if fresh:
             path.chmod(0o600)
         self.db.execute("PRAGMA journal_mode = WAL")
@@ -233,7 +303,7 @@ class Journal:
             )
         try:
             self.db.execute(f"SELECT {_COLUMNS} FROM inodes LIMIT 0")
-        except sqlite3.OperationalError as exc:
+        except JournalError as exc:
             raise JournalError(
                 f"journal {path} does not match this ckptfs's schema ({exc}): it was made by a development"
                 " build; use another --cache-dir"
@@ -712,6 +782,18 @@ class Journal:
         self.db.execute(
             "UPDATE inodes SET state = 'clean', size = ?, mtime_ns = ? WHERE id = ? AND state = 'remote'",
             (size, mtime_ns, inode_id),
+        )
+
+    def serve_from_store(self, inode_id: int) -> None:
+        """The local copy is gone (its cache file vanished): the version the store holds serves it now."""
+        self.db.execute("UPDATE inodes SET state = 'remote' WHERE id = ?", (inode_id,))
+
+    def replaced_in_store(self, inode_id: int, *, size: int, mtime_ns: int, checksum: str | None) -> None:
+        """Another node replaced the object of this inode: the store's new version (of this size, mtime and
+        checksum) serves it from now; the caller drops the local copy."""
+        self.db.execute(
+            "UPDATE inodes SET state = 'remote', size = ?, mtime_ns = ?, checksum = ? WHERE id = ?",
+            (size, mtime_ns, checksum, inode_id),
         )
 
     # -- eviction (called by evict.py) -----------------------------------------------------------------
