@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 ROOT_ID = 1
 
 # Content / marker states of an inode (column inodes.state).
@@ -40,7 +40,11 @@ def create_tables(db: sqlite3.Connection) -> None:
         """
         BEGIN;
         CREATE TABLE meta (
-            key   TEXT PRIMARY KEY,  -- 'source': the store URL this cache belongs to (set at first mount)
+            -- 'source': the store URL this cache belongs to (set by the daemon at the first mount);
+            -- 'owner': a random tag of this cache dir, carried by the uploads it stages (daemon);
+            -- 'node_id', 'node_gen': this node's name and start count in cross-node records (nodes.py);
+            -- 'synced_at': written by sync() only so that a transaction commits with synchronous=FULL.
+            key   TEXT PRIMARY KEY,
             value TEXT NOT NULL
         );
 
@@ -77,7 +81,9 @@ def create_tables(db: sqlite3.Connection) -> None:
             -- inode lives now, NULL if none. Differs from the path's key after a rename until the
             -- drain moves the object. Set only by the drain (and by recovery for imported objects).
             remote_key TEXT,
-            checksum  TEXT,              -- 'crc32c:<hex>' or similar, of the uploaded content; NULL if none
+            -- 'crc32:<8 hex digits>' (zlib's CRC-32, backends.base.crc_text) of the uploaded content, as
+            -- the store's metadata carries it; NULL if none (an imported object without one).
+            checksum  TEXT,
             -- 1 when mode or mtime changed since the store copy's metadata was written (chmod, utime
             -- of an uploaded file): the drain rewrites the object's metadata. Set by fs.setattr, cleared
             -- when an upload or a metadata update starts from the current values.
@@ -101,6 +107,10 @@ def create_tables(db: sqlite3.Connection) -> None:
         CREATE INDEX inodes_misplaced ON inodes(id)
             WHERE remote_key IS NOT NULL AND id != 1
               AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END);
+        -- Inodes whose object metadata is out of date (the drain's metadata queue): each scan must cost
+        -- what is pending, not what the namespace holds (without it a scan of 20,000 inodes read every
+        -- inode twice, 7 ms, and the drain scans every 20 ms while it is busy).
+        CREATE INDEX inodes_meta_stale ON inodes(seq) WHERE meta_dirty = 1;
 
         CREATE TABLE pending_deletes (
             id         INTEGER PRIMARY KEY AUTOINCREMENT,  -- order of the deletes
@@ -108,6 +118,14 @@ def create_tables(db: sqlite3.Connection) -> None:
             -- (remote_key = key) and defers it while an inode is about to write that key.
             key        TEXT NOT NULL,
             created_at REAL NOT NULL
+        );
+
+        -- Lazy listing (recovery.DirLister): when each directory was last listed from the store, so that
+        -- a restart within the refresh interval lists nothing again. Rows of inodes gone are pruned when
+        -- a DirLister starts.
+        CREATE TABLE listed_dirs (
+            inode_id  INTEGER PRIMARY KEY,  -- a directory's inode id
+            listed_at REAL NOT NULL         -- wall-clock time (time.time()) of its last listing
         );
         """
         f"""
@@ -117,6 +135,32 @@ def create_tables(db: sqlite3.Connection) -> None:
         COMMIT;
         """
     )
+
+
+def _to_version_2(db: sqlite3.Connection) -> None:
+    """Version 1 journals gained listed_dirs and inodes_meta_stale at open, outside the schema version
+    (ckptfs up to 1bdda0c): create them where they are missing."""
+    db.execute("CREATE TABLE IF NOT EXISTS listed_dirs (inode_id INTEGER PRIMARY KEY, listed_at REAL NOT NULL)")
+    db.execute("CREATE INDEX IF NOT EXISTS inodes_meta_stale ON inodes(seq) WHERE meta_dirty = 1")
+
+
+# The step from version N to N + 1, in one transaction with the new user_version.
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _to_version_2}
+
+
+def migrate(db: sqlite3.Connection, version: int) -> None:
+    """Bring a journal of schema `version` up to SCHEMA_VERSION, one version per transaction."""
+    while version < SCHEMA_VERSION:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            _MIGRATIONS[version](db)
+            version += 1
+            db.execute(f"PRAGMA user_version = {version}")
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
 
 
 def _prefix_range(prefix: str) -> tuple[str, str]:
@@ -296,6 +340,7 @@ class Journal:
         version = self.db.execute("PRAGMA user_version").fetchone()[0]
         if version == 0:
             create_tables(self.db)
+            version = SCHEMA_VERSION
         elif version > SCHEMA_VERSION:
             raise JournalError(
                 f"journal {path} has schema version {version}, newer than this ckptfs ({SCHEMA_VERSION});"
@@ -308,14 +353,8 @@ class Journal:
                 f"journal {path} does not match this ckptfs's schema ({exc}): it was made by a development"
                 " build; use another --cache-dir"
             ) from None
+        migrate(self.db, version)
         self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
-        self._ensure_scan_indexes()
-
-    def _ensure_scan_indexes(self) -> None:
-        """Indexes for the drain's scans, created if missing (additive, as ensure_listed_dirs_table): each
-        scan must cost what is pending, not what the namespace holds. Without them a scan of a 20,000-file
-        namespace read every inode twice (7 ms), and the drain scans every 20 ms while it is busy."""
-        self.db.execute("CREATE INDEX IF NOT EXISTS inodes_meta_stale ON inodes(seq) WHERE meta_dirty = 1")
 
     def close(self) -> None:
         self.db.close()
@@ -664,13 +703,8 @@ class Journal:
 
     # -- lazy listing: when each directory was last listed from the store (recovery.DirLister) --------------
 
-    def ensure_listed_dirs_table(self) -> None:
-        """An additive table, created if missing, instead of a schema version bump: a v1 journal gains it
-        without a migration, and an older ckptfs that opens the journal again ignores it (it lists the
-        whole store at start anyway). Rows of inodes gone since are dropped here."""
-        self.db.execute(
-            "CREATE TABLE IF NOT EXISTS listed_dirs (inode_id INTEGER PRIMARY KEY, listed_at REAL NOT NULL)"
-        )
+    def prune_listed_dirs(self) -> None:
+        """Forget when directories gone since were listed."""
         self.db.execute("DELETE FROM listed_dirs WHERE inode_id NOT IN (SELECT id FROM inodes WHERE path IS NOT NULL)")
 
     def listed_dirs(self) -> dict[int, float]:

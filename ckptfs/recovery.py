@@ -146,7 +146,7 @@ class DirLister:
         self.store = store
         self.refresh_interval = refresh_interval
         self.vanished = vanished if vanished is not None else _drop_entry(journal, cache)
-        journal.ensure_listed_dirs_table()
+        journal.prune_listed_dirs()
         self._listed: dict[int, float] = journal.listed_dirs()  # dir inode id -> time.time() of its listing
         self._in_flight: dict[int, trio.Event] = {}
         self._warned: set[str] = set()
