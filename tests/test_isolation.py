@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from ckptfs.drain import PARK_AFTER, Drain
 from ckptfs.errors import FsError
 from ckptfs.fs import ERROR_XATTR, STATE_XATTR, SetAttrs
 from ckptfs.journal import ROOT_ID, Inode, Journal, JournalError, JournalFull, JournalUnusable, journal_unusable
+from ckptfs.journal.connection import from_sqlite
 
 
 class Bug(Exception):
@@ -132,6 +134,10 @@ def test_what_counts_as_an_unusable_journal(tmp_path: Path) -> None:
     (tmp_path / "corrupt.db").write_bytes(b"not a database, " * 512)
     with pytest.raises(JournalUnusable):
         Journal(tmp_path / "corrupt.db")
+    # What cannot be made to happen here, as SQLite reports it: an I/O error (an extended code).
+    io_error = sqlite3.OperationalError("disk I/O error")
+    io_error.sqlite_errorcode = sqlite3.SQLITE_IOERR_WRITE  # type: ignore[attr-defined]
+    assert isinstance(from_sqlite(io_error), JournalUnusable)
 
 
 async def test_a_sparse_extension_is_not_charged_and_filled_holes_are(tmp_path: Path) -> None:
