@@ -53,6 +53,21 @@ def test_a_commit_that_cannot_grow_the_journal_rolls_back_and_the_journal_still_
     assert journal.get_meta("key-0") is None
 
 
+async def test_a_request_the_full_journal_refuses_answers_enospc_and_changes_nothing(tmp_path: Path) -> None:
+    """SQLite's SQLITE_FULL reaches the FUSE layer as the journal's JournalFull, through fs.py."""
+    stack = make_stack(tmp_path)
+    _fill(stack.journal)
+    with pytest.raises(JournalFull) as caught:
+        for i in range(2000):
+            stack.fs.mkdir(ROOT_ID, f"dir-{i:04d}-{'x' * 200}".encode(), 0o755, UID, GID)
+    assert _fuse_error(caught.value, "mkdir", Faults(), _not_expected).errno == errno.ENOSPC
+    made = len(stack.journal.all_children(ROOT_ID))
+    assert stack.journal.lookup(ROOT_ID, f"dir-{made:04d}-{'x' * 200}") is None
+    stack.journal.db.execute("PRAGMA max_page_count = 1073741823")  # room again
+    stack.fs.mkdir(ROOT_ID, b"after", 0o755, UID, GID)
+    assert stack.journal.lookup(ROOT_ID, "after") is not None
+
+
 def test_a_full_journal_answers_enospc_not_eio() -> None:
     faults = Faults()
     assert _fuse_error(_full(), "mkdir", faults, _not_expected).errno == errno.ENOSPC
