@@ -2,7 +2,7 @@
 
 Layout (all 0700 / 0600):
     CACHE_DIR/lock         flock()ed by the one daemon using this cache dir
-    CACHE_DIR/journal.db   the journal (journal.py owns its contents)
+    CACHE_DIR/journal.db   the journal (ckptfs/journal/ owns its contents)
     CACHE_DIR/data/<id>    the content of file inode <id>, byte for byte; its size and mtime are the file's
     CACHE_DIR/tmp/         partial files of remote objects being read (fetch/), sparse at the object's
                            size; renamed into data/ once every chunk is there and verified. Removed at

@@ -19,7 +19,6 @@ import errno
 import heapq
 import logging
 import os
-import sqlite3
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +31,7 @@ from ckptfs.cache import CacheDir, CacheFile
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
 from ckptfs.evict import Evictor
 from ckptfs.handles import HandleTable, OpenHandle
-from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal, journal_full
+from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal, JournalFull
 
 log = logging.getLogger(__name__)
 
@@ -664,9 +663,7 @@ class Filesystem:
         self._changed.discard(inode_id)
         try:
             self._record_close(inode_id, changed)
-        except sqlite3.OperationalError as exc:
-            if not journal_full(exc):
-                raise
+        except JournalFull:
             # The kernel never repeats a release: unrecorded, the file would look open for writing for
             # as long as the daemon runs, never uploaded, and a flush would wait for it for ever.
             self._unrecorded_closes[inode_id] = self._unrecorded_closes.get(inode_id, False) or changed
@@ -693,9 +690,7 @@ class Filesystem:
             else:
                 try:
                     self._record_close(inode_id, changed)
-                except sqlite3.OperationalError as exc:
-                    if not journal_full(exc):
-                        raise
+                except JournalFull:
                     return  # still full
                 recorded += 1
             del self._unrecorded_closes[inode_id]
@@ -1249,6 +1244,5 @@ class Filesystem:
         for fh in list(self.handles):
             try:
                 self.release(fh)
-            except sqlite3.OperationalError as exc:
-                if not journal_full(exc):
-                    raise
+            except JournalFull:
+                pass

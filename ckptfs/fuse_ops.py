@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import sqlite3
 import stat
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -38,7 +37,7 @@ from pyfuse3 import (
 
 from ckptfs.errors import Faults, FsError
 from ckptfs.fs import RESENT, Attr, Filesystem, RoomNeeded, SetAttrs
-from ckptfs.journal import journal_unusable
+from ckptfs.journal import JournalFull, journal_unusable
 from ckptfs.metrics import OpStats
 
 log = logging.getLogger(__name__)
@@ -106,7 +105,7 @@ def _fuse_error(
         level = logging.WARNING if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EIO) else logging.DEBUG
         log.log(level, "%s failed: %s", op, exc)
         return pyfuse3.FUSEError(exc.errno)
-    if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+    if isinstance(exc, JournalFull):
         # The cache filesystem is full and the journal cannot grow: a full disk, not a bug. What is already
         # committed stays; this request changes nothing.
         log.warning("%s failed: the journal cannot grow, the cache filesystem is full (%s)", op, exc)

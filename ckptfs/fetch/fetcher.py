@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from ckptfs.errors import BackendError, FsError, NotFoundBackendError, ObjectCha
 from ckptfs.evict import HIGH_WATER, Evictor
 from ckptfs.fetch.partials import PartialFiles
 from ckptfs.fetch.stream import Reader, Stream, close_stream, identity_of
-from ckptfs.journal import REMOTE, Inode, Journal, journal_full
+from ckptfs.journal import REMOTE, Inode, Journal, JournalFull
 from ckptfs.transfer import Priority, Transfers
 
 log = logging.getLogger(__name__)
@@ -404,9 +403,7 @@ class Fetcher:
         try:
             with self.journal.transaction():
                 self.journal.finish_fetch(stream.inode_id, size=stream.size, mtime_ns=current.mtime_ns)
-        except sqlite3.OperationalError as exc:
-            if not journal_full(exc):
-                raise
+        except JournalFull:
             # The journal cannot say the file is local (the cache filesystem is full): it stays remote,
             # without a cache file, and its readers keep the bytes they have open.
             self.cache.remove_data(stream.inode_id)
