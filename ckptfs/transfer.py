@@ -19,13 +19,12 @@ import collections
 import contextlib
 import errno
 import functools
-import heapq
 import logging
 import math
 import os
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, TypeVar
 
@@ -39,13 +38,10 @@ from ckptfs.backends.base import (
     UploadRef,
     UploadState,
     backoff_delays,
-    crc32,
-    crc32_combine,
-    crc_of,
-    crc_text,
     pread_exact,
     pread_into,
 )
+from ckptfs.checksums import combine_crcs, crc32, crc_of, crc_text
 from ckptfs.errors import (
     BackendError,
     NotFoundBackendError,
@@ -53,6 +49,7 @@ from ckptfs.errors import (
     PermanentBackendError,
     TransientBackendError,
 )
+from ckptfs.memory import MemoryBudget
 
 log = logging.getLogger(__name__)
 
@@ -147,128 +144,6 @@ class TransferStats:
     memory_waiters: int = 0
 
 
-@dataclass(order=True)
-class _Waiter:
-    priority: int
-    seq: int
-    nbytes: int = field(compare=False)
-    wants_buffer: bool = field(compare=False)
-    event: trio.Event = field(compare=False, default_factory=trio.Event)
-    status: str = field(compare=False, default="waiting")  # then "granted" or "cancelled"
-    buffer: bytearray | None = field(compare=False, default=None)
-
-
-class MemoryBudget:
-    """Bytes of part data in memory, granted in priority order (first come, first served within one
-    priority). A request larger than the whole budget is granted the whole budget, so it runs alone.
-
-    It also keeps the buffers of finished upload parts for the next parts of the same size, inside the
-    budget: a fresh part-sized buffer is its own mmap (glibc maps allocations above 32 MiB on their own, and
-    smaller ones often), so every part would fault in and zero new pages (~15 % of the daemon's CPU while
-    draining). A spare buffer goes with the next grant of its size; spares give way to any other request
-    that needs their room, and all go when nothing is in flight, so an idle daemon holds none."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = max(1, limit)
-        self.in_use = 0
-        self.peak = 0
-        self.spare_bytes = 0
-        self._spare: list[bytearray] = []
-        self._waiters: list[_Waiter] = []  # a heap
-        self._seq = 0
-
-    @property
-    def waiting(self) -> int:
-        return sum(1 for w in self._waiters if w.status == "waiting")
-
-    async def acquire(self, nbytes: int, priority: Priority) -> int:
-        """Wait until `nbytes` fit; return what was granted (pass it to release)."""
-        granted, _ = await self._acquire(nbytes, priority, wants_buffer=False)
-        return granted
-
-    async def acquire_buffer(self, nbytes: int, priority: Priority) -> tuple[int, bytearray]:
-        """acquire(), with a buffer of `nbytes` to fill (a spare one if there is); once no thread uses it any
-        more, hand it back with keep() before releasing the grant."""
-        granted, buffer = await self._acquire(nbytes, priority, wants_buffer=True)
-        assert buffer is not None
-        return granted, buffer
-
-    async def _acquire(self, nbytes: int, priority: Priority, *, wants_buffer: bool) -> tuple[int, bytearray | None]:
-        full = nbytes
-        nbytes = min(nbytes, self.limit)
-        self._seq += 1
-        waiter = _Waiter(int(priority), self._seq, nbytes, wants_buffer)
-        if not self.waiting and self._admit(waiter):
-            return nbytes, self._buffer_of(waiter, full)
-        heapq.heappush(self._waiters, waiter)
-        try:
-            await waiter.event.wait()
-        except BaseException:
-            if waiter.status == "granted":
-                self.release(nbytes)
-            else:
-                waiter.status = "cancelled"
-                self._grant()
-            raise
-        return nbytes, self._buffer_of(waiter, full)
-
-    @staticmethod
-    def _buffer_of(waiter: _Waiter, nbytes: int) -> bytearray | None:
-        if not waiter.wants_buffer:
-            return None
-        return waiter.buffer if waiter.buffer is not None else bytearray(nbytes)
-
-    def keep(self, buffer: bytearray, granted: int) -> None:
-        """Keep the buffer of a finished part for the next part of its size."""
-        if len(buffer) == granted:  # else the grant was cut to the whole budget: the buffer is outside it
-            self._spare.append(buffer)
-            self.spare_bytes += granted
-
-    def release(self, nbytes: int) -> None:
-        self.in_use -= nbytes
-        self._grant()
-        if not self.in_use:
-            self._drop_spare(self.spare_bytes)
-
-    def _admit(self, waiter: _Waiter) -> bool:
-        """Grant the waiter if it fits now, with a spare buffer of its size, dropping other spares for room."""
-        if waiter.wants_buffer:
-            for i, spare in enumerate(self._spare):
-                if len(spare) == waiter.nbytes:
-                    waiter.buffer = self._spare.pop(i)
-                    self.spare_bytes -= waiter.nbytes
-                    break
-        excess = self.in_use + self.spare_bytes + waiter.nbytes - self.limit
-        if excess > 0:
-            self._drop_spare(excess)
-        if self.in_use + waiter.nbytes > self.limit:
-            if waiter.buffer is not None:
-                self.keep(waiter.buffer, waiter.nbytes)
-                waiter.buffer = None
-            return False
-        self.in_use += waiter.nbytes
-        self.peak = max(self.peak, self.in_use + self.spare_bytes)
-        return True
-
-    def _drop_spare(self, nbytes: int) -> None:
-        while self._spare and nbytes > 0:
-            dropped = len(self._spare.pop())
-            self.spare_bytes -= dropped
-            nbytes -= dropped
-
-    def _grant(self) -> None:
-        while self._waiters:
-            waiter = self._waiters[0]
-            if waiter.status == "cancelled":
-                heapq.heappop(self._waiters)
-                continue
-            if not self._admit(waiter):
-                return
-            heapq.heappop(self._waiters)
-            waiter.status = "granted"
-            waiter.event.set()
-
-
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:
@@ -356,10 +231,7 @@ def _read_small_files(files: Sequence[SmallFile]) -> list[bytes | BaseException]
 
 def _whole_crc(crcs: Sequence[int], part_size: int, size: int) -> int:
     """The CRC32 of a file of `size` bytes from the CRC32s of its parts of `part_size`, in order."""
-    whole = crcs[0]
-    for index in range(1, len(crcs)):
-        whole = crc32_combine(whole, crcs[index], min(part_size, size - index * part_size))
-    return whole
+    return combine_crcs((crc, min(part_size, size - index * part_size)) for index, crc in enumerate(crcs))
 
 
 def _fdatasync_path(path: str, key: str) -> None:
@@ -928,13 +800,9 @@ class Transfers:
         if sync_source:
             await trio.to_thread.run_sync(_fdatasync_path, src_path, state.key, limiter=self._part_threads)
         done.sort(key=lambda item: item[0].number)
-        whole, offset = (crc_of(state.checksum) if state.size else None), state.size
-        for _, crc in done:
-            length = min(part_size, end - offset)
-            whole = crc if whole is None else crc32_combine(whole, crc, length)
-            offset += length
-        return replace(state, size=end, parts=(*state.parts, *(part for part, _ in done)),
-                       checksum=crc_text(whole if whole is not None else 0))
+        pieces = [(crc, min(part_size, end - offset)) for (_, crc), offset in zip(done, offsets, strict=True)]
+        whole = combine_crcs(pieces, crc_of(state.checksum))
+        return replace(state, size=end, parts=(*state.parts, *(part for part, _ in done)), checksum=crc_text(whole))
 
     async def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
         """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum: where
@@ -1037,11 +905,7 @@ class Transfers:
                     nursery.start_soon(worker)
         finally:
             os.close(fd)
-        whole = 0
-        for offset in sorted(crcs):
-            crc, length = crcs[offset]
-            whole = crc if offset == 0 else crc32_combine(whole, crc, length)
-        checksum = crc_text(whole)
+        checksum = crc_text(combine_crcs(crcs[offset] for offset in sorted(crcs)))
         if first.checksum and first.checksum.startswith("crc32:") and first.checksum != checksum:
             raise TransientBackendError(f"download {key}: checksum mismatch (got {checksum}, the object says"
                                         f" {first.checksum})")

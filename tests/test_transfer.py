@@ -19,7 +19,8 @@ from store_targets import BIG, META, PART, Target, engine, fetch, s3_target, tar
 from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, ObjectStore, UploadPart, UploadRef, UploadState
 from ckptfs.backends.local import LocalStore
 from ckptfs.errors import NotFoundBackendError, PermanentBackendError, TransientBackendError
-from ckptfs.transfer import MemoryBudget, Priority, PutFile, SmallFile, SourceChangedError, plan_part_size
+from ckptfs.memory import MemoryBudget
+from ckptfs.transfer import Priority, PutFile, SmallFile, SourceChangedError, plan_part_size
 
 MiB = 1 << 20
 
