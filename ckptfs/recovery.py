@@ -390,10 +390,9 @@ async def recover(
     # Staged uploads the journal knows about resume; every other leftover of ours goes.
     keep = set()
     for _inode_id, text in journal.upload_states():
-        try:
-            keep.add(UploadState.from_json(text).upload_id)
-        except (ValueError, KeyError, TypeError):
-            pass
+        state = UploadState.parse(text)
+        if state is not None:
+            keep.add(state.upload_id)
     try:
         report.aborted_uploads = await engine.abort_stale_uploads(keep)
     except BackendError as exc:

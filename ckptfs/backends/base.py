@@ -43,7 +43,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 from ckptfs.errors import BackendError, PermanentBackendError, TransientBackendError
 
@@ -149,6 +149,8 @@ class UploadState:
     spilled: bool = False
     punched: int = 0
     early: bool = False
+    # Unreadable journal rows already reported (parse): the drain reads the same row at every scan.
+    _unreadable: ClassVar[set[str]] = set()
 
     @property
     def ref(self) -> UploadRef:
@@ -164,6 +166,20 @@ class UploadState:
         data = json.loads(text)
         parts = tuple(UploadPart(int(n), str(e), str(c)) for n, e, c in data.pop("parts"))
         return cls(**data, parts=parts)
+
+    @classmethod
+    def parse(cls, text: str | None) -> UploadState | None:
+        """The state a journal row holds (its `upload_state`), or None: no row, or one that cannot be read
+        (reported once; the upload it described is then a leftover, which the sweeps remove)."""
+        if text is None:
+            return None
+        try:
+            return cls.from_json(text)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if text not in cls._unreadable:
+                cls._unreadable.add(text)
+                log.warning("ignoring an unreadable staged-upload record in the journal (%r: %s)", text[:200], exc)
+            return None
 
 
 @dataclass(frozen=True)
