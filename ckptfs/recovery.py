@@ -394,7 +394,7 @@ async def recover(
         if state is not None:
             keep.add(state.upload_id)
     try:
-        report.aborted_uploads = await engine.abort_stale_uploads(keep)
+        report.aborted_uploads = await engine.leftovers.sweep_at_start(keep)
     except BackendError as exc:
         # Housekeeping only (staged parts cost storage, nothing reads them): a store failing it must not
         # keep the mount from serving what the journal holds. The drain sweeps again later, sparing the

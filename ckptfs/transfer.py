@@ -20,10 +20,9 @@ import contextlib
 import errno
 import functools
 import logging
-import math
 import os
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, TypeVar
@@ -49,6 +48,7 @@ from ckptfs.errors import (
     PermanentBackendError,
     TransientBackendError,
 )
+from ckptfs.leftovers import Leftovers
 from ckptfs.memory import MemoryBudget
 
 log = logging.getLogger(__name__)
@@ -88,12 +88,14 @@ class SourceChangedError(TransientBackendError):
 @dataclass(frozen=True)
 class SmallFile:
     """A small closed file for put_files: read whole, PUT in one request. `changed` (called in the worker
-    thread, after the read) says whether the file may have changed since the caller chose it."""
+    thread, after the read) says whether the file may have changed since the caller chose it; `expected`,
+    the (size, checksum) its bytes must have (what stage_upload's scan found)."""
 
     key: str
     src_path: str
     meta: ObjectMeta
     changed: Callable[[], bool]
+    expected: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,20 @@ async def _parallel() -> AsyncIterator[trio.Nursery]:
         raise first from None
 
 
+async def _for_each(items: Iterable[T], work: Callable[[T], Awaitable[object]], width: int) -> None:
+    """work(item) for every item, in their order, `width` at a time (the engine's worker pool for the parts
+    of one transfer); fails as _parallel does."""
+    todo = collections.deque(items)
+
+    async def worker() -> None:
+        while todo:
+            await work(todo.popleft())
+
+    async with _parallel() as nursery:
+        for _ in range(min(width, len(todo))):
+            nursery.start_soon(worker)
+
+
 def plan_part_size(size: int, part_size: int, spread: int, *, min_part: int, max_parts: int) -> int:
     """The part size for a file of `size` bytes: the configured size, smaller for mid-size files so that
     `spread` parts can go in parallel (never below the store's minimum), and larger when the file would
@@ -229,6 +245,10 @@ def _read_small_files(files: Sequence[SmallFile]) -> list[bytes | BaseException]
     return read
 
 
+def _unchanged() -> bool:
+    return False
+
+
 def _whole_crc(crcs: Sequence[int], part_size: int, size: int) -> int:
     """The CRC32 of a file of `size` bytes from the CRC32s of its parts of `part_size`, in order."""
     return combine_crcs((crc, min(part_size, size - index * part_size)) for index, crc in enumerate(crcs))
@@ -279,15 +299,8 @@ class Transfers:
         self._control_threads = trio.CapacityLimiter(CONTROL_THREADS)
         self._stats = TransferStats()
         self._recent: collections.deque[tuple[float, int, int]] = collections.deque()  # (time, up, down)
-        # Sweeps of this owner's leftovers in the store (see sweep_leftovers): the staged uploads this process
-        # still works on, which a sweep spares; store calls running, which a sweep's listing waits out.
-        self._live_uploads: set[str] = set()
-        self._calls_running = 0
-        self._calls_idle: trio.Event | None = None
-        self._sweep_listing: trio.Event | None = None  # set while a sweep lists; fired when it has listed
-        self._sweep_lock = trio.Lock()
-        # Something may be left in the store (a failed abort, a sweep that failed): the drain sweeps again.
-        self._failed_cleanup = False
+        # What interrupted uploads leave in the store: the uploads this process works on, the sweeps.
+        self.leftovers = Leftovers(store, self.call)
 
     def statistics(self) -> TransferStats:
         now = trio.current_time()
@@ -307,9 +320,10 @@ class Transfers:
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """One store call that carries no part data, in a worker thread, retried on transient errors."""
-        return await self._retry(fn, *args, limiter=self._control_threads)
+    async def call(self, fn: Callable[..., T], *args: Any, gated: bool = True) -> T:
+        """One store call that carries no part data, in a worker thread, retried on transient errors.
+        `gated=False`: it leaves nothing in the store, and may run while a sweep lists (Leftovers)."""
+        return await self._retry(fn, *args, limiter=self._control_threads, gated=gated)
 
     async def _retry(
         self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter, abandon: bool = True,
@@ -333,21 +347,12 @@ class Transfers:
 
     async def _gated(self, fn: Callable[..., T], args: tuple[Any, ...], limiter: trio.CapacityLimiter,
                      abandon: bool) -> T:
-        """One attempt of a store call, never while a sweep lists the leftovers: what a call has half made
-        (a temp file, a multipart upload of a copy, an upload whose id it has not returned yet) looks like
-        a leftover in a listing."""
-        while self._sweep_listing is not None:
-            await self._sweep_listing.wait()
-        self._calls_running += 1
-        try:
+        """One attempt of a store call, never while a sweep lists the leftovers (Leftovers.store_call)."""
+        async with self.leftovers.store_call():
             # Abandoned on cancel (unless it writes into a file descriptor its caller owns) so that shutdown
             # never waits for a transfer; what the thread leaves half done is invisible (a staged part) or
             # harmless (an object the journal redoes, a leftover the next sweep removes).
             return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=abandon)
-        finally:
-            self._calls_running -= 1
-            if not self._calls_running and self._calls_idle is not None:
-                self._calls_idle.set()
 
     def upload_part_size(self, size: int) -> int:
         """Parts small enough that UPLOAD_SPREAD of them fit the memory budget at once (one stream per part
@@ -428,7 +433,7 @@ class Transfers:
             size = os.fstat(fd).st_size
             if size < self.multipart_threshold:
                 if resume is not None:
-                    await self._discard(resume, "the file is now below the multipart threshold")
+                    await self.abandon(resume, "the file is now below the multipart threshold")
                 crcs = await self._scan(fd, size, max(size, 1), key, sync_source=sync_source)
                 return StagedUpload(key, size, crc_text(crcs[0]), meta, src_path, None)
             async with _parallel() as nursery:
@@ -474,15 +479,11 @@ class Transfers:
                 raise _source_error(exc, key) from exc
             crcs[index] = crc
 
-        async def worker(indexes: list[int]) -> None:
-            while indexes:
-                # Not abandoned: it reads the caller's descriptor (and a local read is quick).
-                await trio.to_thread.run_sync(scan, indexes.pop(0), limiter=self._part_threads)
+        async def scan_part(index: int) -> None:
+            # Not abandoned: it reads the caller's descriptor (and a local read is quick).
+            await trio.to_thread.run_sync(scan, index, limiter=self._part_threads)
 
-        todo = list(range(count))
-        async with _parallel() as nursery:
-            for _ in range(min(self.parts_in_flight, count)):
-                nursery.start_soon(worker, todo)
+        await _for_each(range(count), scan_part, self.parts_in_flight)
         return crcs
 
     async def _stage_parts(
@@ -510,25 +511,21 @@ class Transfers:
         todo = [n for n in range(1, len(crcs) + 1) if n not in done]
         current = [state]
 
-        async def worker() -> None:
-            while todo:
-                number = todo.pop(0)
-                offset = (number - 1) * part_size
-                part, _ = await self._put_part(current[0].ref, number, offset, min(part_size, size - offset),
-                                               src_path, crcs[number - 1], priority)
-                parts = tuple(sorted((*current[0].parts, part), key=lambda p: p.number))
-                current[0] = replace(current[0], parts=parts)
-                if progress is not None:
-                    progress(current[0])
+        async def put(number: int) -> None:
+            offset = (number - 1) * part_size
+            part, _ = await self._put_part(current[0].ref, number, offset, min(part_size, size - offset),
+                                           src_path, crcs[number - 1], priority)
+            parts = tuple(sorted((*current[0].parts, part), key=lambda p: p.number))
+            current[0] = replace(current[0], parts=parts)
+            if progress is not None:
+                progress(current[0])
 
         try:
-            async with _parallel() as nursery:
-                for _ in range(min(self.parts_in_flight, len(todo))):
-                    nursery.start_soon(worker)
+            await _for_each(todo, put, self.parts_in_flight)
         except BaseException:
             if progress is None:  # nobody can resume it: do not leave it behind
                 with trio.move_on_after(30, shield=True):
-                    await self._abort_quietly(current[0].ref)
+                    await self.abandon(current[0])
             raise
         return StagedUpload(key, size, checksum, meta, src_path, current[0])
 
@@ -540,12 +537,11 @@ class Transfers:
         if resume.spilled or (resume.key, resume.size, resume.checksum, resume.mtime_ns, resume.mode) != (
             key, size, checksum, meta.mtime_ns, meta.mode
         ):
-            await self._discard(resume, "the file changed since")
+            await self.abandon(resume, "the file changed since")
             return None
         held = await self.call(self.store.list_parts, resume.ref)
         if held is None:
-            log.info("upload of %s: the interrupted upload is gone from the store; starting afresh", key)
-            await self._abort_quietly(resume.ref)
+            await self.abandon(resume, "the interrupted upload is gone from the store")
             return None
         kept = []
         for part in resume.parts:
@@ -559,59 +555,45 @@ class Transfers:
                 kept.append(part)
         return replace(resume, parts=tuple(kept))
 
-    async def _discard(self, state: UploadState, why: str) -> None:
-        log.info("upload of %s: %s; aborting the interrupted upload and starting afresh", state.key, why)
-        await self._abort_quietly(state.ref)
-
     async def _open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
         ref = await self.call(self.store.open_upload, key, meta, checksum)
         # No checkpoint since the call returned: a sweep cannot list it before it is live.
-        self._live_uploads.add(ref.upload_id)
+        self.leftovers.opened(ref)
         return ref
 
-    def _finished(self, ref: UploadRef) -> None:
-        """This process is done with a staged upload: completed, or aborted."""
-        self._live_uploads.discard(ref.upload_id)
-
-    async def _abort_quietly(self, ref: UploadRef) -> None:
+    async def abandon(self, state: UploadState | None, why: str = "") -> None:
+        """Throw a staged upload or spill away (best effort; None: nothing staged): the one way to, for a
+        state just staged or one a journal row remembers. Aborted, and a spill's hidden object (which a
+        commit interrupted after completing it leaves) deleted; what fails is left for a sweep."""
+        if state is None:
+            return
+        if why:
+            log.info("upload of %s: %s; aborting the interrupted upload", state.key, why)
         try:
-            await self.call(self.store.abort_upload, ref)
+            await self.call(self.store.abort_upload, state.ref)
         except BackendError as exc:
-            log.warning("could not abort the upload of %s: %s; it is removed later", ref.key, exc)
-            self._failed_cleanup = True
-        self._finished(ref)
+            log.warning("could not abort the upload of %s: %s; it is removed later", state.key, exc)
+            self.leftovers.cleanup_failed()
+        self.leftovers.finished(state.ref)
+        if state.spilled:
+            try:
+                await self.call(self.store.delete, state.key)
+            except BackendError as exc:
+                log.warning("could not remove the spilled start of %s: %s; it is removed later", state.key, exc)
+                self.leftovers.cleanup_failed()
 
     async def commit_upload(self, staged: StagedUpload, *, priority: Priority = Priority.UPLOAD) -> None:
-        """Make a staged upload the object at its key, atomically."""
+        """Make a staged upload the object at its key, atomically. Below the multipart threshold, one PUT of
+        the bytes the scan checked, as put_files puts a small file."""
         if staged.state is None:
-            await self._put_small(staged, priority)
+            small = SmallFile(staged.key, staged.src_path, staged.meta, _unchanged, (staged.size, staged.checksum))
+            (outcome,) = await self.put_files([small], size=staged.size, commit=lambda read: read, priority=priority)
+            if isinstance(outcome, BaseException):
+                raise outcome
             return
         state = staged.state
         await self.call(self.store.complete_upload, state.ref, state.parts, state.size, state.checksum)
-        self._finished(state.ref)
-
-    async def _put_small(self, staged: StagedUpload, priority: Priority) -> None:
-        granted = await self.memory.acquire(staged.size, priority)
-        self._stats.parts_up += 1
-        try:
-            await self._retry(self._read_and_put_object, staged, limiter=self._part_threads)
-        finally:
-            self._stats.parts_up -= 1
-            self.memory.release(granted)
-        self._moved(staged.size, 0)
-
-    def _read_and_put_object(self, staged: StagedUpload) -> None:
-        try:
-            fd = os.open(staged.src_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise _source_error(exc, staged.key) from exc
-        try:
-            data = pread_exact(fd, staged.size + 1, 0)
-        finally:
-            os.close(fd)
-        if len(data) != staged.size or crc_text(crc32(data)) != staged.checksum:
-            raise SourceChangedError(f"{staged.key}: the file changed while it was being uploaded")
-        self.store.put_object(staged.key, data, staged.meta, staged.checksum)
+        self.leftovers.finished(state.ref)
 
     async def put_files(
         self, files: Sequence[SmallFile], *, size: int, commit: Callable[[list[int]], list[int]],
@@ -675,70 +657,25 @@ class Transfers:
         if small.changed():
             raise SourceChangedError(f"{small.key}: the file changed while it was being uploaded")
         checksum = crc_text(crc32(data))
+        if small.expected is not None and small.expected != (len(data), checksum):
+            raise SourceChangedError(f"{small.key}: the file changed while it was being uploaded")
         self.store.put_object(small.key, data, small.meta, checksum)
         return PutFile(len(data), checksum)
 
-    async def abort_upload(self, staged: StagedUpload) -> None:
-        if staged.state is not None:
-            await self.call(self.store.abort_upload, staged.state.ref)
-            self._finished(staged.state.ref)
-
-    async def abort_state(self, state: UploadState) -> None:
-        """Throw away a staged upload or spill that a journal row remembers (best effort)."""
-        await self._abort_quietly(state.ref)
-        if state.spilled:
-            try:
-                await self.call(self.store.delete, state.key)
-            except BackendError as exc:
-                log.warning("could not remove the spilled start of %s: %s; it is removed later", state.key, exc)
-                self._failed_cleanup = True
-
-    async def abort_stale_uploads(self, keep: Iterable[str] = ()) -> int:
-        """At start-up: the staged uploads the journal resumes (`keep`, upload ids) are this process's
-        from now on; every other leftover of this owner in the store goes (sweep_leftovers)."""
-        self._live_uploads.update(keep)
-        return await self.sweep_leftovers() or 0  # never None: no patience limit
-
+    # The drain's names for leftovers and abandon (ckptfs/drain.py calls them): they go once it calls
+    # `leftovers` and `abandon` itself.
     @property
     def sweep_due(self) -> bool:
-        """Did a cleanup fail (this engine's abort, a sweep, or one the store does on its own), so that a sweep
-        would find something?"""
-        return self._failed_cleanup or self.store.left_behind
+        return self.leftovers.due
 
-    async def sweep_leftovers(self, *, patience: float = math.inf) -> int | None:
-        """Remove this owner's staged uploads and spills that nobody will finish: those of a killed run, and
-        those whose cleanup failed in this one. Spares the uploads this process works on. Returns how many
-        went, or None if store calls still ran after `patience` seconds (nothing done, sweep_due stays
-        true); raises BackendError (sweep_due stays true) if the store refuses."""
-        async with self._sweep_lock:
-            self._failed_cleanup = True  # until this sweep succeeds
-            self.store.left_behind = False  # what fails from now on, the next sweep sees
-            listed = trio.Event()
-            self._sweep_listing = listed
-            try:
-                with trio.move_on_after(patience):
-                    while self._calls_running:
-                        self._calls_idle = trio.Event()
-                        await self._calls_idle.wait()
-                self._calls_idle = None
-                if self._calls_running:
-                    return None
-                refs = await self._retry(self.store.list_leftovers, limiter=self._control_threads, gated=False)
-                live = set(self._live_uploads)
-            finally:
-                self._sweep_listing = None
-                listed.set()
-            removed = 0
-            for ref in refs:
-                if ref.upload_id and ref.upload_id in live:
-                    continue
-                await self.call(self.store.abort_upload, ref)
-                if ref.key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill."):
-                    await self.call(self.store.delete, ref.key)
-                removed += 1
-                log.info("removed an interrupted upload of %s", ref.key or "(unknown key)")
-            self._failed_cleanup = False
-            return removed
+    async def sweep_leftovers(self, *, patience: float) -> int | None:
+        return await self.leftovers.sweep(patience=patience)
+
+    async def abort_state(self, state: UploadState) -> None:
+        await self.abandon(state)
+
+    async def abort_upload(self, staged: StagedUpload) -> None:
+        await self.abandon(staged.state)
 
     # -- spills: the start of a file still being written, staged at a hidden key ------------------------
 
@@ -785,18 +722,13 @@ class Transfers:
             raise PermanentBackendError(f"a spilled file needs more than {self.store.limits.max_parts} parts;"
                                         " raise part_size")
         done: list[tuple[UploadPart, int]] = []
-        todo = list(enumerate(offsets))
 
-        async def worker() -> None:
-            while todo:
-                index, offset = todo.pop(0)
-                part, crc = await self._put_part(state.ref, first + index, offset, min(part_size, end - offset),
-                                                 src_path, None, priority)
-                done.append((part, crc))
+        async def put(index: int) -> None:
+            offset = offsets[index]
+            done.append(await self._put_part(state.ref, first + index, offset, min(part_size, end - offset),
+                                             src_path, None, priority))
 
-        async with _parallel() as nursery:
-            for _ in range(min(self.parts_in_flight, len(todo))):
-                nursery.start_soon(worker)
+        await _for_each(range(len(offsets)), put, self.parts_in_flight)
         if sync_source:
             await trio.to_thread.run_sync(_fdatasync_path, src_path, state.key, limiter=self._part_threads)
         done.sort(key=lambda item: item[0].number)
@@ -815,25 +747,25 @@ class Transfers:
             except BackendError:
                 if not await self._holds(key, state):  # else a retried commit: the first one got through
                     raise
-            self._finished(state.ref)
+            self.leftovers.finished(state.ref)
             return
         try:
             await self.call(self.store.complete_upload, state.ref, state.parts, state.size, None)
         except BackendError:
             if await self._holds(key, state):  # a retried commit: the first one got through
                 await self.call(self.store.delete, state.key)  # if its delete of the spill did not
-                self._finished(state.ref)
+                self.leftovers.finished(state.ref)
                 return
             raise
         try:
             await self.call(self.store.copy, state.key, key, meta, state.checksum)
         except NotFoundBackendError:
             if await self._holds(key, state):  # a retried commit: the first one copied and deleted it
-                self._finished(state.ref)
+                self.leftovers.finished(state.ref)
                 return
             raise NotFoundBackendError(f"{key}: the spilled upload is gone") from None
         await self.call(self.store.delete, state.key)
-        self._finished(state.ref)
+        self.leftovers.finished(state.ref)
 
     async def _holds(self, key: str, state: UploadState) -> bool:
         """Is the object at `key` the one this spill made (a commit retried after it got through)?"""
@@ -882,31 +814,3 @@ class Transfers:
         if writer.written != expected:
             raise TransientBackendError(f"download {key}: got {writer.written} of {expected} bytes")
         return FetchedRange(offset, writer.written, writer.crc, answer.size, answer.etag, answer.checksum)
-
-    async def download(self, key: str, dst_path: str, *, priority: Priority = Priority.READ) -> str:
-        """The whole object into dst_path (created or truncated), ranges in parallel, pinned to one version
-        of the object and checked against the checksum in its metadata; returns its checksum."""
-        fd = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            step = self.download_part_size
-            first = await self.fetch_range(key, fd, 0, step, priority=priority)
-            crcs = {0: (first.crc, first.length)}
-            todo = list(range(first.length, first.size, step))
-
-            async def worker() -> None:
-                while todo:
-                    offset = todo.pop(0)
-                    got = await self.fetch_range(key, fd, offset, min(step, first.size - offset),
-                                                 if_match=first.etag, priority=priority)
-                    crcs[offset] = (got.crc, got.length)
-
-            async with _parallel() as nursery:
-                for _ in range(min(self.parts_in_flight, len(todo))):
-                    nursery.start_soon(worker)
-        finally:
-            os.close(fd)
-        checksum = crc_text(combine_crcs(crcs[offset] for offset in sorted(crcs)))
-        if first.checksum and first.checksum.startswith("crc32:") and first.checksum != checksum:
-            raise TransientBackendError(f"download {key}: checksum mismatch (got {checksum}, the object says"
-                                        f" {first.checksum})")
-        return checksum
