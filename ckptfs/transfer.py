@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import functools
 import logging
 import os
@@ -37,8 +36,6 @@ from ckptfs.backends.base import (
     UploadRef,
     UploadState,
     backoff_delays,
-    pread_exact,
-    pread_into,
 )
 from ckptfs.checksums import combine_crcs, crc32, crc_of, crc_text
 from ckptfs.errors import (
@@ -49,6 +46,15 @@ from ckptfs.errors import (
     TransientBackendError,
 )
 from ckptfs.leftovers import Leftovers
+from ckptfs.local_io import (
+    RangeWriter,
+    SourceChangedError,
+    fdatasync_path,
+    read_part,
+    read_whole,
+    scan_crc,
+    source_error,
+)
 from ckptfs.memory import MemoryBudget
 
 log = logging.getLogger(__name__)
@@ -56,7 +62,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MiB = 1 << 20
-IO_CHUNK = 1 * MiB  # local reads of the checksum scan, per thread
 DEFAULT_MEMORY_BUDGET = 256 * MiB
 DEFAULT_PART_SIZE = 64 * MiB
 DEFAULT_DOWNLOAD_PART_SIZE = 16 * MiB
@@ -78,11 +83,6 @@ class Priority(IntEnum):
     READAHEAD = 1  # a sequential reader will want them soon
     UPLOAD = 2  # the background drain
     MARKER = 3  # commit markers: after everything else
-
-
-class SourceChangedError(TransientBackendError):
-    """The local file changed while it was being uploaded: retrying the part cannot help, the caller
-    starts the upload again once the file is quiet."""
 
 
 @dataclass(frozen=True)
@@ -193,58 +193,6 @@ def plan_part_size(size: int, part_size: int, spread: int, *, min_part: int, max
     return max(ps, -(-needed // MiB) * MiB)
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
-class _RangeWriter:
-    """A RangeSink that writes the pieces of a ranged GET into fd at the range's offset (no fd: -1, only
-    the checksum) and keeps the CRC32 of what it got."""
-
-    __slots__ = ("crc", "fd", "offset", "written")
-
-    def __init__(self, fd: int, offset: int) -> None:
-        self.fd = fd
-        self.offset = offset
-        self.written = 0
-        self.crc = 0
-
-    def __call__(self, piece: bytes) -> None:
-        if self.fd >= 0:
-            _pwrite_all(self.fd, piece, self.offset + self.written)
-        self.crc = crc32(piece, self.crc)
-        self.written += len(piece)
-
-
-def _read_small_files(files: Sequence[SmallFile]) -> list[bytes | BaseException]:
-    read: list[bytes | BaseException] = []
-    for small in files:
-        try:
-            fd = os.open(small.src_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            read.append(_source_error(exc, small.key))
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            data = pread_exact(fd, size + 1, 0)
-            os.fsync(fd)
-        except OSError as exc:
-            read.append(_source_error(exc, small.key))
-            continue
-        finally:
-            os.close(fd)
-        # After the read: a change that began before this check may have torn the bytes read; one that
-        # begins after it writes after the read (and is caught before the PUT).
-        if len(data) != size or small.changed():
-            read.append(SourceChangedError(f"{small.key}: the file changed while it was being read"))
-        else:
-            read.append(data)
-    return read
-
-
 def _unchanged() -> bool:
     return False
 
@@ -252,25 +200,6 @@ def _unchanged() -> bool:
 def _whole_crc(crcs: Sequence[int], part_size: int, size: int) -> int:
     """The CRC32 of a file of `size` bytes from the CRC32s of its parts of `part_size`, in order."""
     return combine_crcs((crc, min(part_size, size - index * part_size)) for index, crc in enumerate(crcs))
-
-
-def _fdatasync_path(path: str, key: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise _source_error(exc, key) from exc
-
-
-def _source_error(exc: OSError, key: str) -> BackendError:
-    if exc.errno == errno.ENOENT:
-        return NotFoundBackendError(f"{key}: source file vanished")
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return PermanentBackendError(f"{key}: {exc.strerror}")
-    return TransientBackendError(f"{key}: {exc.strerror}")
 
 
 class Transfers:
@@ -388,24 +317,9 @@ class Transfers:
         self, ref: UploadRef, number: int, offset: int, length: int, buffer: bytearray | None, src_path: str,
         expected_crc: int | None,
     ) -> tuple[UploadPart, int]:
-        # Each part opens the file itself: a thread abandoned at shutdown never reads a descriptor that was
-        # closed and reused meanwhile.
-        data: bytes | bytearray
-        try:
-            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if buffer is None:
-                    data = pread_exact(fd, length, offset)
-                    got = len(data)
-                else:
-                    data = buffer
-                    got = pread_into(fd, buffer, offset)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise _source_error(exc, ref.key) from exc
+        data = read_part(src_path, ref.key, offset, length, buffer)
         crc = crc32(data)
-        if got != length or (expected_crc is not None and crc != expected_crc):
+        if expected_crc is not None and crc != expected_crc:
             raise SourceChangedError(f"{ref.key}: the file changed while it was being uploaded")
         part = self.store.put_part(ref, number, offset, data, crc)
         return part, crc
@@ -428,7 +342,7 @@ class Transfers:
         try:
             fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise _source_error(exc, key) from exc
+            raise source_error(exc, key) from exc
         try:
             size = os.fstat(fd).st_size
             if size < self.multipart_threshold:
@@ -450,7 +364,7 @@ class Transfers:
             # Not abandoned: it syncs the caller's descriptor.
             await trio.to_thread.run_sync(os.fsync, fd)
         except OSError as exc:
-            raise _source_error(exc, key) from exc
+            raise source_error(exc, key) from exc
 
     async def _scan(self, fd: int, size: int, part_size: int, key: str, *, sync_source: bool = False) -> list[int]:
         """CRC32 of every part of the file, read IO_CHUNK at a time, parts in parallel. `sync_source`
@@ -461,23 +375,7 @@ class Transfers:
 
         def scan(index: int) -> None:
             offset = index * part_size
-            end = min(size, offset + part_size)
-            crc = 0
-            # One buffer per part, reused: the scan holds IO_CHUNK per thread. Sized to the part, so that a
-            # small file does not pay for zeroing (and faulting in) a whole chunk it never fills.
-            view = memoryview(bytearray(min(IO_CHUNK, end - offset)))
-            try:
-                while offset < end:
-                    n = os.preadv(fd, [view[: min(IO_CHUNK, end - offset)]], offset)
-                    if not n:
-                        raise SourceChangedError(f"{key}: the file shrank while it was being read")
-                    crc = crc32(view[:n], crc)
-                    offset += n
-                if sync_source:
-                    os.fsync(fd)
-            except OSError as exc:
-                raise _source_error(exc, key) from exc
-            crcs[index] = crc
+            crcs[index] = scan_crc(fd, offset, min(size, offset + part_size), key, sync=sync_source)
 
         async def scan_part(index: int) -> None:
             # Not abandoned: it reads the caller's descriptor (and a local read is quick).
@@ -634,7 +532,10 @@ class Transfers:
 
     async def _read_files(self, files: Sequence[SmallFile]) -> list[bytes | BaseException]:
         """put_files' first hop: each file's bytes, or why it cannot be put."""
-        return await trio.to_thread.run_sync(_read_small_files, files, limiter=self._part_threads)
+        def read() -> list[bytes | BaseException]:
+            return [read_whole(small.src_path, small.key, small.changed) for small in files]
+
+        return await trio.to_thread.run_sync(read, limiter=self._part_threads)
 
     def _put_read(self, staged: list[tuple[SmallFile, bytes | BaseException]]) -> list[PutFile | BaseException]:
         outcomes: list[PutFile | BaseException] = []
@@ -693,7 +594,7 @@ class Transfers:
         try:
             fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise _source_error(exc, state.key) from exc
+            raise source_error(exc, state.key) from exc
         try:
             async with _parallel() as nursery:
                 nursery.start_soon(self._sync_source, fd, state.key)
@@ -730,7 +631,7 @@ class Transfers:
 
         await _for_each(range(len(offsets)), put, self.parts_in_flight)
         if sync_source:
-            await trio.to_thread.run_sync(_fdatasync_path, src_path, state.key, limiter=self._part_threads)
+            await trio.to_thread.run_sync(fdatasync_path, src_path, state.key, limiter=self._part_threads)
         done.sort(key=lambda item: item[0].number)
         pieces = [(crc, min(part_size, end - offset)) for (_, crc), offset in zip(done, offsets, strict=True)]
         whole = combine_crcs(pieces, crc_of(state.checksum))
@@ -778,7 +679,7 @@ class Transfers:
         return await self.call(self._checksum_of, key, info.size) == state.checksum
 
     def _checksum_of(self, key: str, size: int) -> str:
-        counted = _RangeWriter(-1, 0)  # the ranges arrive in order: one running CRC over all of them
+        counted = RangeWriter(-1, 0)  # the ranges arrive in order: one running CRC over all of them
         while counted.written < size:
             offset = counted.written
             self.store.get_range(key, offset, min(self.download_part_size, size - offset), sink=counted)
@@ -808,7 +709,7 @@ class Transfers:
     def _get_and_write(self, key: str, fd: int, offset: int, length: int, if_match: str | None) -> FetchedRange:
         # Streamed: each piece is checksummed and written while it is still in the CPU's cache, and the
         # range is never one fresh buffer of its own (see RANGE_PIECE).
-        writer = _RangeWriter(fd, offset)
+        writer = RangeWriter(fd, offset)
         answer = self.store.get_range(key, offset, length, if_match=if_match, sink=writer)
         expected = min(length, max(0, answer.size - offset))
         if writer.written != expected:

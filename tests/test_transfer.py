@@ -19,8 +19,9 @@ from store_targets import BIG, META, PART, Target, engine, fetch, s3_target, tar
 from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, ObjectStore, UploadPart, UploadRef, UploadState
 from ckptfs.backends.local import LocalStore
 from ckptfs.errors import NotFoundBackendError, PermanentBackendError, TransientBackendError
+from ckptfs.local_io import SourceChangedError
 from ckptfs.memory import MemoryBudget
-from ckptfs.transfer import Priority, PutFile, SmallFile, SourceChangedError, plan_part_size
+from ckptfs.transfer import Priority, PutFile, SmallFile, plan_part_size
 
 MiB = 1 << 20
 
