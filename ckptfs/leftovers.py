@@ -54,6 +54,8 @@ def is_spill(key: str) -> bool:
 
 
 class Leftovers:
+    """This owner's leftovers in one store: which staged uploads are still in use, and the sweeps."""
+
     def __init__(self, store: ObjectStore, call: StoreCall) -> None:
         self.store = store
         self._call = call

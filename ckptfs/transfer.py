@@ -1,18 +1,18 @@
-"""The transfer engine: every byte that moves between the cache and the store goes through here.
+"""The transfer engine: one scheduler for every part transfer between the cache and the store, up and down.
 
-Owns: part sizing, parallelism (one pool of parts in flight shared by every file, up and down), the
-memory budget (bytes of part data held in memory at once, whatever the number or size of files),
-priorities (a reader waiting on a range first, read-ahead next, background uploads after, commit markers
-last), retries with backoff of each part, checksums (CRC32 per part, combined into the whole-file
-checksum), staged uploads with resume from a journaled UploadState, spills (the start of a file still
-being written, staged at a hidden key), ranged downloads, and the clean-up of interrupted uploads.
+Owns: part sizing, parallelism (one pool of parts in flight shared by every file, up and down, each part
+under the memory budget of memory.py), priorities (a reader waiting on a range first, read-ahead next,
+background uploads after, commit markers last), retries with backoff of each part, staged uploads with
+resume from a journaled UploadState and the one way to abandon one (`abandon`), small files in one PUT
+each, spills (the start of a file still being written, staged at a hidden key) and ranged downloads.
+Beside it: memory.py (the budget), leftovers.py (what interrupted uploads leave in the store, and the
+sweeps), checksums.py (CRC32 math), local_io.py (reading and writing the local files).
 
 Stores (backends/) implement only primitives: one attempt each, in a worker thread. This module never
 knows inodes or paths of the mount and never touches the journal: callers persist the UploadState it
 reports through `progress` (called in the trio thread after the upload is opened and after every part).
 Everything here runs in the trio thread except the blocking store calls and local reads.
 """
-
 from __future__ import annotations
 
 import collections
