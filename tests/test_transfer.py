@@ -4,6 +4,7 @@ downloads, and the memory budget shared by all of them."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import zlib
@@ -14,11 +15,12 @@ import pytest
 import trio
 import trio.testing
 from emulators import azurite, fake_gcs, moto_s3, seaweedfs_s3  # noqa: F401
-from store_targets import BIG, META, PART, Target, engine, fetch, s3_target, target, write  # noqa: F401
+from store_targets import BIG, META, PART, Target, engine, fetch, local_target, s3_target, target, write  # noqa: F401
 
 from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, ObjectStore, UploadPart, UploadRef, UploadState
 from ckptfs.backends.local import LocalStore
 from ckptfs.errors import NotFoundBackendError, PermanentBackendError, TransientBackendError
+from ckptfs.leftovers import SWEEP_RETRY_FIRST
 from ckptfs.local_io import SourceChangedError
 from ckptfs.memory import MemoryBudget
 from ckptfs.transfer import Priority, PutFile, SmallFile, plan_part_size
@@ -468,6 +470,24 @@ async def test_an_abort_that_failed_is_done_by_a_later_sweep(target: Target, tmp
     assert await transfers.leftovers.sweep() == 1
     assert not transfers.leftovers.due
     assert target.leftovers() == []
+
+
+async def test_background_sweeps_back_off_while_the_store_refuses_them(tmp_path: Path) -> None:
+    target = local_target(tmp_path / "store")
+    write(tmp_path / "src", BIG)
+    failing = _FailingAborts(target.store)
+    transfers = engine(failing, attempts=1)  # type: ignore[arg-type]
+    leftovers = transfers.leftovers
+    assert leftovers.next_sweep_at() == math.inf  # no cleanup failed: none wanted
+    staged = await transfers.stage_upload("big", str(tmp_path / "src"), META, progress=lambda state: None)
+    await transfers.abandon(staged.state)  # fails quietly: a sweep is wanted, after a while
+    assert leftovers.next_sweep_at() - trio.current_time() == pytest.approx(SWEEP_RETRY_FIRST, abs=1)
+    for delay in (SWEEP_RETRY_FIRST, 2 * SWEEP_RETRY_FIRST):  # refused: logged, never raised; backing off
+        await leftovers.sweep_in_background()
+        assert leftovers.next_sweep_at() - trio.current_time() == pytest.approx(delay, abs=1)
+    failing.healed = True
+    await leftovers.sweep_in_background()
+    assert leftovers.next_sweep_at() == math.inf and target.leftovers() == []
 
 
 async def test_a_ranged_read_of_a_missing_key_raises_not_found(target: Target, tmp_path: Path) -> None:
