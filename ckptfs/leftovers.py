@@ -39,6 +39,8 @@ SWEEP_RETRY_CAP = 600.0
 # long waiting for the running ones (a stalled upload must not stall the others, nor a flush), and else
 # tries again later.
 SWEEP_PATIENCE = 5.0
+# A spill's hidden key: SPILL_PREFIX<owner>.<random> (its final key is known only when the file closes).
+SPILL_PREFIX = f"{TEMP_PREFIX}spill."
 
 
 class StoreCall(Protocol):
@@ -50,7 +52,7 @@ class StoreCall(Protocol):
 
 def is_spill(key: str) -> bool:
     """Is `key` the hidden key of a spill (the start of a file still being written, staged by the engine)?"""
-    return key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill.")
+    return key.rsplit("/", 1)[-1].startswith(SPILL_PREFIX)
 
 
 class Leftovers:

@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 import trio
 
 from ckptfs.backends.base import (
-    TEMP_PREFIX,
     ObjectMeta,
     ObjectStore,
     UploadPart,
@@ -45,7 +44,7 @@ from ckptfs.errors import (
     PermanentBackendError,
     TransientBackendError,
 )
-from ckptfs.leftovers import Leftovers
+from ckptfs.leftovers import SPILL_PREFIX, Leftovers
 from ckptfs.local_io import (
     RangeWriter,
     SourceChangedError,
@@ -581,7 +580,7 @@ class Transfers:
     # -- spills: the start of a file still being written, staged at a hidden key ------------------------
 
     async def spill_begin(self, part_size: int, *, early: bool = False) -> UploadState:
-        key = f"{TEMP_PREFIX}spill.{self.store.owner}.{secrets.token_hex(8)}"
+        key = f"{SPILL_PREFIX}{self.store.owner}.{secrets.token_hex(8)}"
         ref = await self._open_upload(key, None, None)
         part_size = min(max(part_size, self.store.limits.min_part_size), self.store.limits.max_part_size)
         return UploadState(key=key, upload_id=ref.upload_id, marker=ref.marker, size=0, checksum="", mtime_ns=0,
