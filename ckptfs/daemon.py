@@ -489,8 +489,8 @@ async def _run_on(
                           still_writing={h.inode_id for h in restored if h.writable})
             atimes = cache.scan()
             for inode_id, text in journal.upload_states():
-                state = UploadState.from_json(text)
-                if state.spilled:
+                state = UploadState.parse(text)
+                if state is not None and state.spilled:
                     cache.restore_spilled(inode_id, punched=state.punched, staged=state.size, sealed=not state.early)
             daemon = Daemon(config, engine, cache, journal, metrics, handle_table=handle_table, held=held,
                             restored=restored, restart_argv=restart_argv)

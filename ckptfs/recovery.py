@@ -387,12 +387,11 @@ async def recover(
     # Staged uploads the journal knows about resume; every other leftover of ours goes.
     keep = set()
     for _inode_id, text in journal.upload_states():
-        try:
-            keep.add(UploadState.from_json(text).upload_id)
-        except (ValueError, KeyError, TypeError):
-            pass
+        state = UploadState.parse(text)
+        if state is not None:
+            keep.add(state.upload_id)
     try:
-        report.aborted_uploads = await engine.abort_stale_uploads(keep)
+        report.aborted_uploads = await engine.leftovers.sweep_at_start(keep)
     except BackendError as exc:
         # Housekeeping only (staged parts cost storage, nothing reads them): a store failing it must not
         # keep the mount from serving what the journal holds. The drain sweeps again later, sparing the

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import trio
 
-from ckptfs.backends.base import crc32_combine, crc_text
 from ckptfs.cache import CacheDir
+from ckptfs.checksums import combine_crcs, crc_text
 from ckptfs.errors import BackendError, FsError, NotFoundBackendError, ObjectChangedError, errno_for_backend_error
 from ckptfs.evict import HIGH_WATER, Evictor
 from ckptfs.fetch.partials import PartialFiles
@@ -368,12 +368,8 @@ class Fetcher:
 
     def _complete(self, stream: Stream) -> None:
         """Every chunk is present: verify the whole file, and make it an ordinary clean cached file."""
-        whole = 0
-        for index in range(stream.count):
-            length = stream.chunk_range(index)[1]
-            crc = stream.crcs[index]
-            whole = crc if index == 0 else crc32_combine(whole, crc, length)
-        checksum = crc_text(whole)
+        checksum = crc_text(combine_crcs((stream.crcs[index], stream.chunk_range(index)[1])
+                                         for index in range(stream.count)))
         expected = stream.expected_checksum
         if expected is None or not expected.startswith("crc32:"):
             expected = stream.meta_checksum if stream.meta_checksum and stream.meta_checksum.startswith("crc32:") \
