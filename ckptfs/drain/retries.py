@@ -123,8 +123,6 @@ class Retries:
 
     def unpark_if_changed(self, job_id: JobId, inode: Inode) -> None:
         """A parked entry that changed since (closed again, renamed) is tried again now."""
-        if not self.parked:
-            return
         parked = self.parked.get(job_id)
         if parked is not None and parked.seq != inode.seq:
             del self.parked[job_id]

@@ -144,6 +144,7 @@ class Drain:
         await self.durability.wait_durable(paths)
 
     def pending(self, paths: list[str] | None) -> list[str]:
+        """See Durability.pending."""
         return self.durability.pending(paths)
 
     async def flush(self, paths: list[str] | None, deadline: float) -> FlushResult:
@@ -270,7 +271,7 @@ class Drain:
 
         def waiting(job_id: tuple[str, int], inode: Inode | None = None) -> bool:
             nonlocal next_due
-            if inode is not None:
+            if inode is not None and self.retries.parked:
                 self.retries.unpark_if_changed(job_id, inode)
             if job_id in self._running:
                 return True
