@@ -13,8 +13,8 @@ import pytest
 import trio
 from fsharness import Stack, check_consistency, make_stack
 
-from ckptfs import drain as drain_module
-from ckptfs.drain import PARK_AFTER, Drain
+from ckptfs.drain import PARK_AFTER, Drain, retries, scheduler
+from ckptfs.drain.ordering import Job
 from ckptfs.errors import FsError
 from ckptfs.fs import ERROR_XATTR, STATE_XATTR, SetAttrs
 from ckptfs.journal import ROOT_ID, Inode, Journal, JournalError, JournalFull, JournalUnusable, journal_unusable
@@ -43,7 +43,7 @@ def _buggy_for(name: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 async def test_a_bug_met_by_one_entry_parks_it_and_the_rest_is_uploaded(
     tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(drain_module, "PARKED_RETRY", 3600.0)
+    monkeypatch.setattr(retries, "PARKED_RETRY", 3600.0)
     calls = _buggy_for("odd", monkeypatch)
     stack = make_stack(tmp_path)
     await nursery.start(stack.drain.run)
@@ -81,12 +81,12 @@ async def test_a_bug_met_by_one_entry_parks_it_and_the_rest_is_uploaded(
 async def test_a_scan_that_fails_unexpectedly_is_retried_not_fatal(
     tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(drain_module, "SCAN_FAILURE_PAUSE", 0.05)
+    monkeypatch.setattr(scheduler, "SCAN_FAILURE_PAUSE", 0.05)
     stack = make_stack(tmp_path)
     failures = [Bug("scan broke"), Bug("scan broke again")]
     original = Drain._scan
 
-    def scan(self: Drain) -> tuple[list[drain_module.Job], float]:
+    def scan(self: Drain) -> tuple[list[Job], float]:
         if failures:
             raise failures.pop(0)
         return original(self)
@@ -104,7 +104,7 @@ async def test_a_scan_that_fails_unexpectedly_is_retried_not_fatal(
 async def test_an_unusable_journal_ends_the_drain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stack = make_stack(tmp_path)
 
-    def scan(self: Drain) -> tuple[list[drain_module.Job], float]:
+    def scan(self: Drain) -> tuple[list[Job], float]:
         raise JournalUnusable("disk I/O error")
 
     monkeypatch.setattr(Drain, "_scan", scan)
