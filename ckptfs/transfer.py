@@ -562,21 +562,6 @@ class Transfers:
         self.store.put_object(small.key, data, small.meta, checksum)
         return PutFile(len(data), checksum)
 
-    # The drain's names for leftovers and abandon (ckptfs/drain.py calls them): they go once it calls
-    # `leftovers` and `abandon` itself.
-    @property
-    def sweep_due(self) -> bool:
-        return self.leftovers.due
-
-    async def sweep_leftovers(self, *, patience: float) -> int | None:
-        return await self.leftovers.sweep(patience=patience)
-
-    async def abort_state(self, state: UploadState) -> None:
-        await self.abandon(state)
-
-    async def abort_upload(self, staged: StagedUpload) -> None:
-        await self.abandon(staged.state)
-
     # -- spills: the start of a file still being written, staged at a hidden key ------------------------
 
     async def spill_begin(self, part_size: int, *, early: bool = False) -> UploadState:

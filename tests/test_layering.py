@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "local_io": {"backends", "checksums", "errors"},
     "transfer": {"backends", "checksums", "errors", "leftovers", "local_io", "memory"},
     "fetch": {"backends", "cache", "checksums", "errors", "evict", "journal", "transfer"},
-    "drain": {"backends", "cache", "errors", "journal", "transfer"},
+    "drain": {"backends", "cache", "errors", "journal", "local_io", "transfer"},
     "recovery": {"backends", "cache", "errors", "journal", "transfer"},
     "nodes": {"backends", "journal", "transfer"},
     "fs": {"cache", "errors", "evict", "handles", "journal"},

@@ -135,7 +135,7 @@ class Durability:
             durable_now = True
         if not durable_now:
             return FlushResult(False, self.pending(paths))
-        if self.cleanup.engine.sweep_due:
+        if self.cleanup.engine.leftovers.due:
             with trio.move_on_at(min(deadline, trio.current_time() + SWEEP_AT_FLUSH)):
                 await self.cleanup.sweep()
         return FlushResult(True, [])

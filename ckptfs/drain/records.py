@@ -100,10 +100,7 @@ def journaled_state(inode: Inode | None) -> UploadState | None:
     """The staged upload the journal remembers for the inode (None: none, or unreadable)."""
     if inode is None or inode.upload_state is None:
         return None
-    try:
-        return UploadState.from_json(inode.upload_state)
-    except (ValueError, KeyError, TypeError):
-        return None
+    return UploadState.parse(inode.upload_state)
 
 
 def journaled_upload_id(inode: Inode | None) -> str | None:

@@ -20,7 +20,7 @@ from ckptfs.backends.base import backoff_delays
 from ckptfs.drain.ordering import Job
 from ckptfs.drain.stats import DrainStats
 from ckptfs.errors import BackendError, Faults, PermanentBackendError, TransientBackendError
-from ckptfs.journal import Inode, Journal, journal_full
+from ckptfs.journal import Inode, Journal, JournalFull
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Retries:
         job_id, op = (job.kind, job.ident), job.kind
         if isinstance(exc, BackendError):
             self.failed(job_id, op, exc)
-        elif journal_full(exc):
+        elif isinstance(exc, JournalFull):
             # The cache filesystem is full (others filled it): the journal cannot record this job's
             # result now. Nothing is lost: the job is retried as a store error would be.
             self.failed(job_id, op, TransientBackendError(f"the journal cannot grow: {exc}"))

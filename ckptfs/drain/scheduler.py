@@ -206,7 +206,6 @@ class Drain:
             nursery.start_soon(self._guarded, "abort", self.cleanup.abort_discarded, self.cleanup.discarded.pop())
         sweep_at = self.cleanup.sweep_wanted_at()
         if sweep_at <= scanned_at:
-            self.cleanup.sweep_started()
             nursery.start_soon(self._guarded, "sweep", self.cleanup.sweep)
             sweep_at = math.inf
         jobs, next_due = self._scan()

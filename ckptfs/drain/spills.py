@@ -132,7 +132,7 @@ class Spills:
             state = await self.engine.spill_parts(state, path, state.size + part)
             current = self.journal.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
-                await self.engine.abort_state(state)  # removed meanwhile: nothing will finish this spill
+                await self.engine.abandon(state)  # removed meanwhile: nothing will finish this spill
                 self.records.forget_upload_state(inode_id, state)
                 return
             if entry.sealed < state.size:
@@ -172,7 +172,7 @@ class Spills:
             state = await self.engine.spill_parts(state, path, staged + ready, sync_source=True)
             current = self.journal.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
-                await self.engine.abort_state(state)  # removed meanwhile: nothing will finish this spill
+                await self.engine.abandon(state)  # removed meanwhile: nothing will finish this spill
                 self.records.forget_upload_state(inode_id, state)
                 return
             if entry.staged != staged:  # truncated meanwhile (cache.resize lowered it)
@@ -187,7 +187,7 @@ class Spills:
 
     async def discard(self, inode: Inode, state: UploadState, why: str) -> None:
         log.info("%s: discarding the part of it uploaded while it was written (%s)", inode.path, why)
-        await self.engine.abort_state(state)
+        await self.engine.abandon(state)
         with self.journal.transaction():
             self.journal.save_upload_state(inode.id, None)
         entry = self.cache.files.get(inode.id)

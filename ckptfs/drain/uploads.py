@@ -24,7 +24,8 @@ from ckptfs.drain.spills import Spills
 from ckptfs.drain.stats import DrainStats
 from ckptfs.errors import NotFoundBackendError
 from ckptfs.journal import DIR, FILE, SYMLINK, UPLOADING, Inode, Journal
-from ckptfs.transfer import PutFile, SmallFile, SourceChangedError, StagedUpload, Transfers
+from ckptfs.local_io import SourceChangedError
+from ckptfs.transfer import PutFile, SmallFile, StagedUpload, Transfers
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class Uploads:
             # the journal never got its state (a full cache filesystem refused the save).
             if latest and (removed or not journal_holds(current, latest[0])):
                 with trio.move_on_after(30, shield=True):
-                    await self.engine.abort_state(latest[0])
+                    await self.engine.abandon(latest[0])
                 self.records.forget_upload_state(inode_id, latest[0])
             with self.journal.transaction():
                 self.journal.abort_upload(inode_id)
@@ -142,7 +143,7 @@ class Uploads:
         # Re-check after the awaits: abandon the upload if the file changed, moved or went away.
         current = self.journal.get(inode_id)
         if current is None or current.key != key or current.version != version:
-            await self.engine.abort_upload(staged)
+            await self.engine.abandon(staged.state)
             if current is not None:
                 with self.journal.transaction():
                     self.journal.abort_upload(inode_id)
@@ -265,15 +266,12 @@ class Uploads:
         One for another key is thrown away. The store itself checks that the file is unchanged."""
         if inode.upload_state is None:
             return None
-        try:
-            state = UploadState.from_json(inode.upload_state)
-        except (ValueError, KeyError, TypeError):
-            state = None
+        state = UploadState.parse(inode.upload_state)
         if state is not None and state.key == key:
             log.info("resuming upload of %s: %d parts already in the store", key, len(state.parts))
             return state
         if state is not None:
-            await self.engine.abort_state(state)
+            await self.engine.abandon(state)
         with self.journal.transaction():
             self.journal.save_upload_state(inode.id, None)
         return None

@@ -14,7 +14,7 @@ JournalUnusable or JournalError there, and nowhere else), base (opening, transac
 concerns of the Journal class: namespace, deletes, work (the drain's), local (fetch, eviction, status).
 """
 
-from ckptfs.journal.connection import JournalError, JournalFull, JournalUnusable, journal_full, journal_unusable
+from ckptfs.journal.connection import JournalError, JournalFull, JournalUnusable, journal_unusable
 from ckptfs.journal.journal import Journal
 from ckptfs.journal.records import (
     CLEAN,
@@ -32,5 +32,5 @@ from ckptfs.journal.schema import SCHEMA_VERSION
 
 __all__ = [
     "CLEAN", "DIR", "DIRTY", "FILE", "REMOTE", "ROOT_ID", "SCHEMA_VERSION", "SYMLINK", "UPLOADING", "Inode", "Journal",
-    "JournalError", "JournalFull", "JournalUnusable", "PendingDelete", "journal_full", "journal_unusable",
+    "JournalError", "JournalFull", "JournalUnusable", "PendingDelete", "journal_unusable",
 ]

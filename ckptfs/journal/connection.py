@@ -53,11 +53,6 @@ def journal_unusable(exc: BaseException) -> bool:
     return isinstance(exc, JournalUnusable)
 
 
-def journal_full(exc: BaseException) -> bool:
-    """Is `exc` a JournalFull? (For callers that test a caught exception rather than catch JournalFull.)"""
-    return isinstance(exc, JournalFull)
-
-
 class _Cursor(sqlite3.Cursor):
     """A cursor whose statements and rows raise journal errors, never sqlite3's."""
 
