@@ -348,7 +348,7 @@ def _categorize(frames: list[str], pwrite: str) -> str:
         return "write: our Python around os.pwrite"
     if "getxattr" in text:
         return "getxattr(security.capability): sent by the kernel before every write(2)"
-    if "journal.py" in text or "sqlite" in text:
+    if "ckptfs/journal" in text or "sqlite" in text:
         return "journal (SQLite), other requests"
     if "FuseOperations." in text:
         return "other request handlers (our Python)"

@@ -215,7 +215,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         _restart_with_malloc_pad()
     import trio
 
-    from ckptfs import daemon
+    from ckptfs import daemon, takeover
 
     ready_fd = int(os.environ.pop(READY_FD_ENV, "-1"))
     waiting = [ready_fd >= 0]  # the parent still waits on ready_fd (closed once it heard "ready")
@@ -230,7 +230,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         # A daemon that dies is started again with this command line by the mount's holder (holder.py).
         restart_argv = sys.argv[1:] if args.restartable else None
         return trio.run(daemon.run, config, ready, restart_argv)
-    except daemon.Restart as restart:  # `ckptfs restart`: the code installed now, in this process
+    except takeover.Restart as restart:  # `ckptfs restart`: the code installed now, in this process
         os.execve(sys.executable, [sys.executable, "-m", "ckptfs", *restart.argv], restart.env)
     except CkptfsError as exc:
         if waiting[0]:  # a failure after the mount was live goes to the log only

@@ -27,10 +27,10 @@ from ckptfs.backends.base import (
     TEMP_PREFIX,
     ObjectMeta,
     ObjectStore,
-    crc32_combine,
 )
 from ckptfs.backends.local import LocalStore
 from ckptfs.backends.s3 import ERROR_CODES, MARKER_DIR, S3Store, format_mtime, parse_mtime, translate_error
+from ckptfs.checksums import crc32_combine
 from ckptfs.errors import (
     AuthBackendError,
     BackendError,

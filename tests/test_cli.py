@@ -12,8 +12,8 @@ from conftest import Mount, ckptfs_cli
 
 from ckptfs import guard
 from ckptfs.cli import MALLOC_TUNABLE, _restart_with_malloc_pad, _with_malloc_pad
-from ckptfs.daemon import read_ahead_path
 from ckptfs.errors import UsageError
+from ckptfs.mountpoint import read_ahead_path
 
 
 def _one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -372,13 +372,11 @@ def test_repeated_log_messages_are_rate_limited() -> None:
 
 
 def test_effective_configuration_is_logged_without_credentials(tmp_path: Path) -> None:
-    from ckptfs.cache import CacheDir
     from ckptfs.config import load_config
-    from ckptfs.daemon import _effective
 
     config = load_config(None, {"source": "s3://b/p", "mountpoint": tmp_path,
                                 "endpoint_url": "http://user:secret@127.0.0.1:9000"})
-    line = _effective(config, CacheDir(tmp_path / "cache"))
+    line = config.effective(tmp_path / "cache")
     assert "secret" not in line and "user" not in line
     assert "endpoint_url http://127.0.0.1:9000" in line and "cache_size 80%" in line and "transfers 8" in line
 

@@ -12,7 +12,8 @@ import pytest
 from emulators import AzuriteServer, GcsServer, azurite, fake_gcs, gcp_emulator  # noqa: F401
 from faultproxy import FaultProxy, Rule
 
-from ckptfs.backends.base import ObjectMeta, ObjectStore, crc_text
+from ckptfs.backends.base import ObjectMeta, ObjectStore
+from ckptfs.checksums import crc_text
 from ckptfs.errors import TransientBackendError
 
 KiB = 1 << 10

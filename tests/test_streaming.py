@@ -383,7 +383,7 @@ async def test_a_restart_discards_partial_files_and_a_remote_inodes_data_file(
     # What a kill -9 leaves, plus a data file of the remote inode (a fetch that died between moving its
     # file into data/ and the journal's update): neither is a local copy.
     Path(s.cache.data_path(ino)).write_bytes(b"\0" * len(content))  # noqa: ASYNC240
-    old_fd = s.fetcher.streams[ino].fd
+    old_fd = s.fetcher.partials.streams[ino].fd
     # The next daemon on the same cache dir and store.
     s2 = make_stack(tmp_path)
     s2.fetcher.chunk_size = CHUNK

@@ -83,7 +83,6 @@ from ckptfs.backends.base import (
     check_note_name,
     check_note_prefix,
     check_patiently,
-    crc_text,
     listed_note_names,
     retry_transient,
 )
@@ -95,6 +94,7 @@ from ckptfs.backends.objmeta import (
     metadata_of,
     type_bits_of,
 )
+from ckptfs.checksums import crc_text
 from ckptfs.errors import (
     AuthBackendError,
     BackendError,

@@ -51,10 +51,9 @@ from ckptfs.backends.base import (
     UploadRef,
     check_note_name,
     check_note_prefix,
-    crc32,
-    crc_text,
     pread_exact,
 )
+from ckptfs.checksums import crc32, crc_text
 from ckptfs.errors import (
     CkptfsError,
     NotFoundBackendError,

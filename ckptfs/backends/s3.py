@@ -79,12 +79,10 @@ from ckptfs.backends.base import (
     check_note_name,
     check_note_prefix,
     check_patiently,
-    crc32,
-    crc_of,
-    crc_text,
     listed_note_names,
     retry_transient,
 )
+from ckptfs.checksums import crc32, crc_of, crc_text
 from ckptfs.errors import (
     AuthBackendError,
     BackendError,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
 import time
 from collections.abc import Callable
 
@@ -15,7 +14,7 @@ import trio
 
 from ckptfs.cache import CacheDir
 from ckptfs.fs.open_files import OpenFiles
-from ckptfs.journal import FILE, REMOTE, Journal, journal_full
+from ckptfs.journal import FILE, REMOTE, Journal, JournalFull
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +72,7 @@ class Changes:
         self._changed.discard(inode_id)
         try:
             self._record_close(inode_id, changed)
-        except sqlite3.OperationalError as exc:
-            if not journal_full(exc):
-                raise
+        except JournalFull:
             # The kernel never repeats a release: unrecorded, the file would look open for writing for
             # as long as the daemon runs, never uploaded, and a flush would wait for it for ever.
             self._unrecorded_closes[inode_id] = self._unrecorded_closes.get(inode_id, False) or changed
@@ -102,9 +99,7 @@ class Changes:
             else:
                 try:
                     self._record_close(inode_id, changed)
-                except sqlite3.OperationalError as exc:
-                    if not journal_full(exc):
-                        raise
+                except JournalFull:
                     return  # still full
                 recorded += 1
             del self._unrecorded_closes[inode_id]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import sqlite3
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -33,7 +32,7 @@ from ckptfs.fs.namespace import Namespace
 from ckptfs.fs.open_files import OpenFile, OpenFiles
 from ckptfs.fs.references import References
 from ckptfs.fs.takeover import Takeover
-from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, Inode, Journal, journal_full
+from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, Inode, Journal, JournalFull
 
 log = logging.getLogger(__name__)
 
@@ -346,6 +345,5 @@ class DataPath:
         for fh in list(self.handles):
             try:
                 self.release(fh)
-            except sqlite3.OperationalError as exc:
-                if not journal_full(exc):
-                    raise
+            except JournalFull:
+                pass
