@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -368,6 +369,37 @@ def test_repeated_log_messages_are_rate_limited() -> None:
         logger.error("upload of %s failed: AccessDenied", "file-20")
         assert records[-1] == "upload of file-20 failed: AccessDenied (and 15 more like it in the last minute)"
     finally:
+        logger.removeHandler(handler)
+
+
+def test_a_reply_nobody_waits_for_any_more_is_not_logged_as_an_error() -> None:
+    """`fusermount -u` right after a close: the kernel refuses the RELEASE's late reply with ENOENT, and
+    pyfuse3 logs that as an ERROR (seen in test_external_unmount_drains_before_exit). Other failed replies
+    stay errors."""
+    import logging
+
+    from ckptfs.cli import AnswerNobodyWaitsFor
+
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("pyfuse3.test-replies")
+    logger.propagate = False
+    handler = Collect()
+    logger.addHandler(handler)
+    logger.addFilter(AnswerNobodyWaitsFor())
+    root_level = logging.getLogger().level
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        logger.error("fuse_release(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
+        logger.error("fuse_write(): fuse_reply_* failed with %s", os.strerror(errno.EIO))
+        assert [(r.levelname, r.getMessage()) for r in records] == [
+            ("ERROR", "fuse_write(): fuse_reply_* failed with Input/output error")]
+    finally:
+        logging.getLogger().setLevel(root_level)
         logger.removeHandler(handler)
 
 
