@@ -41,7 +41,6 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-import secrets
 import stat
 import threading
 import time
@@ -78,13 +77,12 @@ from ckptfs.backends.common import (
     MAX_SYMLINK_TARGET,
     SYMLINK_BODY,
     WholeCopies,
-    bookkeeping_body,
     check_key,
-    check_upload_key,
     encode_target,
     info_from_metadata,
     is_bookkeeping,
     metadata_of,
+    new_upload,
     ns_of,
     parse_bookkeeping,
     type_bits_of,
@@ -265,14 +263,7 @@ class AzureBlobStore(WholeCopies):
         return f"{self.prefix}{MARKER_DIR}{upload.marker or f'{self.owner}/{upload.upload_id}'}"
 
     def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
-        check_upload_key(key)
-        metadata: dict[str, str] = {}
-        if meta is not None:
-            metadata = metadata_of(meta, stat.S_IFREG)
-            metadata[META_CHECKSUM] = checksum or ""
-        upload_id = secrets.token_hex(8)
-        upload = UploadRef(key, upload_id, f"{self.owner}/{upload_id}")
-        body = bookkeeping_body(key=key, metadata=metadata, owner=self.owner)
+        upload, body = new_upload(key, meta, checksum, owner=self.owner, checksum_key=META_CHECKSUM)
         # Create-only (If-None-Match: *): a random id never meets an existing marker, and a retry after a
         # lost answer finds its own (409), which is as good as written.
         try:

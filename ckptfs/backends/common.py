@@ -8,6 +8,7 @@ installed.
 from __future__ import annotations
 
 import json
+import secrets
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -94,6 +95,19 @@ def ns_of(when: datetime | None) -> int:
 def bookkeeping_body(**fields: Any) -> bytes:
     """The JSON body of an upload marker or manifest."""
     return json.dumps(fields).encode()
+
+
+def new_upload(key: str, meta: ObjectMeta | None, checksum: str | None, *, owner: str,
+               checksum_key: str) -> tuple[UploadRef, bytes]:
+    """A staged upload of `key` with a fresh id, and the body of the bookkeeping object a store keeps for it
+    (GCS's manifest, Azure's marker: the key, the metadata the object gets at complete, the owner)."""
+    check_upload_key(key)
+    metadata: dict[str, str] = {}
+    if meta is not None:
+        metadata = metadata_of(meta, stat.S_IFREG)
+        metadata[checksum_key] = checksum or ""
+    upload_id = secrets.token_hex(8)
+    return UploadRef(key, upload_id, f"{owner}/{upload_id}"), bookkeeping_body(key=key, metadata=metadata, owner=owner)
 
 
 def parse_bookkeeping(data: bytes) -> dict[str, Any]:

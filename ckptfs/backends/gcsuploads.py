@@ -14,7 +14,6 @@ node's uploads. docs/design/stores.md says why part objects and compose.
 from __future__ import annotations
 
 import logging
-import secrets
 import stat
 import threading
 from collections.abc import Sequence
@@ -25,10 +24,9 @@ from google.cloud import storage
 from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, UploadPart, UploadRef, crc_text
 from ckptfs.backends.common import (
     META_CHECKSUM,
-    bookkeeping_body,
     check_key,
-    check_upload_key,
     metadata_of,
+    new_upload,
     parse_bookkeeping,
 )
 from ckptfs.backends.gcserrors import mapped, status_of
@@ -63,14 +61,7 @@ class ComposedUploads:
         return f"{self._store.prefix}{PARTS_DIR}{upload.marker or f'{self._store.owner}/{upload.upload_id}'}/"
 
     def open(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
-        check_upload_key(key)
-        metadata: dict[str, str] = {}
-        if meta is not None:
-            metadata = metadata_of(meta, stat.S_IFREG)
-            metadata[META_CHECKSUM] = checksum or ""
-        upload_id = secrets.token_hex(8)
-        upload = UploadRef(key, upload_id, f"{self._store.owner}/{upload_id}")
-        body = bookkeeping_body(key=key, metadata=metadata, owner=self._store.owner)
+        upload, body = new_upload(key, meta, checksum, owner=self._store.owner, checksum_key=META_CHECKSUM)
         # Create-only: a random id never meets an existing manifest, and a retry after a lost answer finds
         # its own manifest already there (412), which is as good as written.
         try:
