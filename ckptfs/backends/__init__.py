@@ -36,13 +36,14 @@ def check_store(store: ObjectStore, *, attempts: int = CHECK_ATTEMPTS,
                 store.check()
                 return
             except StoreCheckError as exc:
-                if not exc.transient or (attempt == attempts - 1 and (
-                        not exc.busy or time.monotonic() >= busy_until)):
+                if not exc.transient:
                     raise
-                if attempt == attempts - 1:
-                    log.warning("%s is busy (%s); trying again for up to %.0f s", store.url, exc, CHECK_BUSY_SECONDS)
-                else:
+                if attempt < attempts - 1:
                     sleep(next(delays))
+                elif not exc.busy or time.monotonic() >= busy_until:
+                    raise
+                else:
+                    log.warning("%s is busy (%s); trying again for up to %.0f s", store.url, exc, CHECK_BUSY_SECONDS)
 
 
 def open_store(url: str, *, endpoint_url: str | None = None) -> ObjectStore:
