@@ -286,17 +286,17 @@ def find_py_spy(explicit: str | None) -> str:
 
 
 def _pwrite_frame() -> str:
-    """py-spy's name for the os.pwrite line of Filesystem.write: 'Filesystem.write (ckptfs/fs.py:476)'."""
-    import ckptfs.fs
+    """py-spy's name for the os.pwrite line of the write path: 'DataPath.write (ckptfs/fs/data_path.py:224)'."""
+    import ckptfs.fs.data_path
 
-    source = Path(ckptfs.fs.__file__).read_text().splitlines()
+    source = Path(ckptfs.fs.data_path.__file__).read_text().splitlines()
     in_write = False
     for number, line in enumerate(source, 1):
         if line.strip().startswith("def write("):
             in_write = True
         elif in_write and "os.pwrite(" in line:
-            return f"Filesystem.write (ckptfs/fs.py:{number})"
-    return "Filesystem.write (ckptfs/fs.py:?)"
+            return f"DataPath.write (ckptfs/fs/data_path.py:{number})"
+    return "DataPath.write (ckptfs/fs/data_path.py:?)"
 
 
 def summarize_profile(raw: Path, top: int = 12) -> dict[str, Any]:
@@ -344,11 +344,11 @@ def _categorize(frames: list[str], pwrite: str) -> str:
         return "idle: waiting in epoll for the next request"
     if pwrite in frames:
         return "write: os.pwrite into the cache file (kernel copy)"
-    if "Filesystem.write " in text or "FuseOperations.write " in text:
+    if "DataPath.write " in text or "FuseOperations.write " in text:
         return "write: our Python around os.pwrite"
     if "getxattr" in text:
         return "getxattr(security.capability): sent by the kernel before every write(2)"
-    if "journal.py" in text or "sqlite" in text:
+    if "ckptfs/journal" in text or "sqlite" in text:
         return "journal (SQLite), other requests"
     if "FuseOperations." in text:
         return "other request handlers (our Python)"

@@ -2,21 +2,21 @@
 
 Layout (all 0700 / 0600):
     CACHE_DIR/lock         flock()ed by the one daemon using this cache dir
-    CACHE_DIR/journal.db   the journal (journal.py owns its contents)
+    CACHE_DIR/journal.db   the journal (ckptfs/journal/ owns its contents)
     CACHE_DIR/data/<id>    the content of file inode <id>, byte for byte; its size and mtime are the file's
-    CACHE_DIR/tmp/         partial files of remote objects being read (fetch.py), sparse at the object's
+    CACHE_DIR/tmp/         partial files of remote objects being read (fetch/), sparse at the object's
                            size; renamed into data/ once every chunk is there and verified. Removed at
                            start-up: a partial file is never mistaken for a local copy.
 
 Space accounting (trio thread only: the write path updates it without a lock): `used` is the sum of
-the apparent sizes of the data files, minus ranges already freed by a spill (see drain.py) and minus the
+the apparent sizes of the data files, minus ranges already freed by a spill (see drain/spills.py) and minus the
 holes that a truncate or a write past the end left (the filesystem under the cache stores nothing for
 them), plus
-`reserved`: the chunks of partial files that are present or in flight (fetch.py reserves a chunk before
+`reserved`: the chunks of partial files that are present or in flight (fetch/ reserves a chunk before
 it is fetched and unreserves it when it is punched out or its file dropped or adopted into data/);
 `limit` is the budget: `cache_size`,
 lowered when the cache filesystem would otherwise keep less than `min_free` free, but never below the
-`working_room` a file being written needs to spill (drain.py) while the filesystem has that much: when
+`working_room` a file being written needs to spill (drain/spills.py) while the filesystem has that much: when
 others fill it past `min_free`, writes go on, uploaded in parts as they are written, instead of waiting
 for room only others can free (what s3fs's ensure_diskfree does). Both are plain
 attributes read on every FUSE write, so the write path pays two attribute loads and a compare. The
@@ -57,10 +57,10 @@ class CacheFile:
         # Handles that write to the file through FUSE passthrough (the kernel writes the data file directly:
         # `size` is what observe() saw last). A spill never seals such a file: nothing could stop a write.
         self.passthrough_writers = 0
-        # Content changes begun (fs.py, before their first byte): an upload that read the file in another
+        # Content changes begun (fs/changes.py, before their first byte): an upload that read the file in another
         # thread compares it with what it saw when it chose the file (Transfers.put_files).
         self.changes = 0
-        # A spill (drain.py) uploads the start of a file still being written and punches it out:
+        # A spill (drain/spills.py) uploads the start of a file still being written and punches it out:
         self.sealed = 0  # bytes at the start that are being or have been spilled: writes there fail
         self.freed = 0  # bytes at the start already punched out: reads there fail too
         # Bytes at the start staged by a spill, sealed or not (an early spill, made while the cache had room,
@@ -70,6 +70,36 @@ class CacheFile:
     @property
     def charge(self) -> int:
         return self.size - self.freed - self.holes
+
+    # The spill watermarks (`sealed`, `staged`) change only through these methods; `freed` changes with the
+    # budget's accounting (CacheDir.punched).
+
+    def seal(self, end: int) -> None:
+        """A spill takes the first `end` bytes: writes there fail from now on."""
+        self.sealed = end
+
+    def mark_staged(self, end: int) -> None:
+        """A spill has staged the first `end` bytes in the store."""
+        self.staged = end
+
+    def restart_staging(self) -> None:
+        """A new spill begins: what an earlier one staged belongs to another version (it was completed)."""
+        self.staged = 0
+
+    def unstage(self) -> None:
+        """The spill was thrown away: only its sealed start (which cannot change) still counts as staged."""
+        self.staged = self.sealed
+
+    def clip_watermarks(self, size: int) -> None:
+        """The file was cut to `size`: nothing beyond it is sealed or staged."""
+        self.sealed = min(self.sealed, size)
+        self.staged = min(self.staged, size)
+
+    def restore_watermarks(self, staged: int, *, sealed: bool) -> None:
+        """At start-up, from the journaled spill: the first `staged` bytes were staged (`sealed`: not to be
+        written again)."""
+        self.staged = min(staged, self.size)
+        self.sealed = self.staged if sealed else 0
 
 
 # The working room never takes the last of the filesystem: the journal must still be able to record
@@ -290,8 +320,7 @@ class CacheDir:
     def _shrink(self, entry: CacheFile, size: int) -> None:
         self.used += size - entry.size
         entry.size = size
-        entry.sealed = min(entry.sealed, size)
-        entry.staged = min(entry.staged, size)
+        entry.clip_watermarks(size)
         if entry.freed > size:
             self.used += entry.freed - size
             entry.freed = size
@@ -374,12 +403,11 @@ class CacheDir:
             self.used -= entry.charge
             entry.freed = punched
             entry.holes = max(0, entry.holes - punched)
-            entry.staged = min(staged, entry.size)
-            entry.sealed = entry.staged if sealed else 0
+            entry.restore_watermarks(staged, sealed=sealed)
             self.used += entry.charge
 
     def reserve(self, size: int) -> None:
-        """Count a chunk of a partial file (fetch.py) before its bytes arrive, and while they are there."""
+        """Count a chunk of a partial file (fetch/) before its bytes arrive, and while they are there."""
         self.reserved += size
         self.used += size
 

@@ -9,6 +9,7 @@ errors to exit codes: 0 ok, 1 an error the user can fix (one line on stderr, no 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -192,6 +193,18 @@ class RepeatFilter(logging.Filter):
         return False
 
 
+class AnswerNobodyWaitsFor(logging.Filter):
+    """pyfuse3 logs an ERROR when the kernel refuses a reply with ENOENT: the request is no longer waited
+    for (interrupted, or its mount went away, as when a RELEASE is answered after `fusermount -u`). Nothing
+    is wrong then: such lines are DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg.endswith("fuse_reply_* failed with %s") and record.args == (os.strerror(errno.ENOENT),):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
@@ -201,6 +214,7 @@ def _setup_logging(level: str) -> None:
     if logging.getLogger().level > logging.DEBUG:  # DEBUG means: show everything
         for handler in logging.getLogger().handlers:
             handler.addFilter(RepeatFilter())
+    logging.getLogger("pyfuse3").addFilter(AnswerNobodyWaitsFor())
     # The SDKs' DEBUG output carries access key ids and request signatures: never log those.
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3", "azure", "google"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
@@ -215,7 +229,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         _restart_with_malloc_pad()
     import trio
 
-    from ckptfs import daemon
+    from ckptfs import daemon, takeover
 
     ready_fd = int(os.environ.pop(READY_FD_ENV, "-1"))
     waiting = [ready_fd >= 0]  # the parent still waits on ready_fd (closed once it heard "ready")
@@ -230,7 +244,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         # A daemon that dies is started again with this command line by the mount's holder (holder.py).
         restart_argv = sys.argv[1:] if args.restartable else None
         return trio.run(daemon.run, config, ready, restart_argv)
-    except daemon.Restart as restart:  # `ckptfs restart`: the code installed now, in this process
+    except takeover.Restart as restart:  # `ckptfs restart`: the code installed now, in this process
         os.execve(sys.executable, [sys.executable, "-m", "ckptfs", *restart.argv], restart.env)
     except CkptfsError as exc:
         if waiting[0]:  # a failure after the mount was live goes to the log only

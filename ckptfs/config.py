@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import re
 import tomllib
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,21 @@ class Config:
 
     log_level: str = "INFO"
     """Python logging level name."""
+
+    def effective(self, cache_dir: Path) -> str:
+        """The effective configuration, one line, for the log (config holds no secrets; an endpoint URL's
+        user:password part, if any, is dropped)."""
+        fields = dataclasses.asdict(self)
+        fields["cache_dir"] = str(cache_dir)
+        if self.endpoint_url:
+            parts = urllib.parse.urlsplit(self.endpoint_url)
+            fields["endpoint_url"] = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")
+                                                    if parts.hostname else parts.netloc).geturl()
+        fields.pop("source")
+        fields.pop("mountpoint")
+        fields["commit_markers"] = ",".join(self.commit_markers)
+        fields["keep"] = ",".join(self.keep)
+        return ", ".join(f"{key} {value}" for key, value in fields.items())
 
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else default_cache_dir(self.source)

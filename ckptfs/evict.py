@@ -6,8 +6,8 @@ back-pressure: a write that finds the cache over its budget waits here until evi
 room, up to `dirty_wait`, then fails with ENOSPC. While writers wait it asks the drain (through
 `on_pressure`) to upload at once, ignoring upload_delay, and to spill files still open for writing.
 
-An evicted file keeps its inode and becomes 'remote': the next read fetches what it needs (fetch.py).
-Partial files of remote objects (fetch.py) count against the budget too: those no handle has open are
+An evicted file keeps its inode and becomes 'remote': the next read fetches what it needs (fetch/).
+Partial files of remote objects (fetch/) count against the budget too: those no handle has open are
 dropped like clean files, and chunks of open ones that no reader is near are punched out.
 Everything here runs in the trio thread; eviction itself is a journal update and an unlink.
 """
@@ -18,7 +18,6 @@ import contextlib
 import errno
 import logging
 import os
-import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import trio
 
 from ckptfs.cache import CacheDir
 from ckptfs.errors import FsError
-from ckptfs.journal import Journal, journal_full
+from ckptfs.journal import Journal, JournalFull
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +44,6 @@ LOG_INTERVAL = 30.0
 SQUEEZE_LOG_INTERVAL = 600.0
 
 
-class _JournalFull(Exception):
-    """An eviction the journal could not record (see Evictor._evict_one)."""
-
-
 @dataclass
 class EvictStats:
     evicted_files: int = 0
@@ -59,7 +54,7 @@ class EvictStats:
 
 
 class PartialFiles(Protocol):
-    """Partial files of remote objects being read (fetch.Fetcher): more room the evictor can make."""
+    """Partial files of remote objects being read (fetch.PartialFiles): more room the evictor can make."""
 
     def droppable(self) -> list[int]:
         """Inode ids whose partial file no handle has open: dropped like clean files (LRU)."""
@@ -183,7 +178,7 @@ class Evictor:
                 continue
             try:
                 freed += self._evict_one(inode_id)
-            except _JournalFull:
+            except JournalFull:  # see _evict_one
                 break
         if punch and freed < wanted and self.partials is not None:
             freed += self.partials.punch(wanted - freed)
@@ -193,7 +188,7 @@ class Evictor:
         """Evict this file now if it is clean and closed (a spilled file once its upload completed:
         its start is punched out, so only the store's copy is whole)."""
         if not self.in_use(inode_id):
-            with contextlib.suppress(_JournalFull):  # the LRU rounds evict it later
+            with contextlib.suppress(JournalFull):  # the LRU rounds evict it later
                 self._evict_one(inode_id)
 
     def _evict_one(self, inode_id: int) -> int:
@@ -202,16 +197,11 @@ class Evictor:
             st = os.stat(self.cache.data_path(inode_id))
         except FileNotFoundError:
             return 0
-        try:
-            with self.journal.transaction():
-                if not self.journal.mark_evicted(inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns):
-                    return 0
-        except sqlite3.OperationalError as exc:
-            if not journal_full(exc):
-                raise
-            # Evicting frees room, but the journal must record it first, and the cache filesystem is
-            # too full for that (others filled it): the file stays until something else makes room.
-            raise _JournalFull from exc
+        # Evicting frees room, but the journal must record it first: when the cache filesystem is too full
+        # for that (others filled it), JournalFull leaves the file until something else makes room.
+        with self.journal.transaction():
+            if not self.journal.mark_evicted(inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns):
+                return 0
         charge = entry.charge if entry is not None else st.st_size
         self.cache.remove_data(inode_id)
         self.last_used.pop(inode_id, None)

@@ -3,9 +3,11 @@
 Owns only type conversion and error translation: every request goes through one wrapper (`_timed`, or
 the inline copy in the hot read/write) whose `_fuse_error` turns whatever it raised into a FUSEError, here
 and nowhere else. A handler never lets an exception reach pyfuse3: that would end the FUSE session.
-No POSIX semantics live here (fs.py has them), and no store is reached from here. It also registers cache
-files with the kernel for FUSE passthrough (KernelBackingFiles) and names the backing id in open and create
-replies; when a handle gets one is fs.py's decision.
+No POSIX semantics live here (the fs package has them), and no store is reached from here. It also
+registers cache files with the kernel for FUSE passthrough (KernelBackingFiles, probed once by
+`probe_passthrough`) and names the backing id in open and create replies; when a handle gets one is
+fs/kernel_cache.py's decision. The kernel's caches of entries another node changed are dropped here too
+(`forget_kernel_*`), for recovery.DirLister.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import sqlite3
 import stat
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,7 +38,7 @@ from pyfuse3 import (
 
 from ckptfs.errors import Faults, FsError
 from ckptfs.fs import RESENT, Attr, Filesystem, RoomNeeded, SetAttrs
-from ckptfs.journal import journal_unusable
+from ckptfs.journal import JournalFull, journal_unusable
 from ckptfs.metrics import OpStats
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def _fuse_error(
         level = logging.WARNING if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EIO) else logging.DEBUG
         log.log(level, "%s failed: %s", op, exc)
         return pyfuse3.FUSEError(exc.errno)
-    if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+    if isinstance(exc, JournalFull):
         # The cache filesystem is full and the journal cannot grow: a full disk, not a bug. What is already
         # committed stays; this request changes nothing.
         log.warning("%s failed: the journal cannot grow, the cache filesystem is full (%s)", op, exc)
@@ -143,6 +144,46 @@ def passthrough_build() -> bool:
 def passthrough_granted() -> bool:
     """The kernel granted FUSE_PASSTHROUGH at INIT (asked for when enable_passthrough is set)."""
     return passthrough_build() and bool(getattr(pyfuse3, "passthrough_enabled")())  # noqa: B009
+
+
+def probe_passthrough(mode: str, probe_path: str) -> tuple[KernelBackingFiles | None, str]:
+    """FUSE passthrough where the option (`mode`), the pyfuse3 build, the kernel and this process's
+    privileges allow it: the backing files to use (None: the mount works as without it), and why. Never a
+    failure. `probe_path`: a scratch file on the cache filesystem, removed again."""
+    if mode == "off":
+        return None, "off: passthrough = off"
+    if not passthrough_build():
+        return None, ("off: this pyfuse3 is the stock build, without passthrough support"
+                      " (scripts/install.sh builds one against libfuse >= 3.17)")
+    if not passthrough_granted():
+        return None, ("off: the kernel did not grant FUSE passthrough (it needs Linux >= 6.9"
+                      " with CONFIG_FUSE_PASSTHROUGH)")
+    backing = KernelBackingFiles()
+    try:
+        fd = os.open(probe_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            backing.close(backing.open(fd))
+        finally:
+            os.close(fd)
+            os.unlink(probe_path)
+    except OSError as exc:
+        need = " (it needs CAP_SYS_ADMIN: run the daemon as root)" if exc.errno == errno.EPERM else ""
+        return None, f"off: the kernel refused a backing file: {exc.strerror}{need}"
+    return backing, "on: the kernel reads and writes the cache files of open files itself"
+
+
+def forget_kernel_data(inode_id: int) -> None:
+    """Another node replaced this file: the kernel must not serve its old pages or size (readable handles
+    keep the page cache across opens)."""
+    try:
+        pyfuse3.invalidate_inode(inode_id)
+    except OSError:
+        pass  # ENOENT: the kernel holds nothing of it
+
+
+def forget_kernel_entry(parent_id: int, name: str) -> None:
+    """Another node deleted this entry: the kernel must not keep resolving the name for entry_timeout."""
+    pyfuse3.invalidate_entry_async(parent_id, name.encode(), ignore_enoent=True)
 
 
 class FuseOperations(pyfuse3.Operations):

@@ -6,10 +6,10 @@ daemon rebuilds them from: for each handle, the inode, how it was opened (flags)
 the file, whether it bypassed the page cache, and its passthrough backing id (the kernel keeps that file
 open; a new handle of the same inode must name the same id).
 
-It is a file of fixed-size slots mapped into memory: slot `fh - 1` describes handle `fh` (Filesystem hands
+It is a file of fixed-size slots mapped into memory: slot `fh - 1` describes handle `fh` (fs/open_files.py hands
 out the lowest free handle numbers, so the table stays as small as the most files ever open at once). A
 slot is written when the open or create reply naming its handle goes out (with that request's id: see
-Filesystem.handed_out and unanswered) and zeroed when the handle is released: a store into memory, no
+fs/takeover.py, handed_out and unanswered) and zeroed when the handle is released: a store into memory, no
 system call, no journal transaction on the open path. It survives the daemon's death, not the machine's: pages of
 a shared mapping stay in the page cache when the process dies, and after a reboot the kernel's handles are
 gone too, so nothing is lost by not syncing it.

@@ -94,7 +94,7 @@ METRICS: tuple[MetricDef, ...] = (
 )
 BY_NAME = {m.name: m for m in METRICS}
 
-# name -> [(label values, value)]; built by the daemon (daemon.Daemon.metrics_snapshot).
+# name -> [(label values, value)]; built by status.metrics_snapshot.
 Snapshot = dict[str, list[tuple[tuple[str, ...], float]]]
 
 

@@ -106,7 +106,7 @@ def _missing_cache_file(journal: Journal, inode: Inode, report: RecoveryReport) 
         if inode.state != CLEAN:
             log.error("cache file of %s vanished; falling back to the version in the store", inode.path)
             report.lost.append(inode.path or "?")
-        journal.db.execute("UPDATE inodes SET state = 'remote' WHERE id = ?", (inode.id,))
+        journal.serve_from_store(inode.id)
     else:
         log.error("cache file of %s vanished before it was uploaded; its content is lost", inode.path)
         report.lost.append(inode.path or "?")
@@ -150,7 +150,7 @@ class DirLister:
         self._call = call if call is not None else trio.to_thread.run_sync
         self.refresh_interval = refresh_interval
         self.vanished = vanished if vanished is not None else _drop_entry(journal, cache)
-        journal.ensure_listed_dirs_table()
+        journal.prune_listed_dirs()
         self._listed: dict[int, float] = journal.listed_dirs()  # dir inode id -> time.time() of its listing
         self._in_flight: dict[int, trio.Event] = {}
         self._warned: set[str] = set()
@@ -378,10 +378,7 @@ def _refresh_clean(
         return False
     if info.size == inode.size and (info.mtime_ns == inode.mtime_ns or not exact_mtimes):
         return False
-    journal.db.execute(
-        "UPDATE inodes SET state = 'remote', size = ?, mtime_ns = ?, checksum = ? WHERE id = ?",
-        (info.size, info.mtime_ns, info.checksum, inode.id),
-    )
+    journal.replaced_in_store(inode.id, size=info.size, mtime_ns=info.mtime_ns, checksum=info.checksum)
     cache.remove_data(inode.id)
     return True
 
@@ -394,12 +391,11 @@ async def recover(
     # Staged uploads the journal knows about resume; every other leftover of ours goes.
     keep = set()
     for _inode_id, text in journal.upload_states():
-        try:
-            keep.add(UploadState.from_json(text).upload_id)
-        except (ValueError, KeyError, TypeError):
-            pass
+        state = UploadState.parse(text)
+        if state is not None:
+            keep.add(state.upload_id)
     try:
-        report.aborted_uploads = await engine.abort_stale_uploads(keep)
+        report.aborted_uploads = await engine.leftovers.sweep_at_start(keep)
     except BackendError as exc:
         # Housekeeping only (staged parts cost storage, nothing reads them): a store failing it must not
         # keep the mount from serving what the journal holds. The drain sweeps again later, sparing the

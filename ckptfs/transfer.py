@@ -1,51 +1,42 @@
-"""The transfer engine: every byte that moves between the cache and the store goes through here.
+"""The transfer engine: one scheduler for every part transfer between the cache and the store, up and down.
 
-Owns: part sizing, parallelism (one pool of parts in flight shared by every file, up and down), the
-memory budget (bytes of part data held in memory at once, whatever the number or size of files),
-priorities (a reader waiting on a range first, read-ahead next, background uploads after, commit markers
-last), retries with backoff of each part, checksums (CRC32 per part, combined into the whole-file
-checksum), staged uploads with resume from a journaled UploadState, spills (the start of a file still
-being written, staged at a hidden key), ranged downloads, and the clean-up of interrupted uploads.
+Owns: part sizing, parallelism (one pool of parts in flight shared by every file, up and down, each part
+under the memory budget of memory.py), priorities (a reader waiting on a range first, read-ahead next,
+background uploads after, commit markers last), retries with backoff of each part, staged uploads with
+resume from a journaled UploadState and the one way to abandon one (`abandon`), small files in one PUT
+each, spills (the start of a file still being written, staged at a hidden key) and ranged downloads.
+Beside it: memory.py (the budget), leftovers.py (what interrupted uploads leave in the store, and the
+sweeps), checksums.py (CRC32 math), local_io.py (reading and writing the local files).
 
 Stores (backends/) implement only primitives: one attempt each, in a worker thread. This module never
 knows inodes or paths of the mount and never touches the journal: callers persist the UploadState it
 reports through `progress` (called in the trio thread after the upload is opened and after every part).
 Everything here runs in the trio thread except the blocking store calls and local reads.
 """
-
 from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import functools
-import heapq
 import logging
-import math
 import os
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, TypeVar
 
 import trio
 
 from ckptfs.backends.base import (
-    TEMP_PREFIX,
     ObjectMeta,
     ObjectStore,
     UploadPart,
     UploadRef,
     UploadState,
     backoff_delays,
-    crc32,
-    crc32_combine,
-    crc_of,
-    crc_text,
-    pread_exact,
-    pread_into,
 )
+from ckptfs.checksums import combine_crcs, crc32, crc_of, crc_text
 from ckptfs.errors import (
     BackendError,
     NotFoundBackendError,
@@ -55,13 +46,23 @@ from ckptfs.errors import (
     TransientBackendError,
     UploadGoneError,
 )
+from ckptfs.leftovers import SPILL_PREFIX, Leftovers
+from ckptfs.local_io import (
+    RangeWriter,
+    SourceChangedError,
+    fdatasync_path,
+    read_part,
+    read_whole,
+    scan_crc,
+    source_error,
+)
+from ckptfs.memory import MemoryBudget
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 MiB = 1 << 20
-IO_CHUNK = 1 * MiB  # local reads of the checksum scan, per thread
 DEFAULT_MEMORY_BUDGET = 256 * MiB
 DEFAULT_PART_SIZE = 64 * MiB
 DEFAULT_DOWNLOAD_PART_SIZE = 16 * MiB
@@ -86,20 +87,17 @@ class Priority(IntEnum):
     MARKER = 3  # commit markers: after everything else
 
 
-class SourceChangedError(TransientBackendError):
-    """The local file changed while it was being uploaded: retrying the part cannot help, the caller
-    starts the upload again once the file is quiet."""
-
-
 @dataclass(frozen=True)
 class SmallFile:
     """A small closed file for put_files: read whole, PUT in one request. `changed` (called in the worker
-    thread, after the read) says whether the file may have changed since the caller chose it."""
+    thread, after the read) says whether the file may have changed since the caller chose it; `expected`,
+    the (size, checksum) its bytes must have (what stage_upload's scan found)."""
 
     key: str
     src_path: str
     meta: ObjectMeta
     changed: Callable[[], bool]
+    expected: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -150,128 +148,6 @@ class TransferStats:
     memory_waiters: int = 0
 
 
-@dataclass(order=True)
-class _Waiter:
-    priority: int
-    seq: int
-    nbytes: int = field(compare=False)
-    wants_buffer: bool = field(compare=False)
-    event: trio.Event = field(compare=False, default_factory=trio.Event)
-    status: str = field(compare=False, default="waiting")  # then "granted" or "cancelled"
-    buffer: bytearray | None = field(compare=False, default=None)
-
-
-class MemoryBudget:
-    """Bytes of part data in memory, granted in priority order (first come, first served within one
-    priority). A request larger than the whole budget is granted the whole budget, so it runs alone.
-
-    It also keeps the buffers of finished upload parts for the next parts of the same size, inside the
-    budget: a fresh part-sized buffer is its own mmap (glibc maps allocations above 32 MiB on their own, and
-    smaller ones often), so every part would fault in and zero new pages (~15 % of the daemon's CPU while
-    draining). A spare buffer goes with the next grant of its size; spares give way to any other request
-    that needs their room, and all go when nothing is in flight, so an idle daemon holds none."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = max(1, limit)
-        self.in_use = 0
-        self.peak = 0
-        self.spare_bytes = 0
-        self._spare: list[bytearray] = []
-        self._waiters: list[_Waiter] = []  # a heap
-        self._seq = 0
-
-    @property
-    def waiting(self) -> int:
-        return sum(1 for w in self._waiters if w.status == "waiting")
-
-    async def acquire(self, nbytes: int, priority: Priority) -> int:
-        """Wait until `nbytes` fit; return what was granted (pass it to release)."""
-        granted, _ = await self._acquire(nbytes, priority, wants_buffer=False)
-        return granted
-
-    async def acquire_buffer(self, nbytes: int, priority: Priority) -> tuple[int, bytearray]:
-        """acquire(), with a buffer of `nbytes` to fill (a spare one if there is); once no thread uses it any
-        more, hand it back with keep() before releasing the grant."""
-        granted, buffer = await self._acquire(nbytes, priority, wants_buffer=True)
-        assert buffer is not None
-        return granted, buffer
-
-    async def _acquire(self, nbytes: int, priority: Priority, *, wants_buffer: bool) -> tuple[int, bytearray | None]:
-        full = nbytes
-        nbytes = min(nbytes, self.limit)
-        self._seq += 1
-        waiter = _Waiter(int(priority), self._seq, nbytes, wants_buffer)
-        if not self.waiting and self._admit(waiter):
-            return nbytes, self._buffer_of(waiter, full)
-        heapq.heappush(self._waiters, waiter)
-        try:
-            await waiter.event.wait()
-        except BaseException:
-            if waiter.status == "granted":
-                self.release(nbytes)
-            else:
-                waiter.status = "cancelled"
-                self._grant()
-            raise
-        return nbytes, self._buffer_of(waiter, full)
-
-    @staticmethod
-    def _buffer_of(waiter: _Waiter, nbytes: int) -> bytearray | None:
-        if not waiter.wants_buffer:
-            return None
-        return waiter.buffer if waiter.buffer is not None else bytearray(nbytes)
-
-    def keep(self, buffer: bytearray, granted: int) -> None:
-        """Keep the buffer of a finished part for the next part of its size."""
-        if len(buffer) == granted:  # else the grant was cut to the whole budget: the buffer is outside it
-            self._spare.append(buffer)
-            self.spare_bytes += granted
-
-    def release(self, nbytes: int) -> None:
-        self.in_use -= nbytes
-        self._grant()
-        if not self.in_use:
-            self._drop_spare(self.spare_bytes)
-
-    def _admit(self, waiter: _Waiter) -> bool:
-        """Grant the waiter if it fits now, with a spare buffer of its size, dropping other spares for room."""
-        if waiter.wants_buffer:
-            for i, spare in enumerate(self._spare):
-                if len(spare) == waiter.nbytes:
-                    waiter.buffer = self._spare.pop(i)
-                    self.spare_bytes -= waiter.nbytes
-                    break
-        excess = self.in_use + self.spare_bytes + waiter.nbytes - self.limit
-        if excess > 0:
-            self._drop_spare(excess)
-        if self.in_use + waiter.nbytes > self.limit:
-            if waiter.buffer is not None:
-                self.keep(waiter.buffer, waiter.nbytes)
-                waiter.buffer = None
-            return False
-        self.in_use += waiter.nbytes
-        self.peak = max(self.peak, self.in_use + self.spare_bytes)
-        return True
-
-    def _drop_spare(self, nbytes: int) -> None:
-        while self._spare and nbytes > 0:
-            dropped = len(self._spare.pop())
-            self.spare_bytes -= dropped
-            nbytes -= dropped
-
-    def _grant(self) -> None:
-        while self._waiters:
-            waiter = self._waiters[0]
-            if waiter.status == "cancelled":
-                heapq.heappop(self._waiters)
-                continue
-            if not self._admit(waiter):
-                return
-            heapq.heappop(self._waiters)
-            waiter.status = "granted"
-            waiter.event.set()
-
-
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:
@@ -293,6 +169,20 @@ async def _parallel() -> AsyncIterator[trio.Nursery]:
         raise first from None
 
 
+async def _for_each(items: Iterable[T], work: Callable[[T], Awaitable[object]], width: int) -> None:
+    """work(item) for every item, in their order, `width` at a time (the engine's worker pool for the parts
+    of one transfer); fails as _parallel does."""
+    todo = collections.deque(items)
+
+    async def worker() -> None:
+        while todo:
+            await work(todo.popleft())
+
+    async with _parallel() as nursery:
+        for _ in range(min(width, len(todo))):
+            nursery.start_soon(worker)
+
+
 def plan_part_size(size: int, part_size: int, spread: int, *, min_part: int, max_parts: int) -> int:
     """The part size for a file of `size` bytes: the configured size, smaller for mid-size files so that
     `spread` parts can go in parallel (never below the store's minimum), and larger when the file would
@@ -305,83 +195,13 @@ def plan_part_size(size: int, part_size: int, spread: int, *, min_part: int, max
     return max(ps, -(-needed // MiB) * MiB)
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
-class _RangeWriter:
-    """A RangeSink that writes the pieces of a ranged GET into fd at the range's offset (no fd: -1, only
-    the checksum) and keeps the CRC32 of what it got."""
-
-    __slots__ = ("crc", "fd", "offset", "written")
-
-    def __init__(self, fd: int, offset: int) -> None:
-        self.fd = fd
-        self.offset = offset
-        self.written = 0
-        self.crc = 0
-
-    def __call__(self, piece: bytes) -> None:
-        if self.fd >= 0:
-            _pwrite_all(self.fd, piece, self.offset + self.written)
-        self.crc = crc32(piece, self.crc)
-        self.written += len(piece)
-
-
-def _read_small_files(files: Sequence[SmallFile]) -> list[bytes | BaseException]:
-    read: list[bytes | BaseException] = []
-    for small in files:
-        try:
-            fd = os.open(small.src_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            read.append(_source_error(exc, small.key))
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            data = pread_exact(fd, size + 1, 0)
-            os.fsync(fd)
-        except OSError as exc:
-            read.append(_source_error(exc, small.key))
-            continue
-        finally:
-            os.close(fd)
-        # After the read: a change that began before this check may have torn the bytes read; one that
-        # begins after it writes after the read (and is caught before the PUT).
-        if len(data) != size or small.changed():
-            read.append(SourceChangedError(f"{small.key}: the file changed while it was being read"))
-        else:
-            read.append(data)
-    return read
+def _unchanged() -> bool:
+    return False
 
 
 def _whole_crc(crcs: Sequence[int], part_size: int, size: int) -> int:
     """The CRC32 of a file of `size` bytes from the CRC32s of its parts of `part_size`, in order."""
-    whole = crcs[0]
-    for index in range(1, len(crcs)):
-        whole = crc32_combine(whole, crcs[index], min(part_size, size - index * part_size))
-    return whole
-
-
-def _fdatasync_path(path: str, key: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise _source_error(exc, key) from exc
-
-
-def _source_error(exc: OSError, key: str) -> BackendError:
-    if exc.errno == errno.ENOENT:
-        return NotFoundBackendError(f"{key}: source file vanished")
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return PermanentBackendError(f"{key}: {exc.strerror}")
-    return TransientBackendError(f"{key}: {exc.strerror}")
+    return combine_crcs((crc, min(part_size, size - index * part_size)) for index, crc in enumerate(crcs))
 
 
 class Transfers:
@@ -410,15 +230,8 @@ class Transfers:
         self._control_threads = trio.CapacityLimiter(CONTROL_THREADS)
         self._stats = TransferStats()
         self._recent: collections.deque[tuple[float, int, int]] = collections.deque()  # (time, up, down)
-        # Sweeps of this owner's leftovers in the store (see sweep_leftovers): the staged uploads this process
-        # still works on, which a sweep spares; store calls running, which a sweep's listing waits out.
-        self._live_uploads: set[str] = set()
-        self._calls_running = 0
-        self._calls_idle: trio.Event | None = None
-        self._sweep_listing: trio.Event | None = None  # set while a sweep lists; fired when it has listed
-        self._sweep_lock = trio.Lock()
-        # Something may be left in the store (a failed abort, a sweep that failed): the drain sweeps again.
-        self._failed_cleanup = False
+        # What interrupted uploads leave in the store: the uploads this process works on, the sweeps.
+        self.leftovers = Leftovers(store, self.call)
 
     def statistics(self) -> TransferStats:
         now = trio.current_time()
@@ -438,9 +251,10 @@ class Transfers:
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """One store call that carries no part data, in a worker thread, retried on transient errors."""
-        return await self._retry(fn, *args, limiter=self._control_threads)
+    async def call(self, fn: Callable[..., T], *args: Any, gated: bool = True) -> T:
+        """One store call that carries no part data, in a worker thread, retried on transient errors.
+        `gated=False`: it leaves nothing in the store, and may run while a sweep lists (Leftovers)."""
+        return await self._retry(fn, *args, limiter=self._control_threads, gated=gated)
 
     async def _retry(
         self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter, abandon: bool = True,
@@ -464,21 +278,12 @@ class Transfers:
 
     async def _gated(self, fn: Callable[..., T], args: tuple[Any, ...], limiter: trio.CapacityLimiter,
                      abandon: bool) -> T:
-        """One attempt of a store call, never while a sweep lists the leftovers: what a call has half made
-        (a temp file, a multipart upload of a copy, an upload whose id it has not returned yet) looks like
-        a leftover in a listing."""
-        while self._sweep_listing is not None:
-            await self._sweep_listing.wait()
-        self._calls_running += 1
-        try:
+        """One attempt of a store call, never while a sweep lists the leftovers (Leftovers.store_call)."""
+        async with self.leftovers.store_call():
             # Abandoned on cancel (unless it writes into a file descriptor its caller owns) so that shutdown
             # never waits for a transfer; what the thread leaves half done is invisible (a staged part) or
             # harmless (an object the journal redoes, a leftover the next sweep removes).
             return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=abandon)
-        finally:
-            self._calls_running -= 1
-            if not self._calls_running and self._calls_idle is not None:
-                self._calls_idle.set()
 
     def upload_part_size(self, size: int) -> int:
         """Parts small enough that UPLOAD_SPREAD of them fit the memory budget at once (one stream per part
@@ -514,24 +319,9 @@ class Transfers:
         self, ref: UploadRef, number: int, offset: int, length: int, buffer: bytearray | None, src_path: str,
         expected_crc: int | None,
     ) -> tuple[UploadPart, int]:
-        # Each part opens the file itself: a thread abandoned at shutdown never reads a descriptor that was
-        # closed and reused meanwhile.
-        data: bytes | bytearray
-        try:
-            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if buffer is None:
-                    data = pread_exact(fd, length, offset)
-                    got = len(data)
-                else:
-                    data = buffer
-                    got = pread_into(fd, buffer, offset)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise _source_error(exc, ref.key) from exc
+        data = read_part(src_path, ref.key, offset, length, buffer)
         crc = crc32(data)
-        if got != length or (expected_crc is not None and crc != expected_crc):
+        if expected_crc is not None and crc != expected_crc:
             raise SourceChangedError(f"{ref.key}: the file changed while it was being uploaded")
         part = self.store.put_part(ref, number, offset, data, crc)
         return part, crc
@@ -554,12 +344,12 @@ class Transfers:
         try:
             fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise _source_error(exc, key) from exc
+            raise source_error(exc, key) from exc
         try:
             size = os.fstat(fd).st_size
             if size < self.multipart_threshold:
                 if resume is not None:
-                    await self._discard(resume, "the file is now below the multipart threshold")
+                    await self.abandon(resume, "the file is now below the multipart threshold")
                 crcs = await self._scan(fd, size, max(size, 1), key, sync_source=sync_source)
                 return StagedUpload(key, size, crc_text(crcs[0]), meta, src_path, None)
             async with _parallel() as nursery:
@@ -576,7 +366,7 @@ class Transfers:
             # Not abandoned: it syncs the caller's descriptor.
             await trio.to_thread.run_sync(os.fsync, fd)
         except OSError as exc:
-            raise _source_error(exc, key) from exc
+            raise source_error(exc, key) from exc
 
     async def _scan(self, fd: int, size: int, part_size: int, key: str, *, sync_source: bool = False) -> list[int]:
         """CRC32 of every part of the file, read IO_CHUNK at a time, parts in parallel. `sync_source`
@@ -587,33 +377,13 @@ class Transfers:
 
         def scan(index: int) -> None:
             offset = index * part_size
-            end = min(size, offset + part_size)
-            crc = 0
-            # One buffer per part, reused: the scan holds IO_CHUNK per thread. Sized to the part, so that a
-            # small file does not pay for zeroing (and faulting in) a whole chunk it never fills.
-            view = memoryview(bytearray(min(IO_CHUNK, end - offset)))
-            try:
-                while offset < end:
-                    n = os.preadv(fd, [view[: min(IO_CHUNK, end - offset)]], offset)
-                    if not n:
-                        raise SourceChangedError(f"{key}: the file shrank while it was being read")
-                    crc = crc32(view[:n], crc)
-                    offset += n
-                if sync_source:
-                    os.fsync(fd)
-            except OSError as exc:
-                raise _source_error(exc, key) from exc
-            crcs[index] = crc
+            crcs[index] = scan_crc(fd, offset, min(size, offset + part_size), key, sync=sync_source)
 
-        async def worker(indexes: list[int]) -> None:
-            while indexes:
-                # Not abandoned: it reads the caller's descriptor (and a local read is quick).
-                await trio.to_thread.run_sync(scan, indexes.pop(0), limiter=self._part_threads)
+        async def scan_part(index: int) -> None:
+            # Not abandoned: it reads the caller's descriptor (and a local read is quick).
+            await trio.to_thread.run_sync(scan, index, limiter=self._part_threads)
 
-        todo = list(range(count))
-        async with _parallel() as nursery:
-            for _ in range(min(self.parts_in_flight, count)):
-                nursery.start_soon(worker, todo)
+        await _for_each(range(count), scan_part, self.parts_in_flight)
         return crcs
 
     async def _stage_parts(
@@ -641,25 +411,21 @@ class Transfers:
         todo = [n for n in range(1, len(crcs) + 1) if n not in done]
         current = [state]
 
-        async def worker() -> None:
-            while todo:
-                number = todo.pop(0)
-                offset = (number - 1) * part_size
-                part, _ = await self._put_part(current[0].ref, number, offset, min(part_size, size - offset),
-                                               src_path, crcs[number - 1], priority)
-                parts = tuple(sorted((*current[0].parts, part), key=lambda p: p.number))
-                current[0] = replace(current[0], parts=parts)
-                if progress is not None:
-                    progress(current[0])
+        async def put(number: int) -> None:
+            offset = (number - 1) * part_size
+            part, _ = await self._put_part(current[0].ref, number, offset, min(part_size, size - offset),
+                                           src_path, crcs[number - 1], priority)
+            parts = tuple(sorted((*current[0].parts, part), key=lambda p: p.number))
+            current[0] = replace(current[0], parts=parts)
+            if progress is not None:
+                progress(current[0])
 
         try:
-            async with _parallel() as nursery:
-                for _ in range(min(self.parts_in_flight, len(todo))):
-                    nursery.start_soon(worker)
+            await _for_each(todo, put, self.parts_in_flight)
         except BaseException:
             if progress is None:  # nobody can resume it: do not leave it behind
                 with trio.move_on_after(30, shield=True):
-                    await self._abort_quietly(current[0].ref)
+                    await self.abandon(current[0])
             raise
         return StagedUpload(key, size, checksum, meta, src_path, current[0])
 
@@ -671,12 +437,11 @@ class Transfers:
         if resume.spilled or (resume.key, resume.size, resume.checksum, resume.mtime_ns, resume.mode) != (
             key, size, checksum, meta.mtime_ns, meta.mode
         ):
-            await self._discard(resume, "the file changed since")
+            await self.abandon(resume, "the file changed since")
             return None
         held = await self.call(self.store.list_parts, resume.ref)
         if held is None:
-            log.info("upload of %s: the interrupted upload is gone from the store; starting afresh", key)
-            await self._abort_quietly(resume.ref)
+            await self.abandon(resume, "the interrupted upload is gone from the store")
             return None
         kept = []
         for part in resume.parts:
@@ -690,59 +455,49 @@ class Transfers:
                 kept.append(part)
         return replace(resume, parts=tuple(kept))
 
-    async def _discard(self, state: UploadState, why: str) -> None:
-        log.info("upload of %s: %s; aborting the interrupted upload and starting afresh", state.key, why)
-        await self._abort_quietly(state.ref)
-
     async def _open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
         ref = await self.call(self.store.open_upload, key, meta, checksum)
         # No checkpoint since the call returned: a sweep cannot list it before it is live.
-        self._live_uploads.add(ref.upload_id)
+        self.leftovers.opened(ref)
         return ref
 
-    def _finished(self, ref: UploadRef) -> None:
-        """This process is done with a staged upload: completed, or aborted."""
-        self._live_uploads.discard(ref.upload_id)
+    async def abandon(self, state: UploadState | None, why: str = "") -> None:
+        """Throw a staged upload or spill away (best effort; None: nothing staged): the one way to, for a
+        state just staged or one a journal row remembers. Aborted, and a spill's hidden object (which a
+        commit interrupted after completing it leaves) deleted; what fails is left for a sweep."""
+        if state is None:
+            return
+        if why:
+            log.info("upload of %s: %s; aborting the interrupted upload", state.key, why)
+        await self._abort(state.ref)
+        if state.spilled:
+            try:
+                await self.call(self.store.delete, state.key)
+            except BackendError as exc:
+                log.warning("could not remove the spilled start of %s: %s; it is removed later", state.key, exc)
+                self.leftovers.cleanup_failed()
 
-    async def _abort_quietly(self, ref: UploadRef) -> None:
+    async def _abort(self, ref: UploadRef) -> None:
+        """Abort a staged upload, best effort: what fails is left for a sweep."""
         try:
             await self.call(self.store.abort_upload, ref)
         except BackendError as exc:
             log.warning("could not abort the upload of %s: %s; it is removed later", ref.key, exc)
-            self._failed_cleanup = True
-        self._finished(ref)
+            self.leftovers.cleanup_failed()
+        self.leftovers.finished(ref)
 
     async def commit_upload(self, staged: StagedUpload, *, priority: Priority = Priority.UPLOAD) -> None:
-        """Make a staged upload the object at its key, atomically."""
+        """Make a staged upload the object at its key, atomically. Below the multipart threshold, one PUT of
+        the bytes the scan checked, as put_files puts a small file."""
         if staged.state is None:
-            await self._put_small(staged, priority)
+            small = SmallFile(staged.key, staged.src_path, staged.meta, _unchanged, (staged.size, staged.checksum))
+            (outcome,) = await self.put_files([small], size=staged.size, commit=lambda read: read, priority=priority)
+            if isinstance(outcome, BaseException):
+                raise outcome
             return
         state = staged.state
         await self._complete(state.ref, state.parts, state.size, state.checksum)
-        self._finished(state.ref)
-
-    async def _put_small(self, staged: StagedUpload, priority: Priority) -> None:
-        granted = await self.memory.acquire(staged.size, priority)
-        self._stats.parts_up += 1
-        try:
-            await self._retry(self._read_and_put_object, staged, limiter=self._part_threads)
-        finally:
-            self._stats.parts_up -= 1
-            self.memory.release(granted)
-        self._moved(staged.size, 0)
-
-    def _read_and_put_object(self, staged: StagedUpload) -> None:
-        try:
-            fd = os.open(staged.src_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise _source_error(exc, staged.key) from exc
-        try:
-            data = pread_exact(fd, staged.size + 1, 0)
-        finally:
-            os.close(fd)
-        if len(data) != staged.size or crc_text(crc32(data)) != staged.checksum:
-            raise SourceChangedError(f"{staged.key}: the file changed while it was being uploaded")
-        self.store.put_object(staged.key, data, staged.meta, staged.checksum)
+        self.leftovers.finished(state.ref)
 
     async def put_files(
         self, files: Sequence[SmallFile], *, size: int, commit: Callable[[list[int]], list[int]],
@@ -783,7 +538,10 @@ class Transfers:
 
     async def _read_files(self, files: Sequence[SmallFile]) -> list[bytes | BaseException]:
         """put_files' first hop: each file's bytes, or why it cannot be put."""
-        return await trio.to_thread.run_sync(_read_small_files, files, limiter=self._part_threads)
+        def read() -> list[bytes | BaseException]:
+            return [read_whole(small.src_path, small.key, small.changed) for small in files]
+
+        return await trio.to_thread.run_sync(read, limiter=self._part_threads)
 
     def _put_read(self, staged: list[tuple[SmallFile, bytes | BaseException]]) -> list[PutFile | BaseException]:
         outcomes: list[PutFile | BaseException] = []
@@ -806,75 +564,15 @@ class Transfers:
         if small.changed():
             raise SourceChangedError(f"{small.key}: the file changed while it was being uploaded")
         checksum = crc_text(crc32(data))
+        if small.expected is not None and small.expected != (len(data), checksum):
+            raise SourceChangedError(f"{small.key}: the file changed while it was being uploaded")
         self.store.put_object(small.key, data, small.meta, checksum)
         return PutFile(len(data), checksum)
-
-    async def abort_upload(self, staged: StagedUpload) -> None:
-        if staged.state is not None:
-            await self.call(self.store.abort_upload, staged.state.ref)
-            self._finished(staged.state.ref)
-
-    async def abort_state(self, state: UploadState) -> None:
-        """Throw away a staged upload or spill that a journal row remembers (best effort)."""
-        await self._abort_quietly(state.ref)
-        if state.spilled:
-            try:
-                await self.call(self.store.delete, state.key)
-            except BackendError as exc:
-                log.warning("could not remove the spilled start of %s: %s; it is removed later", state.key, exc)
-                self._failed_cleanup = True
-
-    async def abort_stale_uploads(self, keep: Iterable[str] = ()) -> int:
-        """At start-up: the staged uploads the journal resumes (`keep`, upload ids) are this process's
-        from now on; every other leftover of this owner in the store goes (sweep_leftovers)."""
-        self._live_uploads.update(keep)
-        return await self.sweep_leftovers() or 0  # never None: no patience limit
-
-    @property
-    def sweep_due(self) -> bool:
-        """Did a cleanup fail (this engine's abort, a sweep, or one the store does on its own), so that a sweep
-        would find something?"""
-        return self._failed_cleanup or self.store.left_behind
-
-    async def sweep_leftovers(self, *, patience: float = math.inf) -> int | None:
-        """Remove this owner's staged uploads and spills that nobody will finish: those of a killed run, and
-        those whose cleanup failed in this one. Spares the uploads this process works on. Returns how many
-        went, or None if store calls still ran after `patience` seconds (nothing done, sweep_due stays
-        true); raises BackendError (sweep_due stays true) if the store refuses."""
-        async with self._sweep_lock:
-            self._failed_cleanup = True  # until this sweep succeeds
-            self.store.left_behind = False  # what fails from now on, the next sweep sees
-            listed = trio.Event()
-            self._sweep_listing = listed
-            try:
-                with trio.move_on_after(patience):
-                    while self._calls_running:
-                        self._calls_idle = trio.Event()
-                        await self._calls_idle.wait()
-                self._calls_idle = None
-                if self._calls_running:
-                    return None
-                refs = await self._retry(self.store.list_leftovers, limiter=self._control_threads, gated=False)
-                live = set(self._live_uploads)
-            finally:
-                self._sweep_listing = None
-                listed.set()
-            removed = 0
-            for ref in refs:
-                if ref.upload_id and ref.upload_id in live:
-                    continue
-                await self.call(self.store.abort_upload, ref)
-                if ref.key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill."):
-                    await self.call(self.store.delete, ref.key)
-                removed += 1
-                log.info("removed an interrupted upload of %s", ref.key or "(unknown key)")
-            self._failed_cleanup = False
-            return removed
 
     # -- spills: the start of a file still being written, staged at a hidden key ------------------------
 
     async def spill_begin(self, part_size: int, *, early: bool = False) -> UploadState:
-        key = f"{TEMP_PREFIX}spill.{self.store.owner}.{secrets.token_hex(8)}"
+        key = f"{SPILL_PREFIX}{self.store.owner}.{secrets.token_hex(8)}"
         ref = await self._open_upload(key, None, None)
         part_size = min(max(part_size, self.store.limits.min_part_size), self.store.limits.max_part_size)
         return UploadState(key=key, upload_id=ref.upload_id, marker=ref.marker, size=0, checksum="", mtime_ns=0,
@@ -887,7 +585,7 @@ class Transfers:
         try:
             fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise _source_error(exc, state.key) from exc
+            raise source_error(exc, state.key) from exc
         try:
             async with _parallel() as nursery:
                 nursery.start_soon(self._sync_source, fd, state.key)
@@ -916,28 +614,19 @@ class Transfers:
             raise PermanentBackendError(f"a spilled file needs more than {self.store.limits.max_parts} parts;"
                                         " raise part_size")
         done: list[tuple[UploadPart, int]] = []
-        todo = list(enumerate(offsets))
 
-        async def worker() -> None:
-            while todo:
-                index, offset = todo.pop(0)
-                part, crc = await self._put_part(state.ref, first + index, offset, min(part_size, end - offset),
-                                                 src_path, None, priority)
-                done.append((part, crc))
+        async def put(index: int) -> None:
+            offset = offsets[index]
+            done.append(await self._put_part(state.ref, first + index, offset, min(part_size, end - offset),
+                                             src_path, None, priority))
 
-        async with _parallel() as nursery:
-            for _ in range(min(self.parts_in_flight, len(todo))):
-                nursery.start_soon(worker)
+        await _for_each(range(len(offsets)), put, self.parts_in_flight)
         if sync_source:
-            await trio.to_thread.run_sync(_fdatasync_path, src_path, state.key, limiter=self._part_threads)
+            await trio.to_thread.run_sync(fdatasync_path, src_path, state.key, limiter=self._part_threads)
         done.sort(key=lambda item: item[0].number)
-        whole, offset = (crc_of(state.checksum) if state.size else None), state.size
-        for _, crc in done:
-            length = min(part_size, end - offset)
-            whole = crc if whole is None else crc32_combine(whole, crc, length)
-            offset += length
-        return replace(state, size=end, parts=(*state.parts, *(part for part, _ in done)),
-                       checksum=crc_text(whole if whole is not None else 0))
+        pieces = [(crc, min(part_size, end - offset)) for (_, crc), offset in zip(done, offsets, strict=True)]
+        whole = combine_crcs(pieces, crc_of(state.checksum))
+        return replace(state, size=end, parts=(*state.parts, *(part for part, _ in done)), checksum=crc_text(whole))
 
     async def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
         """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum: where
@@ -945,25 +634,25 @@ class Transfers:
         `key` and deleting the hidden object."""
         if self.store.limits.completes_anywhere:
             await self._complete(state.ref, state.parts, state.size, state.checksum, key=key, meta=meta)
-            self._finished(state.ref)
+            self.leftovers.finished(state.ref)
             return
         try:
             await self._complete(state.ref, state.parts, state.size, None)
         except BackendError:
             if await self._holds(key, state.size, state.checksum):  # a retried commit: the first one got through
                 await self.call(self.store.delete, state.key)  # if its delete of the spill did not
-                self._finished(state.ref)
+                self.leftovers.finished(state.ref)
                 return
             raise
         try:
             await self.copy(state.key, key, meta, state.checksum)
         except NotFoundBackendError:
             if await self._holds(key, state.size, state.checksum):  # a retried commit: the first one copied it
-                self._finished(state.ref)
+                self.leftovers.finished(state.ref)
                 return
             raise NotFoundBackendError(f"{key}: the spilled upload is gone") from None
         await self.call(self.store.delete, state.key)
-        self._finished(state.ref)
+        self.leftovers.finished(state.ref)
 
     async def _complete(
         self, ref: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *, key: str | None = None,
@@ -980,7 +669,7 @@ class Transfers:
         except UploadGoneError:
             if not await self._holds(key or ref.key, size, checksum):
                 raise
-            await self._abort_quietly(ref)
+            await self._abort(ref)
 
     async def _holds(self, key: str, size: int, checksum: str | None) -> bool:
         """Is the object at `key` the one of `size` bytes and `checksum` (None: any) that a commit made?"""
@@ -995,7 +684,7 @@ class Transfers:
         return await self.call(self._checksum_of, key, info.size) == checksum
 
     def _checksum_of(self, key: str, size: int) -> str:
-        counted = _RangeWriter(-1, 0)  # the ranges arrive in order: one running CRC over all of them
+        counted = RangeWriter(-1, 0)  # the ranges arrive in order: one running CRC over all of them
         while counted.written < size:
             offset = counted.written
             self.store.get_range(key, offset, min(self.download_part_size, size - offset), sink=counted)
@@ -1023,30 +712,26 @@ class Transfers:
         limits = self.store.limits
         part_size = plan_part_size(source.size, COPY_PART_SIZE, UPLOAD_SPREAD, min_part=limits.min_part_size,
                                    max_parts=limits.max_parts)
-        todo = [(index + 1, offset) for index, offset in enumerate(range(0, source.size, part_size))]
         copy_part = functools.partial(self.store.copy_part, if_match=source.etag)
         ref = await self._open_upload(dst_key, meta, checksum)
         parts: list[UploadPart] = []
 
-        async def worker() -> None:
-            while todo:
-                number, offset = todo.pop(0)
-                length = min(part_size, source.size - offset)
-                parts.append(await self._retry(copy_part, ref, number, src_key, offset, length,
-                                               limiter=self._part_threads))
+        async def copy_one(numbered: tuple[int, int]) -> None:
+            number, offset = numbered
+            length = min(part_size, source.size - offset)
+            parts.append(await self._retry(copy_part, ref, number, src_key, offset, length,
+                                           limiter=self._part_threads))
 
         try:
-            async with _parallel() as nursery:
-                for _ in range(min(UPLOAD_SPREAD, len(todo))):
-                    nursery.start_soon(worker)
+            await _for_each(enumerate(range(0, source.size, part_size), start=1), copy_one, UPLOAD_SPREAD)
             await self._complete(ref, sorted(parts, key=lambda p: p.number), source.size, checksum)
         except BaseException as exc:
             with trio.move_on_after(30, shield=True):
-                await self._abort_quietly(ref)
+                await self._abort(ref)
             if isinstance(exc, UploadGoneError):  # the staged copy went, not the source (a NotFound to callers)
                 raise TransientBackendError(f"copy {src_key} to {dst_key}: {exc}") from exc
             raise
-        self._finished(ref)
+        self.leftovers.finished(ref)
 
     async def set_meta(self, key: str, meta: ObjectMeta) -> None:
         """ObjectStore.set_meta; where the store rewrites metadata by copying an object onto itself and the
@@ -1078,41 +763,9 @@ class Transfers:
     def _get_and_write(self, key: str, fd: int, offset: int, length: int, if_match: str | None) -> FetchedRange:
         # Streamed: each piece is checksummed and written while it is still in the CPU's cache, and the
         # range is never one fresh buffer of its own (see RANGE_PIECE).
-        writer = _RangeWriter(fd, offset)
+        writer = RangeWriter(fd, offset)
         answer = self.store.get_range(key, offset, length, if_match=if_match, sink=writer)
         expected = min(length, max(0, answer.size - offset))
         if writer.written != expected:
             raise TransientBackendError(f"download {key}: got {writer.written} of {expected} bytes")
         return FetchedRange(offset, writer.written, writer.crc, answer.size, answer.etag, answer.checksum)
-
-    async def download(self, key: str, dst_path: str, *, priority: Priority = Priority.READ) -> str:
-        """The whole object into dst_path (created or truncated), ranges in parallel, pinned to one version
-        of the object and checked against the checksum in its metadata; returns its checksum."""
-        fd = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            step = self.download_part_size
-            first = await self.fetch_range(key, fd, 0, step, priority=priority)
-            crcs = {0: (first.crc, first.length)}
-            todo = list(range(first.length, first.size, step))
-
-            async def worker() -> None:
-                while todo:
-                    offset = todo.pop(0)
-                    got = await self.fetch_range(key, fd, offset, min(step, first.size - offset),
-                                                 if_match=first.etag, priority=priority)
-                    crcs[offset] = (got.crc, got.length)
-
-            async with _parallel() as nursery:
-                for _ in range(min(self.parts_in_flight, len(todo))):
-                    nursery.start_soon(worker)
-        finally:
-            os.close(fd)
-        whole = 0
-        for offset in sorted(crcs):
-            crc, length = crcs[offset]
-            whole = crc if offset == 0 else crc32_combine(whole, crc, length)
-        checksum = crc_text(whole)
-        if first.checksum and first.checksum.startswith("crc32:") and first.checksum != checksum:
-            raise TransientBackendError(f"download {key}: checksum mismatch (got {checksum}, the object says"
-                                        f" {first.checksum})")
-        return checksum

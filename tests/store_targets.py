@@ -20,6 +20,7 @@ from emulators import AzuriteServer, GcsServer, S3Server, s3_bucket
 from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, ObjectStore
 from ckptfs.backends.local import LocalStore
 from ckptfs.backends.s3 import S3Store
+from ckptfs.checksums import combine_crcs, crc_text
 from ckptfs.transfer import Transfers
 
 MiB = 1 << 20
@@ -167,13 +168,28 @@ def put(store: ObjectStore, key: str, src: Path, meta: ObjectMeta = META) -> str
 
 
 def download(store: ObjectStore, key: str, tmp_path: Path) -> tuple[bytes, str]:
-    dst = tmp_path / f"dl-{os.urandom(4).hex()}"
-    checksum = trio.run(engine(store).download, key, str(dst))
-    return dst.read_bytes(), checksum
+    """fetch(), from sync test code."""
+    return trio.run(fetch, store, key, tmp_path)
 
 
 async def fetch(store: ObjectStore, key: str, tmp_path: Path) -> tuple[bytes, str]:
-    """download(), from async test code."""
+    """The whole object, read range by range through the engine (fetch_range, pinned to the version of the
+    first range) and checked against the checksum in its metadata: its bytes and their checksum."""
+    transfers = engine(store)
     dst = tmp_path / f"dl-{os.urandom(4).hex()}"
-    checksum = await engine(store).download(key, str(dst))
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        first = await transfers.fetch_range(key, fd, 0, PART)
+        pieces = [(first.crc, first.length)]
+        offset = first.length
+        while pieces[-1][1] > 0 and offset < first.size:
+            got = await transfers.fetch_range(key, fd, offset, PART, if_match=first.etag)
+            pieces.append((got.crc, got.length))
+            offset += got.length
+    finally:
+        os.close(fd)
+    checksum = crc_text(combine_crcs(pieces))
+    assert offset == first.size, f"{key}: read {offset} of {first.size} bytes"
+    if first.checksum is not None and first.checksum.startswith("crc32:"):
+        assert first.checksum == checksum, f"{key}: the bytes read have {checksum}, the object says {first.checksum}"
     return dst.read_bytes(), checksum

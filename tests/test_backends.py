@@ -41,13 +41,13 @@ from ckptfs.backends.base import (
     TEMP_PREFIX,
     ObjectMeta,
     ObjectStore,
-    crc32_combine,
 )
 from ckptfs.backends.common import format_mtime, parse_mtime
 from ckptfs.backends.local import LocalStore
 from ckptfs.backends.s3 import S3Store
 from ckptfs.backends.s3errors import ERROR_CODES, translate_error
 from ckptfs.backends.s3markers import MARKER_DIR
+from ckptfs.checksums import crc32_combine
 from ckptfs.errors import (
     AuthBackendError,
     BackendError,

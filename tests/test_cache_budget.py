@@ -186,8 +186,8 @@ async def test_a_file_larger_than_the_budget_is_read_but_not_opened_for_writing(
 
 
 def small_spills(stack: Stack) -> None:
-    stack.drain.spill_part_size = 64 * KIB
-    stack.drain.spill_lookahead = 64 * KIB
+    stack.drain.spills.part_size = 64 * KIB
+    stack.drain.spills.lookahead = 64 * KIB
 
 
 async def test_a_file_larger_than_the_cache_is_spilled_while_it_is_written(

@@ -13,7 +13,8 @@ from emulators import AzuriteServer, GcsServer, azurite, fake_gcs, gcp_emulator 
 from faultproxy import FaultProxy, Rule
 
 from ckptfs.backends import check_store
-from ckptfs.backends.base import ObjectMeta, ObjectStore, crc_text
+from ckptfs.backends.base import ObjectMeta, ObjectStore
+from ckptfs.checksums import crc_text
 from ckptfs.errors import CkptfsError, TransientBackendError
 
 KiB = 1 << 10

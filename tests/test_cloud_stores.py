@@ -16,7 +16,8 @@ import pytest
 from emulators import AzuriteServer, GcsServer, azurite, fake_gcs, free_ports, gcp_emulator  # noqa: F401
 
 from ckptfs.backends import open_store
-from ckptfs.backends.base import DIR, FILE, SYMLINK, TEMP_PREFIX, ObjectMeta, ObjectStore, UploadPart, crc_text
+from ckptfs.backends.base import DIR, FILE, SYMLINK, TEMP_PREFIX, ObjectMeta, ObjectStore, UploadPart
+from ckptfs.checksums import crc_text
 from ckptfs.errors import (
     AuthBackendError,
     BackendError,

@@ -526,7 +526,7 @@ async def test_object_committed_by_a_dying_daemon_does_not_outlive_its_file(tmp_
     def die(*args: object, **kwargs: object) -> None:
         raise Died
 
-    stack.drain._record_uploads = die  # type: ignore[method-assign]
+    stack.drain.records.record_uploads = die  # type: ignore[method-assign]
     stack.write_file("gone.pt", b"bytes")
     with pytest.raises(BaseExceptionGroup) as group:
         async with trio.open_nursery() as nursery:

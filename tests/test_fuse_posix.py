@@ -591,7 +591,8 @@ def test_rename_before_and_after_upload_converge(mount_factory) -> None:  # type
     (m.mnt / "before" / "a").write_bytes(b"payload")
     os.rename(m.mnt / "before" / "a", m.mnt / "before" / "b")  # not uploaded yet: upload as b only
     os.rename(m.mnt / "after" / "a", m.mnt / "after" / "b")  # uploaded: copy, then delete the old key
-    assert m.store_files() == {"after/a": b"payload"}  # rename alone (no flush) did not upload anything
+    # The new file waits for upload_delay (the move of the uploaded one may already have run: moves do not).
+    assert not any(key.startswith("before/") for key in m.store_files())
     m.flush()
     assert m.store_files() == {"before/b": b"payload", "after/b": b"payload"}
     assert "before/a" not in uploaded_order(m)
@@ -774,7 +775,8 @@ def test_state_xattr(mount_factory) -> None:  # type: ignore[no-untyped-def]
     assert state(path) == b"dirty"
     assert STATE in os.listxattr(path)
     (m.mnt / "d").mkdir()
-    assert state(m.mnt / "d") == b"dirty"
+    # A directory does not wait for upload_delay: it may be in the store already (it was, under load).
+    assert state(m.mnt / "d") in (b"dirty", b"uploading", b"clean")
     m.flush()
     assert state(path) == b"clean"
     assert state(m.mnt / "d") == b"clean"

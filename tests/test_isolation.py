@@ -13,11 +13,12 @@ import pytest
 import trio
 from fsharness import Stack, check_consistency, make_stack
 
-from ckptfs import drain as drain_module
-from ckptfs.drain import PARK_AFTER, Drain
+from ckptfs.drain import PARK_AFTER, Drain, retries, scheduler
+from ckptfs.drain.ordering import Job
 from ckptfs.errors import FsError
 from ckptfs.fs import ERROR_XATTR, STATE_XATTR, SetAttrs
-from ckptfs.journal import ROOT_ID, Inode, journal_unusable
+from ckptfs.journal import ROOT_ID, Inode, Journal, JournalError, JournalFull, JournalUnusable, journal_unusable
+from ckptfs.journal.connection import from_sqlite
 
 
 class Bug(Exception):
@@ -42,7 +43,7 @@ def _buggy_for(name: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 async def test_a_bug_met_by_one_entry_parks_it_and_the_rest_is_uploaded(
     tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(drain_module, "PARKED_RETRY", 3600.0)
+    monkeypatch.setattr(retries, "PARKED_RETRY", 3600.0)
     calls = _buggy_for("odd", monkeypatch)
     stack = make_stack(tmp_path)
     await nursery.start(stack.drain.run)
@@ -80,12 +81,12 @@ async def test_a_bug_met_by_one_entry_parks_it_and_the_rest_is_uploaded(
 async def test_a_scan_that_fails_unexpectedly_is_retried_not_fatal(
     tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(drain_module, "SCAN_FAILURE_PAUSE", 0.05)
+    monkeypatch.setattr(scheduler, "SCAN_FAILURE_PAUSE", 0.05)
     stack = make_stack(tmp_path)
     failures = [Bug("scan broke"), Bug("scan broke again")]
     original = Drain._scan
 
-    def scan(self: Drain) -> tuple[list[drain_module.Job], float]:
+    def scan(self: Drain) -> tuple[list[Job], float]:
         if failures:
             raise failures.pop(0)
         return original(self)
@@ -103,10 +104,8 @@ async def test_a_scan_that_fails_unexpectedly_is_retried_not_fatal(
 async def test_an_unusable_journal_ends_the_drain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stack = make_stack(tmp_path)
 
-    def scan(self: Drain) -> tuple[list[drain_module.Job], float]:
-        error = sqlite3.OperationalError("disk I/O error")
-        error.sqlite_errorcode = sqlite3.SQLITE_IOERR_WRITE  # type: ignore[attr-defined]
-        raise error
+    def scan(self: Drain) -> tuple[list[Job], float]:
+        raise JournalUnusable("disk I/O error")
 
     monkeypatch.setattr(Drain, "_scan", scan)
     with pytest.raises(BaseException) as raised:
@@ -115,17 +114,30 @@ async def test_an_unusable_journal_ends_the_drain(tmp_path: Path, monkeypatch: p
     assert journal_unusable(raised.value)
 
 
-def test_what_counts_as_an_unusable_journal() -> None:
-    full = sqlite3.OperationalError("database or disk is full")
-    full.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
-    corrupt = sqlite3.DatabaseError("database disk image is malformed")
-    corrupt.sqlite_errorcode = sqlite3.SQLITE_CORRUPT  # type: ignore[attr-defined]
-    assert journal_unusable(corrupt)
-    assert journal_unusable(ExceptionGroup("nursery", [ValueError(), corrupt]))
-    assert journal_unusable(sqlite3.ProgrammingError("Cannot operate on a closed database."))
-    assert not journal_unusable(full)  # a full cache filesystem: retried, not the end
-    assert not journal_unusable(sqlite3.OperationalError("no such table: x"))
+def test_what_counts_as_an_unusable_journal(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.db")
+    with pytest.raises(JournalError) as bug:
+        journal.db.execute("SELECT * FROM x")
+    assert not journal_unusable(bug.value)  # one statement's failure, not the journal's
+    pages = journal.db.execute("PRAGMA page_count").fetchone()[0]
+    journal.db.execute(f"PRAGMA max_page_count = {pages}")
+    with pytest.raises(JournalFull) as full, journal.transaction():
+        for i in range(2000):
+            journal.set_meta(f"key-{i}", "x" * 1000)
+    assert not journal_unusable(full.value)  # a full cache filesystem: retried, not the end
+    journal.close()
+    with pytest.raises(JournalUnusable) as closed:
+        journal.get(ROOT_ID)
+    assert journal_unusable(closed.value)
+    assert journal_unusable(ExceptionGroup("nursery", [ValueError(), closed.value]))
     assert not journal_unusable(Bug())
+    (tmp_path / "corrupt.db").write_bytes(b"not a database, " * 512)
+    with pytest.raises(JournalUnusable):
+        Journal(tmp_path / "corrupt.db")
+    # What cannot be made to happen here, as SQLite reports it: an I/O error (an extended code).
+    io_error = sqlite3.OperationalError("disk I/O error")
+    io_error.sqlite_errorcode = sqlite3.SQLITE_IOERR_WRITE  # type: ignore[attr-defined]
+    assert isinstance(from_sqlite(io_error), JournalUnusable)
 
 
 async def test_a_sparse_extension_is_not_charged_and_filled_holes_are(tmp_path: Path) -> None:

@@ -120,7 +120,7 @@ def test_renaming_a_directory_reads_its_subtree_not_the_namespace(tmp_path: Path
 
 
 def test_many_inodes_and_deletes_are_read_a_batch_at_a_time(tmp_path: Path) -> None:
-    """A flush waiting on 2,000 small files read the journal once per file every 50 ms (Drain._drop_durable),
+    """A flush waiting on 2,000 small files read the journal once per file every 50 ms (Durability._drop_durable),
     taking the GIL from the uploads it waited on. get_many and deletes_pending answer for any number of ids
     in a few queries, and leave out what is gone."""
     journal = Journal(tmp_path / "journal.db")

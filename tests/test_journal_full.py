@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,12 @@ from fsharness import GID, UID, check_consistency, make_stack
 
 from ckptfs.errors import Faults
 from ckptfs.fuse_ops import _fuse_error
-from ckptfs.journal import CLEAN, REMOTE, ROOT_ID, Journal
+from ckptfs.journal import CLEAN, REMOTE, ROOT_ID, Journal, JournalError, JournalFull
 
 
-def _full() -> sqlite3.OperationalError:
-    """What sqlite3 raises when the database file cannot grow (a full filesystem)."""
-    full = sqlite3.OperationalError("database or disk is full")
-    full.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
-    return full
+def _full() -> JournalFull:
+    """What the journal raises when its file cannot grow (a full filesystem)."""
+    return JournalFull("database or disk is full")
 
 
 def _not_expected(exc: BaseException) -> None:
@@ -45,10 +42,9 @@ def test_a_commit_that_cannot_grow_the_journal_rolls_back_and_the_journal_still_
     with journal.transaction():
         journal.set_meta("kept", "yes")
     _fill(journal)
-    with pytest.raises(sqlite3.OperationalError) as caught, journal.transaction():
+    with pytest.raises(JournalFull), journal.transaction():
         for i in range(2000):
             journal.set_meta(f"key-{i}", "x" * 1000)
-    assert caught.value.sqlite_errorcode == sqlite3.SQLITE_FULL
     assert not journal.db.in_transaction
     journal.db.execute("PRAGMA max_page_count = 1073741823")  # room again
     with journal.transaction():
@@ -57,10 +53,25 @@ def test_a_commit_that_cannot_grow_the_journal_rolls_back_and_the_journal_still_
     assert journal.get_meta("key-0") is None
 
 
+async def test_a_request_the_full_journal_refuses_answers_enospc_and_changes_nothing(tmp_path: Path) -> None:
+    """SQLite's SQLITE_FULL reaches the FUSE layer as the journal's JournalFull, through fs.py."""
+    stack = make_stack(tmp_path)
+    _fill(stack.journal)
+    with pytest.raises(JournalFull) as caught:
+        for i in range(2000):
+            stack.fs.mkdir(ROOT_ID, f"dir-{i:04d}-{'x' * 200}".encode(), 0o755, UID, GID)
+    assert _fuse_error(caught.value, "mkdir", Faults(), _not_expected).errno == errno.ENOSPC
+    made = len(stack.journal.all_children(ROOT_ID))
+    assert stack.journal.lookup(ROOT_ID, f"dir-{made:04d}-{'x' * 200}") is None
+    stack.journal.db.execute("PRAGMA max_page_count = 1073741823")  # room again
+    stack.fs.mkdir(ROOT_ID, b"after", 0o755, UID, GID)
+    assert stack.journal.lookup(ROOT_ID, "after") is not None
+
+
 def test_a_full_journal_answers_enospc_not_eio() -> None:
     faults = Faults()
     assert _fuse_error(_full(), "mkdir", faults, _not_expected).errno == errno.ENOSPC
-    assert _fuse_error(sqlite3.OperationalError("no such table: x"), "mkdir", faults, _not_expected).errno == errno.EIO
+    assert _fuse_error(JournalError("no such table: x"), "mkdir", faults, _not_expected).errno == errno.EIO
     assert faults.counts == {"fuse": 1}
 
 
@@ -77,7 +88,7 @@ async def test_a_close_the_full_journal_refused_is_recorded_once_there_is_room(
     stack.fs.write(fh, 0, b"weights")
     record_close = stack.journal.mark_closed
     stack.journal.mark_closed = _refuse  # type: ignore[method-assign]
-    with pytest.raises(sqlite3.OperationalError):
+    with pytest.raises(JournalFull):
         stack.fs.release(fh)
     assert not stack.fs.in_use(attr.ino)  # the handle is gone all the same
     stack.journal.mark_closed = record_close  # type: ignore[method-assign]  # room again
@@ -118,7 +129,7 @@ async def test_a_staged_upload_the_full_journal_could_not_remember_is_aborted(
 async def test_an_eviction_the_full_journal_refuses_leaves_the_file_and_the_daemon_running(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    """The evictor's round raised the journal's SQLITE_FULL out of its task and took the daemon down, so
+    """The evictor's round raised the journal's JournalFull (SQLITE_FULL) out of its task and took the daemon down, so
     the mount was gone for every process (crash harness, full cache, seed 8500 round 1)."""
     stack = make_stack(tmp_path)
     await nursery.start(stack.drain.run)

@@ -14,11 +14,10 @@ import pytest
 import trio
 from fsharness import GID, UID, Stack, make_stack
 
-from ckptfs import nodes as nodes_module
 from ckptfs.backends.base import TransientBackendError
 from ckptfs.errors import BackendError
 from ckptfs.journal import ROOT_ID
-from ckptfs.nodes import PENDING, TOP_FILES, NodeRecords, PeerRecords
+from ckptfs.nodes import PENDING, TOP_FILES, NodeRecords, PeerRecords, own, peers
 
 
 class Node:
@@ -59,10 +58,11 @@ class Node:
 
 @pytest.fixture
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nodes_module, "LINGER", 0.0)
-    monkeypatch.setattr(nodes_module, "CHECK_INTERVAL", 0.05)
-    monkeypatch.setattr(nodes_module, "POLL_FIRST", 0.05)
-    monkeypatch.setattr(nodes_module, "POLL_MAX", 0.2)
+    monkeypatch.setattr(own, "LINGER", 0.0)
+    monkeypatch.setattr(own, "CHECK_INTERVAL", 0.05)
+    monkeypatch.setattr(own, "CHECK_MAX", 0.2)
+    monkeypatch.setattr(peers, "POLL_FIRST", 0.05)
+    monkeypatch.setattr(peers, "POLL_MAX", 0.2)
 
 
 async def _until(condition, seconds: float = 10) -> None:  # type: ignore[no-untyped-def]
@@ -202,7 +202,7 @@ async def test_records_of_an_earlier_run_go_once_nothing_is_pending(
 async def test_a_store_refusing_the_record_delays_a_close_at_most_announce_wait(
     tmp_path: Path, nursery: trio.Nursery, quick: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(nodes_module, "ANNOUNCE_WAIT", 0.5)
+    monkeypatch.setattr(own, "ANNOUNCE_WAIT", 0.5)
     b = Node(tmp_path, tmp_path / "store", "node-b")
     b.stack.drain.engine.attempts = 1
     await nursery.start(b.records.run)
@@ -263,7 +263,7 @@ async def test_a_file_held_open_for_writing_does_not_keep_an_old_record(
 ) -> None:
     """A log held open for writing keeps the current record; after ROTATE_AFTER a successor takes it over,
     so the record another node's marker waits for goes once the work closed under it is durable."""
-    monkeypatch.setattr(nodes_module, "ROTATE_AFTER", 0.3)
+    monkeypatch.setattr(own, "ROTATE_AFTER", 0.3)
     store = tmp_path / "store"
     a, b = Node(tmp_path, store, "node-a"), Node(tmp_path, store, "node-b")
     await a.start(nursery)
@@ -285,7 +285,7 @@ async def test_a_store_that_does_not_answer_delays_one_open_not_every_open(
 ) -> None:
     """A store that hangs (network down): the first open waits ANNOUNCE_WAIT for its record, later opens
     do not wait at all; the record is written once the store answers."""
-    monkeypatch.setattr(nodes_module, "ANNOUNCE_WAIT", 0.3)
+    monkeypatch.setattr(own, "ANNOUNCE_WAIT", 0.3)
     b = Node(tmp_path, tmp_path / "store", "node-b")
     await nursery.start(b.records.run)
     answering = threading.Event()
@@ -312,7 +312,7 @@ async def test_a_store_that_keeps_refusing_records_is_asked_again_with_backoff_n
     """A store that refuses every record write (or delete) for good: the checker asks it again after a pause
     that doubles, not at once. It asked again at once, thousands of times a second (a daemon whose file://
     store directory was deleted under it spun at 60% CPU)."""
-    monkeypatch.setattr(nodes_module, "ANNOUNCE_WAIT", 0.2)
+    monkeypatch.setattr(own, "ANNOUNCE_WAIT", 0.2)
     b = Node(tmp_path, tmp_path / "store", "node-b")
     b.stack.drain.engine.attempts = 1
     await nursery.start(b.records.run)

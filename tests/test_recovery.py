@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sqlite3
 import time
 from pathlib import Path
 
@@ -138,3 +139,23 @@ def test_fresh_node_sees_and_reads_existing_store(mount_factory) -> None:  # typ
     assert (reader.mnt / "latest").read_text() == "step_1"
     assert (reader.mnt / "step_1" / "model.pt").read_bytes() == weights
     assert os.getxattr(reader.mnt / "step_1" / "model.pt", "user.ckptfs.state") == b"clean"
+
+
+def test_an_unreadable_staged_upload_record_does_not_stop_the_mount(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """A journal row whose upload_state cannot be read (a torn or hand-edited record) is reported and
+    ignored: the mount starts, serves the file, and its next upload starts afresh."""
+    m: Mount = mount_factory()
+    m.allowed_log_words.append("unreadable staged-upload record")
+    (m.mnt / "f").write_bytes(b"one")
+    assert m.umount().returncode == 0
+    db = sqlite3.connect(m.cache / "journal.db")
+    with db:
+        torn = '{"key": "f", "parts"'
+        assert db.execute("UPDATE inodes SET upload_state = ? WHERE name = 'f'", (torn,)).rowcount == 1
+    db.close()
+    m.start()
+    assert (m.mnt / "f").read_bytes() == b"one"
+    (m.mnt / "f").write_bytes(b"two")
+    m.flush()
+    assert m.store_files() == {"f": b"two"}
+    assert "unreadable staged-upload record" in m.log.read_text()

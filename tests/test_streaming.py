@@ -18,8 +18,8 @@ import pytest
 import trio
 from fsharness import Stack, check_consistency, make_stack
 
-from ckptfs import fs as fs_module
 from ckptfs.errors import FsError
+from ckptfs.fs import data_path
 from ckptfs.journal import CLEAN, REMOTE, ROOT_ID
 from ckptfs.recovery import repair_journal
 
@@ -168,8 +168,8 @@ async def test_a_streamed_read_does_not_keep_a_second_copy_in_the_page_cache(
     served stayed in the page cache twice, as the mount's file and as the cache file, and on a VM whose
     fresh memory is slow to touch the restore took 1.7-2.3x a direct download. The cache file's pages behind
     the reader are dropped once written back (here at once, by an fdatasync after each read)."""
-    monkeypatch.setattr(fs_module, "SHED_LAG", 256 * KIB, raising=False)
-    monkeypatch.setattr(fs_module, "SHED_STEP", 64 * KIB, raising=False)
+    monkeypatch.setattr(data_path, "SHED_LAG", 256 * KIB)
+    monkeypatch.setattr(data_path, "SHED_STEP", 64 * KIB)
     ino, content = await remote_file(stack, "big.bin", 8 << 20)
     fh = await stack.fs.open(ino, os.O_RDONLY)
     fd = stack.fs.handles[fh].fd
@@ -383,7 +383,7 @@ async def test_a_restart_discards_partial_files_and_a_remote_inodes_data_file(
     # What a kill -9 leaves, plus a data file of the remote inode (a fetch that died between moving its
     # file into data/ and the journal's update): neither is a local copy.
     Path(s.cache.data_path(ino)).write_bytes(b"\0" * len(content))  # noqa: ASYNC240
-    old_fd = s.fetcher.streams[ino].fd
+    old_fd = s.fetcher.partials.streams[ino].fd
     # The next daemon on the same cache dir and store.
     s2 = make_stack(tmp_path)
     s2.fetcher.chunk_size = CHUNK

@@ -4,6 +4,7 @@ downloads, and the memory budget shared by all of them."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import zlib
@@ -14,12 +15,15 @@ import pytest
 import trio
 import trio.testing
 from emulators import azurite, fake_gcs, moto_s3, seaweedfs_s3  # noqa: F401
-from store_targets import BIG, META, PART, Target, engine, fetch, s3_target, target, write  # noqa: F401
+from store_targets import BIG, META, PART, Target, engine, fetch, local_target, s3_target, target, write  # noqa: F401
 
 from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, ObjectStore, UploadPart, UploadRef, UploadState
 from ckptfs.backends.local import LocalStore
 from ckptfs.errors import NotFoundBackendError, PermanentBackendError, TransientBackendError
-from ckptfs.transfer import MemoryBudget, Priority, PutFile, SmallFile, SourceChangedError, plan_part_size
+from ckptfs.leftovers import SWEEP_RETRY_FIRST
+from ckptfs.local_io import SourceChangedError
+from ckptfs.memory import MemoryBudget
+from ckptfs.transfer import Priority, PutFile, SmallFile, plan_part_size
 
 MiB = 1 << 20
 
@@ -64,8 +68,7 @@ async def test_stage_then_commit_makes_the_object_appear_byte_identical(
     assert info is not None
     assert (info.size, info.mtime_ns, info.mode) == (size, META.mtime_ns, META.mode)
     assert info.checksum in (None, staged.checksum)
-    assert await transfers.download("ckpt/step-1/model.pt", str(tmp_path / "dl")) == staged.checksum
-    assert (tmp_path / "dl").read_bytes() == data
+    assert await fetch(store, "ckpt/step-1/model.pt", tmp_path) == (data, staged.checksum)
     assert target.leftovers() == []
     assert transfers.memory.in_use == 0
 
@@ -145,8 +148,8 @@ async def test_abort_leaves_nothing(target: Target, tmp_path: Path) -> None:
     for key, size in (("a/big", BIG), ("a/small", 10)):
         write(tmp_path / "src", size)
         staged = await transfers.stage_upload(key, str(tmp_path / "src"), META)
-        await transfers.abort_upload(staged)
-        await transfers.abort_upload(staged)  # twice is fine
+        await transfers.abandon(staged.state)
+        await transfers.abandon(staged.state)  # twice is fine
         assert target.store.head(key) is None
     assert target.leftovers() == []
 
@@ -162,8 +165,8 @@ async def test_abort_stale_uploads_removes_only_this_owners_leftovers(target: Ta
     for key in ("a/one", "shared"):
         await _interrupted_upload(mine, key, tmp_path / "src", after_parts=1)
     their_state = await _interrupted_upload(theirs, "shared", tmp_path / "src", after_parts=1)
-    assert await engine(mine).abort_stale_uploads(set()) >= 2
-    assert await engine(mine).abort_stale_uploads(set()) == 0
+    assert await engine(mine).leftovers.sweep_at_start(set()) >= 2
+    assert await engine(mine).leftovers.sweep_at_start(set()) == 0
     # The other owner's upload to the same key survives and resumes.
     staged = await engine(theirs).stage_upload("shared", str(tmp_path / "src"), META, resume=their_state)
     assert staged.state is not None
@@ -179,7 +182,7 @@ async def test_resume_continues_from_the_finished_parts(s3_target: Target, tmp_p
     state = await _interrupted_upload(s3_target.store, "ckpt/big", tmp_path / "src")
     assert len(state.parts) >= 2
     restarted = engine(s3_target.make())  # a new process: same owner, new client
-    assert await restarted.abort_stale_uploads({state.upload_id}) == 0
+    assert await restarted.leftovers.sweep_at_start({state.upload_id}) == 0
     seen: list[UploadState] = []
     staged = await restarted.stage_upload("ckpt/big", str(tmp_path / "src"), META, resume=state,
                                           progress=seen.append)
@@ -207,7 +210,7 @@ async def test_resume_after_the_upload_was_aborted_starts_afresh(target: Target,
     data = write(tmp_path / "src", BIG)
     state = await _interrupted_upload(target.store, "big", tmp_path / "src")
     transfers = engine(target.store)
-    assert await transfers.abort_stale_uploads(set()) == 1  # not kept: aborted
+    assert await transfers.leftovers.sweep_at_start(set()) == 1  # not kept: aborted
     staged = await transfers.stage_upload("big", str(tmp_path / "src"), META, resume=state)
     assert staged.state is not None and staged.state.upload_id != state.upload_id
     await transfers.commit_upload(staged)
@@ -250,8 +253,8 @@ async def test_a_failed_stage_aborts_its_upload_unless_the_caller_can_resume_it(
     with pytest.raises(TransientBackendError, match="injected"):
         await transfers.stage_upload("big", str(tmp_path / "src"), META, progress=lambda state: None)
     assert target.leftovers() != []  # the caller may resume it: it stays
-    assert await transfers.sweep_leftovers() == 0  # and this process may still finish it
-    assert await engine(target.store).abort_stale_uploads(set()) == 1  # the next start removes it
+    assert await transfers.leftovers.sweep() == 0  # and this process may still finish it
+    assert await engine(target.store).leftovers.sweep_at_start(set()) == 1  # the next start removes it
     assert target.leftovers() == []
 
 
@@ -351,14 +354,14 @@ async def test_spill_matches_tells_whether_the_staged_start_is_still_the_files(t
     assert not await transfers.spill_matches(state, str(src))
     os.truncate(src, PART)
     assert not await transfers.spill_matches(state, str(src))
-    await transfers.abort_state(state)
+    await transfers.abandon(state)
 
 
 async def test_an_aborted_spill_leaves_nothing(target: Target, tmp_path: Path) -> None:
     write(tmp_path / "src", PART)
     transfers = engine(target.store)
     state = await transfers.spill_parts(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
-    await transfers.abort_state(state)
+    await transfers.abandon(state)
     assert target.leftovers() == []
 
 
@@ -368,12 +371,12 @@ async def test_a_sweep_spares_the_uploads_this_process_works_on(target: Target, 
     transfers = engine(target.store)
     staged = await transfers.stage_upload("live", str(tmp_path / "src"), META, progress=lambda state: None)
     spill = await transfers.spill_parts(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
-    assert await transfers.sweep_leftovers() == 1  # the killed run's only
+    assert await transfers.leftovers.sweep() == 1  # the killed run's only
     await transfers.commit_upload(staged)
     await transfers.spill_commit(spill, "spilled", META)
     assert (await fetch(target.store, "live", tmp_path))[0] == data
     assert (await fetch(target.store, "spilled", tmp_path))[0] == data[:PART]
-    assert await transfers.sweep_leftovers() == 0
+    assert await transfers.leftovers.sweep() == 0
     assert target.leftovers() == []
 
 
@@ -420,7 +423,7 @@ async def test_a_sweep_never_lists_while_a_store_call_runs(target: Target, tmp_p
     async with trio.open_nursery() as nursery:
         nursery.start_soon(put, "first")
         await trio.to_thread.run_sync(gates.put_entered.wait, 10)
-        nursery.start_soon(transfers.sweep_leftovers)
+        nursery.start_soon(transfers.leftovers.sweep)
         await trio.sleep(0.3)
         assert not gates.list_entered.is_set()  # waits for the put in flight
         gates.put_release.set()
@@ -458,20 +461,38 @@ async def test_an_abort_that_failed_is_done_by_a_later_sweep(target: Target, tmp
     transfers = engine(failing, attempts=2)  # type: ignore[arg-type]
     staged = await transfers.stage_upload("big", str(tmp_path / "src"), META, progress=lambda state: None)
     assert staged.state is not None
-    await transfers.abort_state(staged.state)  # best effort: fails quietly
-    assert transfers.sweep_due and target.leftovers() != []
+    await transfers.abandon(staged.state)  # best effort: fails quietly
+    assert transfers.leftovers.due and target.leftovers() != []
     with pytest.raises(TransientBackendError, match="injected"):
-        await transfers.sweep_leftovers()
-    assert transfers.sweep_due
+        await transfers.leftovers.sweep()
+    assert transfers.leftovers.due
     failing.healed = True
-    assert await transfers.sweep_leftovers() == 1
-    assert not transfers.sweep_due
+    assert await transfers.leftovers.sweep() == 1
+    assert not transfers.leftovers.due
     assert target.leftovers() == []
 
 
-async def test_download_of_a_missing_key_raises_not_found(target: Target, tmp_path: Path) -> None:
+async def test_background_sweeps_back_off_while_the_store_refuses_them(tmp_path: Path) -> None:
+    target = local_target(tmp_path / "store")
+    write(tmp_path / "src", BIG)
+    failing = _FailingAborts(target.store)
+    transfers = engine(failing, attempts=1)  # type: ignore[arg-type]
+    leftovers = transfers.leftovers
+    assert leftovers.next_sweep_at() == math.inf  # no cleanup failed: none wanted
+    staged = await transfers.stage_upload("big", str(tmp_path / "src"), META, progress=lambda state: None)
+    await transfers.abandon(staged.state)  # fails quietly: a sweep is wanted, after a while
+    assert leftovers.next_sweep_at() - trio.current_time() == pytest.approx(SWEEP_RETRY_FIRST, abs=1)
+    for delay in (SWEEP_RETRY_FIRST, 2 * SWEEP_RETRY_FIRST):  # refused: logged, never raised; backing off
+        await leftovers.sweep_in_background()
+        assert leftovers.next_sweep_at() - trio.current_time() == pytest.approx(delay, abs=1)
+    failing.healed = True
+    await leftovers.sweep_in_background()
+    assert leftovers.next_sweep_at() == math.inf and target.leftovers() == []
+
+
+async def test_a_ranged_read_of_a_missing_key_raises_not_found(target: Target, tmp_path: Path) -> None:
     with pytest.raises(NotFoundBackendError):
-        await engine(target.store).download("no/such/key", str(tmp_path / "dst"))
+        await fetch(target.store, "no/such/key", tmp_path)
 
 
 def test_the_checksum_of_an_object_is_read_range_by_range(tmp_path: Path) -> None:

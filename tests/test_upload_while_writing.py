@@ -18,8 +18,8 @@ PART = 64 * KIB
 
 
 def small_parts(stack: Stack) -> None:
-    stack.drain.spill_part_size = PART
-    stack.drain.spill_lookahead = PART
+    stack.drain.spills.part_size = PART
+    stack.drain.spills.lookahead = PART
 
 
 async def write_parts(stack: Stack, fh: int, parts: range, *, seed: int = 0) -> bytes:

@@ -69,7 +69,6 @@ from ckptfs.backends.base import (
     UploadRef,
     check_note_name,
     check_note_prefix,
-    crc_text,
     listed_note_names,
 )
 from ckptfs.backends.common import (
@@ -87,6 +86,7 @@ from ckptfs.backends.common import (
     parse_bookkeeping,
     type_bits_of,
 )
+from ckptfs.checksums import crc_text
 from ckptfs.errors import (
     AuthBackendError,
     BackendError,

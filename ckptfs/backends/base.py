@@ -1,4 +1,4 @@
-"""The object store primitives every backend implements, the value types they speak, and checksum helpers.
+"""The object store primitives every backend implements, and the value types they speak.
 
 A store implements only what differs between services; everything about parts (sizing, parallelism,
 retries, the memory budget, resume, spills, ranged reads) lives once, in ckptfs/transfer.py. Stores know
@@ -24,8 +24,8 @@ The primitives:
     and Azure listings are strongly consistent; so is a directory). Names are checked by
     `check_note_name`, the same for every store.
 
-Whole-object checksums are 'crc32:<hex>' everywhere (the journal, object metadata, LocalStore): parts are
-combined with `crc32_combine`, so a file's checksum is known without reading it twice.
+Whole-object checksums are 'crc32:<hex>' everywhere (the journal, object metadata, LocalStore); the
+math is in ckptfs/checksums.py.
 
 Basenames starting with TEMP_PREFIX are reserved for the stores' and the engine's own bookkeeping (temp
 files, upload markers, spill staging objects, notes): listings never return them and a key containing such
@@ -43,15 +43,10 @@ import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 from ckptfs.errors import BackendError as BackendError  # for nodes.py, a layer that cannot import errors
 from ckptfs.errors import PermanentBackendError
-
-try:
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # no isal wheel for this platform
-    from zlib import crc32 as _crc32
 
 FILE = "file"
 DIR = "dir"
@@ -155,6 +150,8 @@ class UploadState:
     spilled: bool = False
     punched: int = 0
     early: bool = False
+    # Unreadable journal rows already reported (parse): the drain reads the same row at every scan.
+    _unreadable: ClassVar[set[str]] = set()
 
     @property
     def ref(self) -> UploadRef:
@@ -170,6 +167,20 @@ class UploadState:
         data = json.loads(text)
         parts = tuple(UploadPart(int(n), str(e), str(c)) for n, e, c in data.pop("parts"))
         return cls(**data, parts=parts)
+
+    @classmethod
+    def parse(cls, text: str | None) -> UploadState | None:
+        """The state a journal row holds (its `upload_state`), or None: no row, or one that cannot be read
+        (reported once; the upload it described is then a leftover, which the sweeps remove)."""
+        if text is None:
+            return None
+        try:
+            return cls.from_json(text)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if text not in cls._unreadable:
+                cls._unreadable.add(text)
+                log.warning("ignoring an unreadable staged-upload record in the journal (%r: %s)", text[:200], exc)
+            return None
 
 
 @dataclass(frozen=True)
@@ -367,63 +378,6 @@ def listed_note_names(keys: Iterable[str], base: str) -> list[str]:
         if name and not name.endswith("/") and not any(p.startswith(TEMP_PREFIX) for p in name.split("/")):
             names.append(name)
     return sorted(names)
-
-
-def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """zlib.crc32: every byte uploaded or downloaded is checksummed, so this is ISA-L's when the isal
-    package is there (the same values, 3-4x as fast; it releases the GIL like zlib's)."""
-    return _crc32(data, value)
-
-
-def crc_of(checksum: str) -> int:
-    """The CRC32 in a 'crc32:<hex>' checksum ('' for nothing yet: 0)."""
-    return int(checksum.split(":", 1)[1], 16) if checksum else 0
-
-
-def crc_text(crc: int) -> str:
-    return f"crc32:{crc:08x}"
-
-
-_CRC_POLY = 0xEDB88320
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the CRC-32 polynomial (reflected bit order), as in zlib's crc32_combine."""
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-    return p
-
-
-def _x2n_table() -> list[int]:
-    table = []
-    p = 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of A+B from crc32(A), crc32(B) and len(B)."""
-    p = 1 << 31  # x^0
-    k = 3  # bytes -> bits
-    n = len2
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
 
 
 def pread_into(fd: int, buffer: bytearray, offset: int) -> int:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.cloud import storage
 
-from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, UploadPart, UploadRef, crc_text
+from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, UploadPart, UploadRef
 from ckptfs.backends.common import (
     META_CHECKSUM,
     check_key,
@@ -30,6 +30,7 @@ from ckptfs.backends.common import (
     parse_bookkeeping,
 )
 from ckptfs.backends.gcserrors import mapped, status_of
+from ckptfs.checksums import crc_text
 from ckptfs.errors import (
     BackendError,
     NotFoundBackendError,

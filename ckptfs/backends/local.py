@@ -39,12 +39,11 @@ from ckptfs.backends.base import (
     RangeSink,
     UploadPart,
     UploadRef,
-    crc32,
-    crc_text,
     pread_exact,
 )
 from ckptfs.backends.common import WholeCopies
 from ckptfs.backends.localnotes import STALE_TEMP_SECONDS, LocalNotes, create_file, fsync_dir, translate_os_error
+from ckptfs.checksums import crc32, crc_text
 from ckptfs.errors import (
     CkptfsError,
     NotFoundBackendError,

@@ -67,9 +67,6 @@ from ckptfs.backends.base import (
     UploadRef,
     check_note_name,
     check_note_prefix,
-    crc32,
-    crc_of,
-    crc_text,
     listed_note_names,
 )
 from ckptfs.backends.common import (
@@ -88,6 +85,7 @@ from ckptfs.backends.common import (
 )
 from ckptfs.backends.s3errors import check_message, is_busy, is_code, mapped
 from ckptfs.backends.s3markers import UploadMarkers
+from ckptfs.checksums import crc32, crc_of, crc_text
 from ckptfs.errors import (
     BackendError,
     NotFoundBackendError,

@@ -1,54 +1,25 @@
-"""Streaming reads of files that exist only in the store ('remote'): a read waits only for its own chunks.
-
-Owns, per remote inode being read, a `Stream`: a partial file in CACHE_DIR/tmp, created sparse at the
-object's size, and the in-memory record (trio thread only) of which chunks of it are present. A chunk is
-`engine.download_part_size` bytes (16 MiB). `read(offset, size)` is served by pread once the chunks it
-covers are present; a missing chunk is fetched first (Priority.READ), and a reader that continues where
-its last read ended (sequential) gets a growing window of chunks fetched ahead in parallel
-(Priority.READAHEAD). Every reader of an inode shares its one Stream: a chunk is fetched once and its
-waiters wait on it.
-
-Versions: all chunks of a Stream come from one version of the object: the first answer's etag is passed
-as `if_match` to every later range. An ObjectChangedError (another node replaced the object) fails the
-Stream's reads with ESTALE, logged once, and the next open starts a new Stream.
-
-Verification: when every chunk is present at once, their CRC32s (combined in order) must equal the
-journal's checksum (or the one in the object's metadata); then the partial file is renamed to the inode's
-data file and the journal marks it clean: from there it is an ordinary cached file. On a mismatch the
-data is dropped, an ERROR logged, and reads fail with EIO. A file never completely present stays 'remote':
-its reads are served from chunks of the pinned version, each the bytes the store sent for that range.
-
-Space: a chunk is reserved in the cache budget (cache.reserve) before it is fetched and stays charged
-while present. When the cache is over budget the evictor (through the `PartialFiles` hooks below) drops
-partial files no handle has open, least recently used first, and punches out present chunks that are not
-near any reader's position; they are fetched again if read later. So a file larger than the whole cache
-can be read. `fetch()` (open for writing, truncate: whatever needs the whole content) fetches every chunk,
-verifies and returns once the file is clean.
-
-Tasks: chunk fetches run in the Fetcher's own nursery (`run`, started by the daemon) so that a fetch
-shared by several readers outlives the request that started it. Without the service (tools, some tests)
-a read fetches its missing chunks itself and nothing is read ahead.
-
-Never touches FUSE or the namespace; the journal only to adopt a verified file (finish_fetch).
-"""
+"""The Fetcher: fetches the chunks reads wait for (and read-ahead for sequential readers) into partial
+files, pins every chunk of a Stream to the version of its first answer, follows a remote-only file the
+drain moves while it is read, and adopts a complete, verified partial file as the inode's clean data file.
+Whole-file fetches (open for writing, truncate) go through it too. See the package docstring."""
 
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
-import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import trio
 
-from ckptfs.backends.base import crc32_combine, crc_text
-from ckptfs.cache import CacheDir, punch_hole_fd
+from ckptfs.cache import CacheDir
+from ckptfs.checksums import combine_crcs, crc_text
 from ckptfs.errors import BackendError, FsError, NotFoundBackendError, ObjectChangedError, errno_for_backend_error
 from ckptfs.evict import HIGH_WATER, Evictor
-from ckptfs.journal import REMOTE, Inode, Journal, journal_full
+from ckptfs.fetch.partials import PartialFiles
+from ckptfs.fetch.stream import Reader, Stream, close_stream, identity_of
+from ckptfs.journal import REMOTE, Inode, Journal, JournalFull
 from ckptfs.transfer import Priority, Transfers
 
 log = logging.getLogger(__name__)
@@ -65,8 +36,6 @@ MAX_READAHEAD_CHUNKS = 16
 # A read starting this close to where the handle's previous read ended counts as sequential (the kernel
 # may reorder its own read-ahead requests a little).
 SEQUENTIAL_SLACK = 512 * 1024
-# Chunks this far behind a reader's position are not punched: a reader that re-reads a little is common.
-KEEP_BEHIND_CHUNKS = 1
 # A rename of a remote-only file moves its object while it may be read: a read follows it this many times.
 MOVES_FOLLOWED = 4
 
@@ -83,84 +52,6 @@ class FetchStats:
     partial_bytes: int = 0  # bytes of chunks present or in flight now
 
 
-class Stream:
-    """One version of one remote inode, partly in the cache. Trio thread only."""
-
-    def __init__(self, inode: Inode, path: str, fd: int, chunk_size: int) -> None:
-        assert inode.remote_key is not None
-        self.inode_id = inode.id
-        self.key = inode.remote_key
-        self.size = inode.size
-        self.expected_checksum = inode.checksum
-        # What the journal said when the Stream began: if it says otherwise later, the namespace has
-        # moved on (rewritten, truncated, replaced): the Stream serves its readers and is never adopted.
-        self.identity = _identity(inode)
-        self.path = path
-        self.fd = fd
-        self.chunk_size = chunk_size
-        self.count = max(1, -(-self.size // chunk_size))
-        self.etag: str | None = None
-        self.meta_checksum: str | None = None
-        self.pinned = False  # the first answer fixed the version (etag) of every later range
-        self.pinning = False  # that first answer is being fetched now
-        self.pin_attempt = trio.Event()  # set when an attempt to pin ends (either way)
-        self.present: set[int] = set()
-        self.crcs: dict[int, int] = {}  # chunk index -> CRC32 of its bytes (kept when punched: same version)
-        self.inflight: dict[int, trio.Event] = {}
-        self.errors: dict[int, FsError] = {}  # the last attempt's failure per chunk
-        self.failure: FsError | None = None  # sticky: the whole Stream is unusable
-        self.readers: set[Reader] = set()
-        self.whole_waiters = 0  # fetch() callers: every chunk is wanted, none may be punched
-        self.charged = 0  # bytes reserved in the cache for present and in-flight chunks
-        self.complete = False  # adopted: the data file is a clean cached copy
-        self.detached = False  # no longer the Stream new opens use
-        self.dropped = False  # the partial file is gone
-        self.changed = trio.Event()  # set (and replaced) whenever a chunk arrives or fails
-
-    def chunk_range(self, index: int) -> tuple[int, int]:
-        offset = index * self.chunk_size
-        return offset, max(0, min(self.chunk_size, self.size - offset))
-
-    def chunks(self, offset: int, size: int) -> range:
-        if self.size == 0:
-            return range(1)
-        end = min(offset + size, self.size)
-        if end <= offset:
-            return range(0)
-        return range(offset // self.chunk_size, (end - 1) // self.chunk_size + 1)
-
-    def notify(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    def idle(self) -> bool:
-        return not self.readers and not self.whole_waiters and not self.inflight
-
-
-class Reader:
-    """One open handle's view of a Stream: where it reads, and how far ahead it is worth fetching."""
-
-    def __init__(self, stream: Stream) -> None:
-        self.stream = stream
-        self.next_offset = 0
-        self.window = 0  # read-ahead chunks; 0 until the reader proves sequential
-        self.position = 0  # chunk index of its last read
-
-    @property
-    def path(self) -> str:
-        """Where the handle opens its descriptor: the partial file, renamed into data/ once adopted
-        (an open descriptor follows the rename)."""
-        return self.stream.path
-
-    @property
-    def complete(self) -> bool:
-        return self.stream.complete
-
-
-def _identity(inode: Inode) -> tuple[object, ...]:
-    return (inode.state, inode.remote_key, inode.size, inode.checksum, inode.uploaded_version)
-
-
 class Fetcher:
     def __init__(
         self, journal: Journal, cache: CacheDir, engine: Transfers, *, evictor: Evictor | None = None,
@@ -170,13 +61,11 @@ class Fetcher:
         self.engine = engine
         self.evictor = evictor
         self.chunk_size = engine.download_part_size
-        self.streams: dict[int, Stream] = {}  # remote inode id -> the Stream new opens use
-        self._all: set[Stream] = set()  # every Stream with a partial file, detached ones too
-        self._serial = itertools.count(1)
         self._nursery: trio.Nursery | None = None
         self.stats = FetchStats()
+        self.partials = PartialFiles(cache, self.stats)
         if evictor is not None:
-            evictor.partials = self
+            evictor.partials = self.partials
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The service whose nursery owns every chunk fetch (a fetch outlives the read that started it)."""
@@ -189,8 +78,8 @@ class Fetcher:
             self._nursery = None
 
     def statistics(self) -> FetchStats:
-        self.stats.partial_files = len(self._all)
-        self.stats.partial_bytes = sum(s.charged for s in self._all)
+        self.stats.partial_files = len(self.partials.all)
+        self.stats.partial_bytes = self.partials.bytes_charged()
         return self.stats
 
     # -- opening --------------------------------------------------------------------------------------
@@ -198,7 +87,7 @@ class Fetcher:
     def open_reader(self, inode: Inode) -> Reader:
         """A reader of a remote inode: no byte is fetched yet. Synchronous, so that the caller opens
         reader.path before anything can rename it."""
-        stream = self._stream(inode)
+        stream = self.partials.stream_for(inode, self._stream_chunk_size())
         reader = Reader(stream)
         stream.readers.add(reader)
         if stream.size == 0 and not stream.complete:
@@ -213,67 +102,14 @@ class Fetcher:
         stream = reader.stream
         stream.readers.discard(reader)
         if stream.detached and stream.idle():
-            self._drop(stream)
-
-    def _stream(self, inode: Inode) -> Stream:
-        stream = self.streams.get(inode.id)
-        if stream is not None and (stream.failure is not None or stream.identity != _identity(inode)):
-            self._detach(stream)
-            stream = None
-        if stream is None:
-            path = self.cache.partial_path(inode.id, next(self._serial))
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            except OSError as exc:
-                raise FsError(exc.errno or errno.EIO, f"cannot create a partial file: {exc.strerror}") from None
-            try:
-                os.ftruncate(fd, inode.size)  # sparse: reads of what has not arrived must wait, not see zeros
-            except OSError as exc:
-                os.close(fd)
-                os.unlink(path)
-                raise FsError(exc.errno or errno.EIO, f"cannot size a partial file: {exc.strerror}") from None
-            stream = Stream(inode, path, fd, self._stream_chunk_size())
-            self.streams[inode.id] = stream
-            self._all.add(stream)
-            log.debug("streaming %s (%d bytes, %d chunks)", stream.key, stream.size, stream.count)
-        return stream
+            self.partials.drop_stream(stream)
 
     def discard(self, inode_id: int) -> None:
         """The inode's content no longer comes from the store (rewritten, truncated, removed): new opens
         must not use its Stream; its partial file goes once its readers are done."""
-        stream = self.streams.get(inode_id)
+        stream = self.partials.streams.get(inode_id)
         if stream is not None:
-            self._detach(stream)
-
-    def _detach(self, stream: Stream) -> None:
-        if self.streams.get(stream.inode_id) is stream:
-            del self.streams[stream.inode_id]
-        stream.detached = True
-        if stream.idle():
-            self._drop(stream)
-
-    def _drop(self, stream: Stream) -> int:
-        """Remove a partial file and its charge; its descriptor closes once no chunk writes into it."""
-        if self.streams.get(stream.inode_id) is stream:
-            del self.streams[stream.inode_id]
-        stream.detached = True
-        if stream.dropped:
-            return 0
-        stream.dropped = True
-        if not stream.complete:
-            try:
-                os.unlink(stream.path)
-            except FileNotFoundError:
-                pass
-        stream.present.clear()
-        freed = stream.charged
-        self.cache.unreserve(stream.charged)
-        stream.charged = 0
-        self._all.discard(stream)
-        if not stream.inflight:
-            _close(stream)
-        stream.notify()
-        return freed
+            self.partials.detach(stream)
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -342,7 +178,7 @@ class Fetcher:
         if self.evictor is not None:
             wanted -= self.evictor.evict(wanted, punch=False)
         if wanted > 0:
-            self.punch(wanted, keep_read_ahead=True)
+            self.partials.punch(wanted, keep_read_ahead=True)
         return cache.used + length <= cache.limit * HIGH_WATER
 
     async def _wait_chunks(self, stream: Stream, indexes: Iterable[int]) -> None:
@@ -483,9 +319,9 @@ class Fetcher:
             event.set()
             stream.notify()
             if stream.dropped and not stream.inflight:
-                _close(stream)
+                close_stream(stream)
             elif stream.detached and stream.idle():
-                self._drop(stream)
+                self.partials.drop_stream(stream)
 
     def _follow_move(self, stream: Stream, key: str) -> bool:
         """A read found nothing (or another object) at `key`: if the drain has meanwhile moved this very
@@ -496,7 +332,7 @@ class Fetcher:
         current = self.journal.get(stream.inode_id)
         if current is None or current.remote_key in (None, key):
             return False
-        moved = _identity(current)
+        moved = identity_of(current)
         if moved[:1] + moved[2:] != stream.identity[:1] + stream.identity[2:]:
             return False  # rewritten or replaced: not a move
         log.debug("%s moved to %s while it was read: reading on from there", key, current.remote_key)
@@ -527,17 +363,13 @@ class Fetcher:
             return False
         stream.failure = error
         # The next open starts a new Stream (the namespace learns of the new version at refresh).
-        self._detach(stream)
+        self.partials.detach(stream)
         return True
 
     def _complete(self, stream: Stream) -> None:
         """Every chunk is present: verify the whole file, and make it an ordinary clean cached file."""
-        whole = 0
-        for index in range(stream.count):
-            length = stream.chunk_range(index)[1]
-            crc = stream.crcs[index]
-            whole = crc if index == 0 else crc32_combine(whole, crc, length)
-        checksum = crc_text(whole)
+        checksum = crc_text(combine_crcs((stream.crcs[index], stream.chunk_range(index)[1])
+                                         for index in range(stream.count)))
         expected = stream.expected_checksum
         if expected is None or not expected.startswith("crc32:"):
             expected = stream.meta_checksum if stream.meta_checksum and stream.meta_checksum.startswith("crc32:") \
@@ -548,10 +380,10 @@ class Fetcher:
                       " and reads fail with EIO", stream.key, checksum, expected)
             self._fail(stream, FsError(errno.EIO, f"{stream.key}: checksum mismatch (store {checksum}, expected"
                                                   f" {expected})"))
-            self._drop(stream)
+            self.partials.drop_stream(stream)
             return
         current = self.journal.get(stream.inode_id)
-        if current is None or stream.detached or _identity(current) != stream.identity:
+        if current is None or stream.detached or identity_of(current) != stream.identity:
             return  # the namespace moved on: serve the readers, never adopt
         data_path = self.cache.data_path(stream.inode_id)
         try:
@@ -562,19 +394,12 @@ class Fetcher:
             return
         stream.path = data_path
         stream.complete = True
-        self.cache.unreserve(stream.charged)
-        stream.charged = 0
-        self._all.discard(stream)
-        if self.streams.get(stream.inode_id) is stream:
-            del self.streams[stream.inode_id]
-        stream.detached = True
+        self.partials.adopted(stream)
         self.cache.adopt(stream.inode_id, stream.size)
         try:
             with self.journal.transaction():
                 self.journal.finish_fetch(stream.inode_id, size=stream.size, mtime_ns=current.mtime_ns)
-        except sqlite3.OperationalError as exc:
-            if not journal_full(exc):
-                raise
+        except JournalFull:
             # The journal cannot say the file is local (the cache filesystem is full): it stays remote,
             # without a cache file, and its readers keep the bytes they have open.
             self.cache.remove_data(stream.inode_id)
@@ -584,7 +409,7 @@ class Fetcher:
                 self.evictor.touch(stream.inode_id)
             self.stats.files_verified += 1
         if not stream.inflight:
-            _close(stream)
+            close_stream(stream)
         log.debug("fetched %s (%s), verified", stream.key, checksum)
 
     # -- whole files ----------------------------------------------------------------------------------
@@ -603,7 +428,7 @@ class Fetcher:
                 current.path, current.size, self.cache.limit,
             )
             raise FsError(errno.EFBIG, f"{current.remote_key} is larger than the cache budget")
-        stream = self._stream(current)
+        stream = self.partials.stream_for(current, self._stream_chunk_size())
         stream.whole_waiters += 1
         try:
             todo = [i for i in range(stream.count) if i not in stream.present]
@@ -626,7 +451,7 @@ class Fetcher:
         finally:
             stream.whole_waiters -= 1
             if stream.detached and stream.idle():
-                self._drop(stream)
+                self.partials.drop_stream(stream)
         latest = self.journal.get(inode.id)
         if latest is not None and latest.state == REMOTE and not stream.complete:
             raise FsError(errno.ESTALE, f"{current.remote_key} changed while it was fetched")
@@ -638,59 +463,3 @@ class Fetcher:
                 await self._wait_chunks(stream, [index])
             except FsError as exc:
                 failures.append(exc)
-
-    # -- room: the evictor's hooks (evict.PartialFiles) -----------------------------------------------
-
-    def droppable(self) -> list[int]:
-        """Inodes whose partial file no handle has open and no fetch writes into."""
-        return [inode_id for inode_id, stream in self.streams.items() if stream.idle()]
-
-    def drop(self, inode_id: int) -> int:
-        stream = self.streams.get(inode_id)
-        if stream is None or not stream.idle():
-            return 0
-        return self._drop(stream)
-
-    def punch(self, wanted: int, *, keep_read_ahead: bool = False) -> int:
-        """Free present chunks of open partial files that no reader is near, until `wanted` bytes are
-        freed; return the bytes freed. The chunks are fetched again if read later. First chunks outside
-        every reader's read-ahead window; then, unless `keep_read_ahead`, read-ahead chunks too (a
-        reader blocked on its own chunk comes before read-ahead), never a reader's current chunk."""
-        freed = self._punch(wanted, windows=True)
-        if freed < wanted and not keep_read_ahead:
-            freed += self._punch(wanted - freed, windows=False)
-        return freed
-
-    def _punch(self, wanted: int, *, windows: bool) -> int:
-        freed = 0
-        for stream in list(self._all):
-            if freed >= wanted:
-                break
-            if stream.whole_waiters or stream.complete or stream.dropped:
-                continue
-            keep: set[int] = set()
-            for reader in stream.readers:
-                ahead = reader.window if windows else 1
-                keep.update(range(reader.position - KEEP_BEHIND_CHUNKS, reader.position + 1 + ahead))
-            # Farthest behind the readers first: a sequential reader will not come back to them.
-            for index in sorted(stream.present - keep):
-                if freed >= wanted:
-                    break
-                offset, length = stream.chunk_range(index)
-                try:
-                    punch_hole_fd(stream.fd, offset, length)
-                except OSError as exc:
-                    log.warning("cannot free a chunk of %s: %s", stream.key, exc.strerror)
-                    return freed
-                stream.present.discard(index)
-                stream.charged -= length
-                self.cache.unreserve(length)
-                self.stats.chunks_punched += 1
-                freed += length
-        return freed
-
-
-def _close(stream: Stream) -> None:
-    if stream.fd >= 0:
-        os.close(stream.fd)
-        stream.fd = -1

@@ -1,30 +1,5 @@
-"""Cross-node ordering of commit markers, through the store itself (docs/design/cross-node.md).
-
-Many nodes, each with its own mount of one prefix, write one checkpoint; after the job's barrier one node
-writes the commit marker. The marker must reach the store only after every file that any node closed
-before it is durable. The store is the only thing the nodes share, so they tell each other through it:
-
-- `NodeRecords` (every node): while this node has work that is not durable yet (a file open for writing
-  or closed after writing, a new directory or symlink, a rename), a *pending record* of it exists in the
-  store, written before the open for writing, mkdir, symlink or rename returns (so before the file's
-  close), and deleted once that work is durable. Records have generations (`pending/<node>/<gen>`, a key
-  never reused): an entry is covered by the record current when it was announced, which is deleted only
-  when everything it covers is durable. A busy node starts a new generation now and then (which takes
-  over the files still open for writing), so that an old one can go while new work keeps coming.
-- `PeerRecords` (the node holding a marker): once a marker has closed, it lists the other nodes' records
-  (a *snapshot*; whatever closed before the barrier was announced before it) and uploads the marker only
-  when every record of the snapshot is gone. The listing is taken after the marker closed, so it holds
-  the records of everything the barrier ordered before it; records made later are not waited for.
-
-Nodes can be given up on (`forgotten/<node>`): a snapshot leaves out nodes forgotten before it, and a
-marker whose snapshot holds a record of a node forgotten later is held, never uploaded by itself (the
-checkpoint is not complete); if that node comes back and drains, its records go and the marker lands.
-
-Costs: a node writes one record (one PUT) when work begins after a quiet spell, one more when work lands in
-another top-level entry or after ROTATE_AFTER seconds of continuous work, and deletes each (one DELETE)
-once its work is durable; the marker's node lists the records once per marker, and polls while it waits.
-Everything here runs in the trio thread; the store is reached only through the transfer engine.
-"""
+"""This node's pending records: written before the work they cover is acknowledged, deleted once it is
+durable (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -32,10 +7,9 @@ import itertools
 import json
 import logging
 import math
-import re
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,12 +17,11 @@ import trio
 
 from ckptfs.backends.base import BackendError
 from ckptfs.journal import CLEAN, DIR, DIRTY, FILE, REMOTE, UPLOADING, Inode, Journal
+from ckptfs.nodes.names import FILES_NAMED, FORGOTTEN, GEN_META, PENDING, record_name, top_entry
 from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
 
-PENDING = "pending/"  # pending/<node>/<gen>: a node's work not yet durable
-FORGOTTEN = "forgotten/"  # forgotten/<node>: given up on by an operator (`ckptfs nodes --forget`)
 # A record with nothing left to cover goes after this much quiet, so that a save's next close reuses it.
 LINGER = 2.0
 # A record that has covered work for this long is succeeded by a new one: the old one can then go once
@@ -59,45 +32,7 @@ ROTATE_AFTER = 10.0
 ANNOUNCE_WAIT = 5.0
 CHECK_INTERVAL = 0.5  # how often this node's records are checked for being done
 CHECK_BATCH = 256  # covered entries read from the journal at once by a check
-FILES_NAMED = 5  # files a record names as examples of its work (status of other nodes shows them)
-POLL_FIRST = 0.5  # a waiting marker's first look at the other nodes' records, doubling up to POLL_MAX
-POLL_MAX = 10.0
-GEN_WIDTH = 12
-NODE_META = "node_id"
-GEN_META = "node_gen"
-_NODE_CHARS = re.compile(r"[^A-Za-z0-9.-]+")
-
-
-def new_node_id(host: str, suffix: str) -> str:
-    """A key-safe id: the host name (what an operator recognises) and a random part (two cache dirs on one
-    host, or a host that was re-imaged, are two nodes)."""
-    name = _NODE_CHARS.sub("-", host).strip("-.")[:40] or "node"
-    return f"{name}-{suffix}"
-
-
-def node_id_of(journal: Journal, make_suffix: Callable[[], str]) -> str:
-    """This cache dir's node id, made and kept in the journal at the first mount."""
-    node = journal.get_meta(NODE_META)
-    if node is None:
-        node = new_node_id(socket.gethostname(), make_suffix())
-        with journal.transaction():
-            journal.set_meta(NODE_META, node)
-    return node
-
-
-def record_name(node: str, gen: int) -> str:
-    return f"{PENDING}{node}/{gen:0{GEN_WIDTH}d}"
-
-
-TOP_FILES = "*"  # the entry name of work on files and symlinks at the top of the mount
-
-
-def top_entry(path: str, *, directory: bool) -> str:
-    """What a record names of an entry's work: the top-level directory it is in (what retention counts as
-    one checkpoint), or TOP_FILES for files at the top (2,000 files saved at the top must not cost a
-    record rewrite each)."""
-    top, slash, _ = path.partition("/")
-    return top if slash or directory else TOP_FILES
+CHECK_MAX = 10.0  # the check's pause doubles up to this while the store refuses records
 
 
 def _pending(inode: Inode | None, writing: bool) -> bool:
@@ -272,7 +207,7 @@ class NodeRecords:
                 log.warning("cross-node ordering: cannot list this node's records from before (%s); trying"
                             " again in %.0f s", exc, pause)
                 await trio.sleep(pause)
-                pause = min(pause * 2, POLL_MAX)
+                pause = min(pause * 2, CHECK_MAX)
         pause = CHECK_INTERVAL
         while True:
             with trio.move_on_after(CHECK_INTERVAL):
@@ -285,7 +220,7 @@ class NodeRecords:
                     # The store refused a write or delete: ask it again after a pause that doubles, not at
                     # once (each failure asks for a check again)
                     await trio.sleep(pause)
-                    pause = min(pause * 2, POLL_MAX)
+                    pause = min(pause * 2, CHECK_MAX)
                 else:
                     pause = CHECK_INTERVAL
 
@@ -415,261 +350,3 @@ class NodeRecords:
         }
 
 
-@dataclass(frozen=True)
-class PeerRecord:
-    """Another node's pending record, as listed."""
-
-    name: str  # pending/<node>/<gen>
-    node: str
-    gen: int
-    host: str = ""
-    entries: tuple[str, ...] = ()
-    written_at: float = 0.0
-    files: tuple[str, ...] = ()  # a few of the files it covered when it was written
-
-
-def _parse_record(name: str) -> tuple[str, int] | None:
-    parts = name[len(PENDING):].split("/")
-    if len(parts) != 2 or not parts[1].isdigit():
-        return None
-    return parts[0], int(parts[1])
-
-
-@dataclass
-class _Snapshot:
-    records: frozenset[str]  # names of the records the marker waits for
-    path: str
-
-
-class PeerRecords:
-    """The other nodes' records, as the markers of this node and `flush --all-nodes` see them."""
-
-    def __init__(self, engine: Transfers, node: str) -> None:
-        self.engine = engine
-        self.store = engine.store
-        self.node = node
-        self.on_change: Callable[[], None] = lambda: None
-        self._snapshots: dict[tuple[int, int], _Snapshot] = {}  # (inode id, seq) of a marker -> snapshot
-        self._asked: dict[tuple[int, int], str] = {}  # markers waiting for their first listing -> path
-        self._existing: dict[str, PeerRecord] = {}  # as of the last listing
-        self._forgotten: set[str] = set()
-        self._listed = 0  # listings completed
-        self._listed_event = trio.Event()
-        self._wanted = trio.Event()
-        self._waiters = 0  # flush --all-nodes callers
-        self._all_snapshot: frozenset[str] = frozenset()  # what the latest of them waits for
-        self.last_error: str | None = None
-
-    # -- the drain's side -----------------------------------------------------------------------------
-
-    def blocks(self, marker: Inode) -> bool:
-        """Must this closed commit marker wait for other nodes? The first call asks for a listing."""
-        key = (marker.id, marker.seq)
-        snapshot = self._snapshots.get(key)
-        if snapshot is None:
-            if key not in self._asked:
-                self._asked[key] = marker.path or ""
-                self._wanted.set()
-            return True
-        return bool(snapshot.records & self._existing.keys())
-
-    def why(self, marker: Inode) -> str | None:
-        """Why this marker still waits for other nodes, in a few words; None if it does not."""
-        snapshot = self._snapshots.get((marker.id, marker.seq))
-        if snapshot is None:
-            return "listing the other nodes' records" if (marker.id, marker.seq) in self._asked else None
-        left = snapshot.records & self._existing.keys()
-        if not left:
-            return None
-        held = self.held_by(left)
-        if held:
-            return f"held: its checkpoint misses the work of {', '.join(held)}, given up on"
-        return "waits for " + "; ".join(self.describe(left))
-
-    def uploaded(self, marker: Inode) -> None:
-        for key in [k for k in self._snapshots if k[0] == marker.id]:
-            del self._snapshots[key]
-
-    # -- listing --------------------------------------------------------------------------------------
-
-    def _busy(self) -> bool:
-        return bool(self._asked or self._waiters or any(s.records & self._existing.keys()
-                                                          for s in self._snapshots.values()))
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        pause = POLL_FIRST
-        while True:
-            if not self._busy():
-                pause = POLL_FIRST
-                await self._wanted.wait()
-            self._wanted = trio.Event()
-            asked, self._asked = self._asked, {}
-            before = self._existing.keys() & {n for s in self._snapshots.values() for n in s.records}
-            try:
-                await self.refresh()
-            except BackendError as exc:
-                self._asked = {**asked, **self._asked}
-                if self.last_error is None:
-                    log.warning("cross-node ordering: cannot list the other nodes' records (%s); markers wait", exc)
-                self.last_error = str(exc)
-            else:
-                self.last_error = None
-                for key, path in asked.items():
-                    self._snapshots[key] = _Snapshot(self._others(), path)
-                after = self._existing.keys() & {n for s in self._snapshots.values() for n in s.records}
-                if asked or after != before:
-                    pause = POLL_FIRST
-                    self.on_change()
-            with trio.move_on_after(pause):
-                await self._wanted.wait()
-            pause = min(pause * 2, POLL_MAX)
-
-    def _others(self) -> frozenset[str]:
-        return frozenset(name for name, record in self._existing.items()
-                         if record.node != self.node and record.node not in self._forgotten)
-
-    async def refresh(self) -> None:
-        """List every node's records (reading the bodies of new ones) and the forgotten nodes."""
-        names = await self.engine.call(self.store.list_notes, PENDING)
-        forgotten = await self.engine.call(self.store.list_notes, FORGOTTEN)
-        existing: dict[str, PeerRecord] = {}
-        waited = {n for s in self._snapshots.values() for n in s.records} | self._all_snapshot
-        for name in names:
-            parsed = _parse_record(name)
-            if parsed is None:
-                continue
-            known = self._existing.get(name)
-            # A record names more of its files as its node closes them: read again while waited for.
-            if known is None or (name in waited and len(known.files) < FILES_NAMED):
-                node, gen = parsed
-                known = await self._described(PeerRecord(name, node, gen))
-            existing[name] = known
-        self._existing = existing
-        self._forgotten = {name[len(FORGOTTEN):] for name in forgotten}
-        self._listed += 1
-        self._listed_event.set()
-        self._listed_event = trio.Event()
-
-    async def _described(self, record: PeerRecord) -> PeerRecord:
-        data = await self.engine.call(self.store.get_note, record.name)
-        try:
-            body = json.loads(data) if data else {}
-        except ValueError:
-            body = {}
-        if not isinstance(body, dict):
-            body = {}
-        entries, files = body.get("entries"), body.get("files")
-        return PeerRecord(record.name, record.node, record.gen, host=str(body.get("host") or ""),
-                          entries=tuple(str(e) for e in entries) if isinstance(entries, list) else (),
-                          written_at=float(body.get("written_at") or 0.0),
-                          files=tuple(str(f) for f in files) if isinstance(files, list) else ())
-
-    # -- waiting for every node -----------------------------------------------------------------------
-
-    async def wait_all(self) -> None:
-        """Return once every record the other nodes have now (forgotten nodes aside) is gone: everything
-        they closed before this call is durable. The caller bounds it (trio.move_on_at)."""
-        self._waiters += 1
-        try:
-            await self.refresh()
-            snapshot = self._others()
-            self._all_snapshot = snapshot
-            self._wanted.set()  # the listing task polls while anyone waits
-            while snapshot & self._existing.keys():
-                if self.held_by(snapshot & self._existing.keys()):
-                    raise HeldError(self.describe(snapshot & self._existing.keys()))
-                await self._listed_event.wait()
-        finally:
-            self._waiters -= 1
-
-    def waited_for(self) -> frozenset[str]:
-        """The records the latest `wait_all` waited for that still exist."""
-        return self._all_snapshot & self._existing.keys()
-
-    def held_by(self, snapshot: Iterable[str]) -> list[str]:
-        """Nodes forgotten since the snapshot whose records it still waits for."""
-        return sorted({self._existing[n].node for n in snapshot
-                       if n in self._existing and self._existing[n].node in self._forgotten})
-
-    def describe(self, snapshot: Iterable[str]) -> list[str]:
-        """One line per node a snapshot still waits for: node, host, entries, age of its oldest record."""
-        by_node: dict[str, list[PeerRecord]] = {}
-        for name in snapshot:
-            record = self._existing.get(name)
-            if record is not None:
-                by_node.setdefault(record.node, []).append(record)
-        lines = []
-        now = time.time()
-        for node, records in sorted(by_node.items()):
-            entries = sorted({e for r in records for e in r.entries})
-            oldest = min((r.written_at for r in records if r.written_at), default=0.0)
-            host = next((r.host for r in records if r.host), "")
-            files = sorted({f for r in records for f in r.files})[:FILES_NAMED]
-            state = "given up on" if node in self._forgotten else "pending"
-            age = f", {now - oldest:.0f} s" if oldest else ""
-            example = f" (files such as {', '.join(files)})" if files else ""
-            shown = ", ".join("files at the top" if e == TOP_FILES else e for e in entries) or "?"
-            lines.append(f"node {node}{f' ({host})' if host else ''} {state}{age}: {shown}"
-                         f"{example}")
-        return lines
-
-    def pending_entries(self) -> set[str]:
-        """Top-level entries that other nodes (forgotten ones included: their work never landed) still
-        have work in, as of the last listing: retention counts them as incomplete. TOP_FILES stands for
-        any file at the top."""
-        return {e for r in self._existing.values() if r.node != self.node for e in r.entries}
-
-    async def forget(self, node: str) -> int:
-        """Give up on `node` (lost for good): markers stop waiting for it; those that waited are held."""
-        await self.refresh()
-        records = [r for r in self._existing.values() if r.node == node]
-        body = json.dumps({"node": node, "by": socket.gethostname(), "at": time.time()}).encode()
-        await self.engine.call(self.store.put_note, f"{FORGOTTEN}{node}", body)
-        await self.refresh()
-        self.on_change()
-        return len(records)
-
-    def nodes(self) -> list[dict[str, Any]]:
-        """Every node with records, as of the last listing (this one included)."""
-        by_node: dict[str, list[PeerRecord]] = {}
-        for record in self._existing.values():
-            by_node.setdefault(record.node, []).append(record)
-        return [
-            {"node": node, "host": next((r.host for r in records if r.host), ""),
-             "records": len(records), "entries": sorted({e for r in records for e in r.entries}),
-             "files": sorted({f for r in records for f in r.files})[:FILES_NAMED],
-             "oldest_written_at": min((r.written_at for r in records if r.written_at), default=None),
-             "forgotten": node in self._forgotten, "this_node": node == self.node}
-            for node, records in sorted(by_node.items())
-        ]
-
-    def waiting_per_node(self) -> dict[tuple[str, str], int]:
-        """(node, checkpoint entry) -> how many markers of this node wait for it."""
-        counts: dict[tuple[str, str], int] = {}
-        for snapshot in self._snapshots.values():
-            pairs = {(self._existing[n].node, entry) for n in snapshot.records & self._existing.keys()
-                     for entry in (self._existing[n].entries or ("",))}
-            for pair in pairs:
-                counts[pair] = counts.get(pair, 0) + 1
-        return counts
-
-    def waiting_markers(self) -> list[dict[str, Any]]:
-        out = []
-        for snapshot in self._snapshots.values():
-            left = snapshot.records & self._existing.keys()
-            if left:
-                out.append({"path": snapshot.path, "held_by": self.held_by(left), "waits_for": self.describe(left),
-                            "nodes": sorted({self._existing[n].node for n in left})})
-        for path in self._asked.values():
-            out.append({"path": path, "held_by": [], "waits_for": ["(listing the other nodes' records)"],
-                        "nodes": []})
-        return out
-
-
-class HeldError(Exception):
-    """A flush --all-nodes waits for a node that was given up on: it will not finish by itself."""
-
-    def __init__(self, lines: list[str]) -> None:
-        super().__init__("; ".join(lines))
-        self.lines = lines

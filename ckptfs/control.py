@@ -1,0 +1,142 @@
+"""The answers to the control socket's requests (`ckptfs status|flush|nodes|prune|refresh|restart|umount`).
+
+ctl.py is the socket (who may connect, one JSON object per line); this module decides what each request
+does, through the parts of the mount it is given. What only the daemon's lifecycle can do (stop, restart,
+say how it is) it asks of the daemon, as a `Lifecycle`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from ckptfs.drain import Drain, FlushResult
+from ckptfs.errors import CkptfsError
+from ckptfs.journal import ROOT_ID
+from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
+from ckptfs.prune import Pruner
+from ckptfs.recovery import DirLister
+from ckptfs.status import MountStats, status_json
+
+RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take
+REMAINING_LISTED = 100  # a flush or unmount names this many entries not yet durable (and counts them all)
+
+
+def deadline_after(timeout: float | None) -> float:
+    """The trio deadline of a request's timeout (None: no deadline)."""
+    return math.inf if timeout is None else trio.current_time() + float(timeout)
+
+
+class Lifecycle(Protocol):
+    """What the requests ask of the daemon itself."""
+
+    def statistics(self) -> MountStats: ...
+
+    def request_stop(self, timeout: float | None) -> None: ...
+
+    async def stopped(self) -> FlushResult:
+        """Once the stop drained (or gave up): what remained."""
+        ...
+
+    def begin_restart(self) -> str | None:
+        """Hand the mount to a new daemon; why not, if it cannot."""
+        ...
+
+
+class ControlRequests:
+    """One mount's answers; `records` and `peers` are None without cross-node ordering."""
+
+    def __init__(
+        self, daemon: Lifecycle, drain: Drain, lister: DirLister, pruner: Pruner, *, cache_root: Path, node_id: str,
+        records: NodeRecords | None, peers: PeerRecords | None,
+    ) -> None:
+        self.daemon = daemon
+        self.drain = drain
+        self.lister = lister
+        self.pruner = pruner
+        self.cache_root = cache_root
+        self.node_id = node_id
+        self.records = records
+        self.peers = peers
+
+    async def answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The answer to one request of the control socket (ctl.serve calls this)."""
+        op = request.get("op")
+        if op == "status":
+            return {"ok": True, **status_json(self.daemon.statistics())}
+        if op == "flush":
+            paths = [p.strip("/") for p in request.get("paths") or []] or None
+            deadline = deadline_after(request.get("timeout"))
+            result = await self.drain.flush(paths, deadline)
+            if result.ok and self.records is not None:
+                # Flushed: this node's records whose work is done go now, not after LINGER, so that no
+                # other node's marker waits for them and the store holds no bookkeeping of a quiet node.
+                with trio.move_on_at(min(deadline, trio.current_time() + RETIRE_RECORDS_WAIT)):
+                    await self.records.tidy(final=True)
+            if result.ok and request.get("all_nodes"):
+                result = await self._flush_other_nodes(deadline)
+            return {"ok": result.ok, "remaining": result.remaining[:REMAINING_LISTED],
+                    "remaining_count": len(result.remaining)}
+        if op == "nodes":
+            return await self._nodes(request)
+        if op == "prune":
+            keep_last = request.get("keep_last")
+            if not isinstance(keep_last, int) or keep_last < 1:
+                return {"ok": False, "error": "keep_last must be a whole number >= 1"}
+            pruned = await self.pruner.prune(keep_last, tuple(request.get("keep") or ()),
+                                             dry_run=bool(request.get("dry_run")))
+            return {"ok": True, "delete": pruned.delete, "reasons": pruned.reasons}
+        if op == "refresh":
+            self.lister.invalidate_all()
+            await self.lister.ensure(ROOT_ID)
+            return {"ok": True}
+        if op == "restart":
+            refused = self.daemon.begin_restart()
+            if refused is not None:
+                return {"ok": False, "error": refused}
+            return {"ok": True, "pid": os.getpid()}
+        if op == "umount":
+            self.daemon.request_stop(request.get("timeout"))
+            result = await self.daemon.stopped()
+            return {
+                "ok": result.ok,
+                "remaining": result.remaining[:REMAINING_LISTED],
+                "remaining_count": len(result.remaining),
+                "cache_dir": str(self.cache_root),
+                "pid": os.getpid(),
+            }
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    async def _flush_other_nodes(self, deadline: float) -> FlushResult:
+        """After this node's flush: wait until every other node's work pending now is durable."""
+        if self.peers is None:
+            raise CkptfsError("--all-nodes needs cross-node ordering (cross_node_ordering = true and commit"
+                              " markers configured)")
+        try:
+            with trio.move_on_at(deadline):
+                await self.peers.wait_all()
+                return FlushResult(True, [])
+        except HeldError as exc:
+            return FlushResult(False, exc.lines)
+        return FlushResult(False, self.peers.describe(self.peers.waited_for()))
+
+    async def _nodes(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`ckptfs nodes`: every node with pending records in the store; `forget` gives one up."""
+        if self.peers is None:
+            return {"ok": False, "error": "cross-node ordering is off on this mount (cross_node_ordering = false,"
+                    " or no commit_markers)"}
+        forget = request.get("forget")
+        forgotten = None
+        if forget:
+            if not isinstance(forget, str) or forget == self.node_id:
+                return {"ok": False, "error": f"cannot forget {forget!r}: name another node (ckptfs nodes lists"
+                        " them)"}
+            forgotten = await self.peers.forget(forget)
+        else:
+            await self.peers.refresh()
+        return {"ok": True, "this_node": self.node_id, "nodes": self.peers.nodes(),
+                "waiting_markers": self.peers.waiting_markers(), "forgot_records": forgotten}

@@ -1,0 +1,449 @@
+"""The drain's scheduler: scans the journal for work, claims each job's store keys, and dispatches the jobs
+to the parts that do them, as slots free up. `Drain` is also what the rest of ckptfs talks to.
+
+Owns: the rounds of scan and dispatch (rate-limited, woken by notify/mount_changed), choosing the jobs of
+a scan in order (what is due; the rules of ordering.py decide what must still wait), the upload and other
+slots, small uploads in batches, a job's end (its keys and slot freed, flushes woken), and the fault
+isolation that keeps one entry's failure that entry's. Retries and parking are retries.py's; the jobs are
+uploads.py's, spills.py's and namespace.py's; flush waiters durability.py's; aborts and sweeps cleanup.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import trio
+
+from ckptfs.cache import CacheDir
+from ckptfs.drain import ordering
+from ckptfs.drain.cleanup import Cleanup
+from ckptfs.drain.durability import Durability, FlushResult
+from ckptfs.drain.namespace import Namespace
+from ckptfs.drain.ordering import CommitMarkers, Job, below, keyed
+from ckptfs.drain.records import Records
+from ckptfs.drain.retries import Parked, Retries
+from ckptfs.drain.spills import Spills
+from ckptfs.drain.stats import DrainStats
+from ckptfs.drain.uploads import SMALL_BATCH, SMALL_BATCH_BYTES, SMALL_FILE, Uploads
+from ckptfs.errors import Faults
+from ckptfs.journal import DIR, FILE, Inode, Journal, journal_unusable
+from ckptfs.transfer import Transfers
+
+log = logging.getLogger(__name__)
+
+SCAN_LIMIT = 2000
+# While new work keeps arriving, rescan at most this often (a scan reads up to SCAN_LIMIT rows).
+RESCAN_INTERVAL = 0.2
+# Scans start at least this far apart, however often the filesystem notifies.
+MIN_SCAN_INTERVAL = 0.02
+# While a file is open for writing and early spills are on, the drain looks this often whether it has grown
+# by a part (writes do not notify it).
+EARLY_SPILL_POLL = 0.25
+# A burst of namespace changes (a save writing many small files) has ended once the mount has seen none for
+# this long: small files wait for that (see Drain.mount_changed), at most small_file_wait seconds.
+BURST_QUIET = 0.5
+# After an unexpected error in the scan itself, the next scan waits this long (doubling up to the cap).
+SCAN_FAILURE_PAUSE = 1.0
+SCAN_FAILURE_PAUSE_CAP = 30.0
+
+
+class Drain:
+    def __init__(
+        self,
+        journal: Journal,
+        cache: CacheDir,
+        engine: Transfers,
+        *,
+        transfers: int = 8,
+        upload_delay: float = 2.0,
+        small_file_wait: float = 10.0,
+        commit_markers: tuple[str, ...] = (),
+        upload_while_writing: str = "off",
+        clock: Callable[[], float] = time.time,
+        faults: Faults | None = None,
+    ) -> None:
+        self.journal = journal
+        self.cache = cache
+        self.engine = engine
+        self.upload_delay = upload_delay
+        self.small_file_wait = small_file_wait
+        self.markers = CommitMarkers(commit_markers)
+        self.clock = clock
+        self.stats = DrainStats()
+        self.faults = faults if faults is not None else Faults()
+        self._upload_slots = trio.Semaphore(transfers)
+        self._other_slots = trio.Semaphore(transfers * 2)
+        self._new_work = trio.Event()
+        self._changed_at = -math.inf  # trio time of the mount's last namespace change (mount_changed)
+        self._running: set[tuple[str, int]] = set()
+        self._busy_keys: set[str] = set()
+        # Whether a closed commit marker must still wait for other nodes (nodes.PeerRecords.blocks); the
+        # drain is notified when that may have changed.
+        self.waits_for_nodes: Callable[[Inode], bool] = lambda inode: False
+        # Why a commit marker still waits for other nodes (None: it does not), for flush's answer.
+        self.why_marker_waits: Callable[[Inode], str | None] = lambda inode: None
+
+        self.retries = Retries(journal, self.stats, self.faults, engine.store.url)
+        self.records = Records(journal, self.markers)
+        self.cleanup = Cleanup(engine, notify=self.notify)
+        self.durability = Durability(journal, self.cleanup, self.retries, self.markers, notify=self.notify,
+                                     why_marker_waits=lambda inode: self.why_marker_waits(inode))
+        self.cleanup.progressed = self.durability.progressed
+        self.spills = Spills(
+            journal, cache, engine, self.records, self.markers, self.stats, discard_upload=self.discard_upload,
+            # Early spills stage files being written while the cache has room, where the store can place
+            # them at their key without a copy (see UploadState.early).
+            early=upload_while_writing == "on" or (
+                upload_while_writing == "auto" and engine.store.limits.completes_anywhere),
+        )
+        self.uploads = Uploads(journal, cache, engine, self.records, self.spills, self.retries, self.markers,
+                               self.stats, marker_blocked=self._marker_blocked)
+        self.namespace = Namespace(journal, engine, self.records, self.retries, self.stats, clock=clock,
+                                   marker_blocked=self._marker_blocked)
+
+    # -- what the rest of ckptfs calls -----------------------------------------------------------------
+
+    def notify(self) -> None:
+        """Something in the journal may have become work."""
+        self._new_work.set()
+
+    def mount_changed(self) -> None:
+        """The fs package, after each change that may be work: a file closed after writing, a name created, renamed
+        or removed. While these keep coming (a save writing many small files), small files wait for a
+        pause of BURST_QUIET before they are uploaded, for at most small_file_wait seconds beyond
+        upload_delay: their uploads are mostly fixed cost per file (a request, its signing, a journal
+        update), CPU and GIL that the writer waiting on each create and close would otherwise share. Large
+        files and everything else go on as before; a flush, cache pressure and shutdown do not wait."""
+        self._changed_at = trio.current_time()
+        self._new_work.set()
+
+    def set_pressure(self, on: bool) -> None:
+        """The cache is full (evict.py calls this every round while it is): upload closed files at once,
+        ignoring upload_delay, and spill files being written, until it is not."""
+        self.spills.pressure = on
+        if on:
+            self.notify()  # each round of the evictor: a file may have grown enough to spill since
+
+    def is_commit_marker(self, name: str | None) -> bool:
+        return self.markers.match(name)
+
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def discard_upload(self, state_text: str) -> None:
+        """A file with a staged upload or spill (its journaled `upload_state`) was removed: abort it."""
+        self.cleanup.discard_upload(state_text)
+
+    async def wait_durable(self, paths: list[str] | None) -> None:
+        """See Durability.wait_durable."""
+        await self.durability.wait_durable(paths)
+
+    def pending(self, paths: list[str] | None) -> list[str]:
+        """See Durability.pending."""
+        return self.durability.pending(paths)
+
+    async def flush(self, paths: list[str] | None, deadline: float) -> FlushResult:
+        return await self.durability.flush(paths, deadline)
+
+    def failure_of(self, inode_id: int) -> str | None:
+        return self.retries.failure_of(inode_id)
+
+    def failing(self) -> list[tuple[str, Parked]]:
+        return self.retries.failing()
+
+    @property
+    def spill_room(self) -> int:
+        return self.spills.room
+
+    @property
+    def on_spilled(self) -> Callable[[int], None]:
+        """Called with an inode id once a spilled file is uploaded: its local copy has holes, evict it."""
+        return self.spills.on_spilled
+
+    @on_spilled.setter
+    def on_spilled(self, hook: Callable[[int], None]) -> None:
+        self.spills.on_spilled = hook
+
+    @property
+    def on_marker_uploaded(self) -> Callable[[Inode], None]:
+        """Called once a commit marker is in the store: a checkpoint is complete (retention runs then)."""
+        return self.records.on_marker_uploaded
+
+    @on_marker_uploaded.setter
+    def on_marker_uploaded(self, hook: Callable[[Inode], None]) -> None:
+        self.records.on_marker_uploaded = hook
+
+    # -- rounds ----------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Scan and dispatch until cancelled. Nothing but an unusable journal ends it: a job's failure is
+        the job's (_attempt), one entry's failure in a scan is that entry's (_isolated), and any other
+        failure of a round is logged, counted, and the next round comes after a pause."""
+        pause = SCAN_FAILURE_PAUSE
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                try:
+                    await self._round(nursery)
+                    pause = SCAN_FAILURE_PAUSE
+                except Exception as exc:
+                    if journal_unusable(exc):
+                        raise
+                    log.error("the drain's scan failed unexpectedly; scanning again in %.0f s", pause, exc_info=exc)
+                    self._fault("scan", exc)
+                    await trio.sleep(pause)
+                    pause = min(pause * 2, SCAN_FAILURE_PAUSE_CAP)
+
+    async def _round(self, nursery: trio.Nursery) -> None:
+        self._new_work = trio.Event()
+        scanned_at = trio.current_time()
+        while self.cleanup.discarded:
+            nursery.start_soon(self._guarded, "abort", self.cleanup.abort_discarded, self.cleanup.discarded.pop())
+        sweep_at = self.cleanup.sweep_wanted_at()
+        if sweep_at <= scanned_at:
+            nursery.start_soon(self._guarded, "sweep", self.cleanup.sweep)
+            sweep_at = math.inf
+        jobs, next_due = self._scan()
+        next_due = min(next_due, sweep_at)
+        if not await self._dispatch(jobs, nursery, scanned_at):
+            with trio.move_on_at(next_due):
+                await self._new_work.wait()
+        # Coalesce a burst of notifications (thousands of small files closing) into one scan.
+        await trio.sleep_until(scanned_at + MIN_SCAN_INTERVAL)
+
+    async def _guarded(self, what: str, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """A background step whose unexpected failure is logged and counted, never the drain's end (an
+        abort or a sweep not done now is done later: the store's leftovers are swept again)."""
+        try:
+            await fn(*args)
+        except Exception as exc:
+            if journal_unusable(exc):
+                raise
+            log.error("the drain's %s failed unexpectedly", what, exc_info=exc)
+            self._fault(what, exc)
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        message = f"{what}: {exc!r}"
+        self.faults.record("drain", message)
+        self.stats.errors += 1
+        self.stats.last_error = message
+        self.stats.last_error_at = time.time()
+
+    @contextmanager
+    def _isolated(self, kind: str, inode: Inode) -> Iterator[None]:
+        """Choosing the job of one entry: an unexpected error there is that entry's failure (logged with
+        it, counted, retried later like a failed job), not the end of the scan of all the others."""
+        try:
+            yield
+        except Exception as exc:
+            if journal_unusable(exc):
+                raise
+            self.retries.failed_unexpectedly(Job(kind, inode.id, ()), exc, entry=inode.path)
+
+    # -- choosing jobs -----------------------------------------------------------------------------------
+
+    def _scan(self) -> tuple[list[Job], float]:
+        """Work that may start now, in order, and the trio time at which more becomes due. Reads only
+        rows that are due, so thousands of files waiting out upload_delay cost nothing per scan."""
+        now_wall = self.clock()
+        now = trio.current_time()
+        next_due = math.inf
+        jobs: list[Job] = []
+        pressure = self.spills.pressure
+        cut_off = math.inf if pressure or self.durability.waiting else now_wall - self.upload_delay
+        small_cut_off = cut_off
+        if cut_off != math.inf:
+            next_close = self.journal.next_close_after(cut_off)
+            if next_close is not None:
+                next_due = now + (next_close + self.upload_delay - now_wall)
+            burst_ends = self._changed_at + BURST_QUIET
+            if self.small_file_wait > 0 and now < burst_ends:
+                # In a burst (mount_changed): small files only once they waited small_file_wait too. The
+                # scans the burst's own notifications cause, and one when it ends, pick up the rest.
+                small_cut_off = cut_off - self.small_file_wait
+                next_due = min(next_due, burst_ends)
+
+        def waiting(job_id: tuple[str, int], inode: Inode | None = None) -> bool:
+            nonlocal next_due
+            if inode is not None and self.retries.parked:
+                self.retries.unpark_if_changed(job_id, inode)
+            if job_id in self._running:
+                return True
+            retry_at = self.retries.due_at(job_id)
+            if retry_at > now:
+                next_due = min(next_due, retry_at)
+                return True
+            return False
+
+        misplaced = self.journal.misplaced(SCAN_LIMIT)
+        unmarked = ordering.unmarked_dirs(
+            self.journal.dirs_to_upload() + [inode for inode in misplaced if inode.kind == DIR], self.markers,
+            retrying=lambda inode_id: any(self.retries.due_at((kind, inode_id)) > now for kind in ("upload", "move")))
+        for inode, key in keyed(self.journal.uploads_due(cut_off, SCAN_LIMIT, small=(SMALL_FILE, small_cut_off))):
+            if waiting(("upload", inode.id), inode) or ("spill", inode.id) in self._running:
+                continue
+            with self._isolated("upload", inode):
+                if self._marker_blocked(inode) or (unmarked and below(key, unmarked)):
+                    continue
+                if self._target_taken(inode, key):
+                    continue
+                small = (inode.kind == FILE and inode.size <= SMALL_FILE and inode.upload_state is None
+                         and not self.markers.match(inode.name))
+                jobs.append(Job("upload", inode.id, (key,), small, inode.size))
+        if pressure or self.spills.early:
+            for inode_id in self.journal.open_dirty_files():
+                if waiting(("spill", inode_id)) or ("upload", inode_id) in self._running:
+                    continue
+                if self.spills.spillable(inode_id) >= self.spills.part_size:
+                    if unmarked and below(self._path(inode_id), unmarked):
+                        continue
+                    jobs.append(Job("spill", inode_id, ()))
+                elif not pressure:
+                    # Writes do not notify the drain (the write path stays free of it): look again soon.
+                    next_due = min(next_due, now + EARLY_SPILL_POLL)
+        for inode, key in keyed(misplaced):
+            if inode.remote_key is None or waiting(("move", inode.id), inode):
+                continue
+            with self._isolated("move", inode):
+                if self._marker_blocked(inode) or (unmarked and below(key, unmarked)):
+                    continue
+                if self._target_taken(inode, key) and not ordering.breaks_move_cycle(
+                        inode, key, self.journal.key_owner):
+                    continue
+                jobs.append(Job("move", inode.id, (inode.remote_key, key)))
+        for inode, key in keyed(self.journal.meta_stale(SCAN_LIMIT)):
+            if waiting(("meta", inode.id), inode):
+                continue
+            jobs.append(Job("meta", inode.id, (key,)))
+        for delete in self.journal.pending_deletes(SCAN_LIMIT):
+            if waiting(("delete", delete.id)):
+                continue
+            jobs.append(Job("delete", delete.id, (delete.key,)))
+        return jobs, next_due
+
+    def _path(self, inode_id: int) -> str:
+        inode = self.journal.get(inode_id)
+        return inode.path if inode is not None and inode.path is not None else ""
+
+    def _marker_blocked(self, inode: Inode) -> bool:
+        """ordering.marker_blocked, with the journal's work and the other nodes as they are now. Its
+        completion rescans."""
+        return ordering.marker_blocked(inode, self.markers, self.waits_for_nodes,
+                                       lambda seq: bool(self.journal.work_before(seq, 1)))
+
+    def _target_taken(self, inode: Inode, key: str) -> bool:
+        """ordering.target_taken, with the journal's owner of `key` now."""
+        return ordering.target_taken(inode, self.journal.key_owner(key))
+
+    # -- running jobs ----------------------------------------------------------------------------------
+
+    async def _dispatch(self, jobs: list[Job], nursery: trio.Nursery, scanned_at: float) -> bool:
+        """Start the jobs of a scan as slots free up, small uploads in batches of up to SMALL_BATCH (one
+        upload slot each). True if it stopped early for new work."""
+        batch: list[Job] = []
+        batch_bytes = 0
+        holding = False  # an upload slot for `batch`
+        interrupted = False
+        try:
+            for job in jobs:
+                if job.small:
+                    if not holding:
+                        await self._upload_slots.acquire()
+                        holding = True
+                    if self._claim(job):
+                        batch.append(job)
+                        batch_bytes += job.size
+                    if len(batch) < SMALL_BATCH and batch_bytes < SMALL_BATCH_BYTES:
+                        continue
+                if batch:
+                    nursery.start_soon(self._run_batch, batch, self._upload_slots)  # it owns the slot now
+                    batch, batch_bytes = [], 0
+                elif holding:
+                    self._upload_slots.release()  # never wait for a slot while holding one
+                holding = False
+                if not job.small:
+                    slots = self._upload_slots if job.kind in ("upload", "spill") else self._other_slots
+                    await slots.acquire()
+                    if not self._claim(job):
+                        slots.release()
+                        continue
+                    nursery.start_soon(self._run_job, job, slots)
+                if self._new_work.is_set() and trio.current_time() - scanned_at > RESCAN_INTERVAL:
+                    interrupted = True
+                    break
+        finally:
+            if batch:
+                nursery.start_soon(self._run_batch, batch, self._upload_slots)
+            elif holding:
+                self._upload_slots.release()
+        return interrupted
+
+    def _claim(self, job: Job) -> bool:
+        try:
+            if ordering.busy(job, self._running, self._busy_keys):
+                return False
+        except Exception as exc:
+            if journal_unusable(exc):
+                raise
+            self.retries.failed_unexpectedly(job, exc)
+            return False
+        self._running.add((job.kind, job.ident))
+        self._busy_keys.update(job.keys)
+        return True
+
+    async def _run_job(self, job: Job, slots: trio.Semaphore) -> None:
+        try:
+            await self._attempt(job)
+        finally:
+            self._settle([job], slots)
+
+    async def _run_batch(self, jobs: list[Job], slots: trio.Semaphore) -> None:
+        try:
+            try:
+                rest = await self.uploads.upload_small(jobs)
+            except Exception as exc:
+                if journal_unusable(exc):
+                    raise
+                for job in jobs:
+                    self.retries.failed_unexpectedly(job, exc)
+                return
+            for job in rest:
+                await self._attempt(job)
+        finally:
+            self._settle(jobs, slots)
+
+    async def _attempt(self, job: Job) -> None:
+        """Run one job; a failure schedules its retry."""
+        try:
+            if job.kind == "upload":
+                await self.uploads.upload(job.ident, job.keys[0])
+            elif job.kind == "spill":
+                await self.spills.spill(job.ident)
+            elif job.kind == "move":
+                await self.namespace.move(job.ident, (job.keys[0], job.keys[1]))
+            elif job.kind == "meta":
+                await self.namespace.update_meta(job.ident)
+            else:
+                await self.namespace.delete(job.ident)
+        except Exception as exc:
+            if journal_unusable(exc):
+                raise
+            self.retries.failed_unexpectedly(job, exc)
+        else:
+            self.retries.succeeded(job)
+
+    def _settle(self, jobs: list[Job], slots: trio.Semaphore) -> None:
+        """Jobs ended (done, failed or cancelled): free their keys and slot, wake flushes and the scanner."""
+        for job in jobs:
+            self._running.discard((job.kind, job.ident))
+            self._busy_keys.difference_update(job.keys)
+        slots.release()
+        self.durability.jobs_ended(jobs)
+        # Their outcome may be new work (a restart under a new name, a queued delete, an unblocked
+        # marker); scans are cheap and rate-limited by the dispatch loop.
+        self.notify()

@@ -1,0 +1,21 @@
+"""The drain's counters: what it uploaded, moved, deleted and spilled, and its errors (the daemon's
+metrics and `ckptfs status` read them; every part of the drain adds to them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DrainStats:
+    uploaded_files: int = 0
+    uploaded_bytes: int = 0
+    upload_seconds: float = 0.0
+    moves: int = 0
+    deletes: int = 0
+    spilled_bytes: int = 0
+    errors: int = 0
+    errors_by_job: dict[str, int] = field(default_factory=dict)
+    last_error: str | None = None
+    last_error_at: float | None = None
+

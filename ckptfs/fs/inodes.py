@@ -1,0 +1,50 @@
+"""An inode as requests see it: found by id (ENOENT if it is gone), as a directory (ENOTDIR), and its
+attributes, from the journal's row and, for a file with local data, from its cache file."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+from ckptfs.cache import CacheDir
+from ckptfs.errors import FsError
+from ckptfs.fs.interface import Attr
+from ckptfs.journal import DIR, FILE, REMOTE, Inode, Journal
+
+log = logging.getLogger(__name__)
+
+
+def existing(journal: Journal, inode_id: int) -> Inode:
+    inode = journal.get(inode_id)
+    if inode is None:
+        raise FsError(errno.ENOENT, f"inode {inode_id} does not exist")
+    return inode
+
+
+def directory(journal: Journal, inode_id: int) -> Inode:
+    inode = existing(journal, inode_id)
+    if inode.kind != DIR:
+        raise FsError(errno.ENOTDIR, f"{inode.path!r} is not a directory")
+    if inode.path is None:
+        raise FsError(errno.ENOENT, "directory was removed")
+    return inode
+
+
+def attr_of(cache: CacheDir, inode: Inode) -> Attr:
+    if inode.kind == FILE and inode.state != REMOTE:
+        try:
+            st = os.stat(cache.data_path(inode.id))
+        except FileNotFoundError:
+            log.error("cache file of %s (inode %d) is missing", inode.path, inode.id)
+            raise FsError(errno.EIO, "cache file missing") from None
+        size, blocks, atime, mtime = st.st_size, st.st_blocks, st.st_atime_ns, st.st_mtime_ns
+        # Writes change the cache file's ctime; namespace and attribute changes the journal's.
+        ctime = max(st.st_ctime_ns, inode.ctime_ns)
+    else:
+        size = len(inode.target.encode()) if inode.target is not None else inode.size
+        blocks = (size + 511) // 512
+        atime = mtime = inode.mtime_ns
+        ctime = inode.ctime_ns
+    nlink = 0 if inode.path is None else (2 if inode.kind == DIR else 1)
+    return Attr(inode.id, inode.mode, nlink, inode.uid, inode.gid, size, blocks, atime, mtime, ctime)

@@ -1,0 +1,89 @@
+"""Directories as the store lists them: before a lookup, a readdir, a rename or an rmdir the store's
+entries of the directories involved are in the journal (the lister reads them, a directory at a time,
+and decides how fresh a listing must be); and readdir itself, from the journal."""
+
+from __future__ import annotations
+
+from ckptfs.cache import CacheDir
+from ckptfs.errors import BackendError, FsError, errno_for_backend_error
+from ckptfs.fs.inodes import attr_of, directory
+from ckptfs.fs.interface import DirEntry, Lister
+from ckptfs.fs.namespace import Namespace
+from ckptfs.journal import DIR, Inode, Journal
+
+
+class NothingToList:
+    """The lister of a filesystem without a store to list (tests of the semantics alone)."""
+
+    async def ensure(self, inode_id: int, *, required: bool = False) -> None:
+        return None
+
+    def mark_listed(self, inode_id: int) -> None:
+        return None
+
+
+class Listing:
+    def __init__(self, journal: Journal, cache: CacheDir, lister: Lister, namespace: Namespace) -> None:
+        self.journal = journal
+        self.cache = cache
+        self.lister = lister
+        self._namespace = namespace
+
+    async def ensure_listed(self, inode_id: int) -> None:
+        """Before a lookup in or a readdir of a directory: the store's entries of it are in the journal."""
+        await self.lister.ensure(inode_id)
+
+    async def _list_required(self, inode_id: int) -> None:
+        try:
+            await self.lister.ensure(inode_id, required=True)
+        except BackendError as exc:
+            raise FsError(errno_for_backend_error(exc), f"cannot list the store: {exc}") from None
+
+    async def _list_tree(self, inode_id: int) -> None:
+        """Every directory at and below `inode_id` is listed from the store, so the journal knows the whole
+        subtree. Re-read after each await: entries may come and go while a listing runs."""
+        pending = [inode_id]
+        while pending:
+            folder = pending.pop()
+            await self._list_required(folder)
+            pending.extend(c.id for c in self.journal.all_children(folder) if c.kind == DIR)
+
+    async def prepare_rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes) -> None:
+        """Before rename(): the journal knows everything the rename moves or replaces. Listing is lazy, so a
+        directory this node never looked into has no entries here yet; renamed as it is, its objects would
+        stay at the old keys and the new name would be empty (a rename in the store is a move of every
+        object, each journaled). So its whole subtree is listed first, and a directory it replaces is
+        listed too (rename over a non-empty directory is ENOTEMPTY). A big remote tree makes the rename
+        slower, never wrong; a store that cannot be listed fails the rename instead of losing entries."""
+        await self._list_required(old_parent_id)
+        await self._list_required(new_parent_id)
+        source = self._maybe_child(old_parent_id, raw_old)
+        if source is not None and source.kind == DIR:
+            await self._list_tree(source.id)
+        target = self._maybe_child(new_parent_id, raw_new)
+        if target is not None and target.kind == DIR:
+            await self._list_required(target.id)
+
+    async def prepare_rmdir(self, parent_id: int, raw_name: bytes) -> None:
+        """Before rmdir(): the directory is listed, so one with objects only in the store is ENOTEMPTY."""
+        await self._list_required(parent_id)
+        inode = self._maybe_child(parent_id, raw_name)
+        if inode is not None and inode.kind == DIR:
+            await self._list_required(inode.id)
+
+    def _maybe_child(self, parent_id: int, raw_name: bytes) -> Inode | None:
+        try:
+            return self._namespace.existing_child(directory(self.journal, parent_id), raw_name)
+        except FsError:
+            return None  # rename()/rmdir() report it
+
+    def opendir(self, inode_id: int) -> int:
+        directory(self.journal, inode_id)
+        return inode_id
+
+    def readdir(self, inode_id: int, after_id: int, limit: int = 1000) -> list[DirEntry]:
+        entries = []
+        for child in self.journal.children(inode_id, after_id, limit):
+            assert child.name is not None
+            entries.append(DirEntry(child.name.encode(), attr_of(self.cache, child), child.id))
+        return entries

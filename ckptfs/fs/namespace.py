@@ -1,0 +1,190 @@
+"""The namespace: which names exist and what they may be (name and path limits a store key sets), and the
+operations that change it: lookup, mkdir, symlink, unlink, rmdir, rename, and an entry another node
+deleted from the shared store (vanished). Each change is one journal transaction; the drain learns of it
+from there."""
+
+from __future__ import annotations
+
+import errno
+import stat
+import time
+from collections.abc import Callable
+
+from ckptfs.cache import CacheDir
+from ckptfs.errors import FsError
+from ckptfs.fs.inodes import attr_of, directory, existing
+from ckptfs.fs.interface import Attr, Lister, Moved
+from ckptfs.fs.references import References
+from ckptfs.journal import DIR, ROOT_ID, SYMLINK, Inode, Journal
+
+NAME_MAX = 255
+# S3 keys are at most 1024 bytes; leave room for a prefix.
+PATH_MAX_BYTES = 1000
+# Stores keep their own bookkeeping (temp files, upload markers) under names with this prefix.
+RESERVED_PREFIX = b".ckptfs-tmp."
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+def decode_name(raw: bytes) -> str:
+    if len(raw) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
+    if raw in (b"", b".", b"..") or b"/" in raw or b"\0" in raw:
+        raise FsError(errno.EINVAL, f"invalid name {raw!r}")
+    if raw.startswith(RESERVED_PREFIX):
+        raise FsError(errno.EINVAL, f"names starting with {RESERVED_PREFIX.decode()} are reserved for ckptfs")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FsError(errno.EINVAL, f"name {raw!r} is not UTF-8; object stores keep UTF-8 keys only") from None
+
+
+def child_path(parent: Inode, name: str) -> str:
+    path = f"{parent.path}/{name}" if parent.path else name
+    if len(path.encode()) > PATH_MAX_BYTES:
+        raise FsError(errno.ENAMETOOLONG, f"path longer than {PATH_MAX_BYTES} bytes")
+    return path
+
+
+class Namespace:
+    def __init__(self, journal: Journal, cache: CacheDir, references: References, lister: Lister,
+                 notify_drain: Callable[[], None]) -> None:
+        self.journal = journal
+        self.cache = cache
+        self._references = references
+        self._lister = lister
+        self._notify_drain = notify_drain
+
+    def lookup(self, parent_id: int, raw_name: bytes) -> Attr:
+        parent = directory(self.journal, parent_id)
+        if raw_name == b".":
+            inode = parent
+        elif raw_name == b"..":
+            inode = existing(self.journal, parent.parent or ROOT_ID)
+        else:
+            inode = self.existing_child(parent, raw_name)
+        self._references.remember(inode.id)
+        return attr_of(self.cache, inode)
+
+    def existing_child(self, parent: Inode, raw_name: bytes) -> Inode:
+        try:
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FsError(errno.ENOENT, "no such entry") from None  # it could not have been created
+        inode = self.journal.lookup(parent.id, name)
+        if inode is None:
+            raise FsError(errno.ENOENT, f"no entry {name!r}")
+        return inode
+
+    def check_new_entry(self, parent_id: int, raw_name: bytes) -> tuple[Inode, str]:
+        parent = directory(self.journal, parent_id)
+        name = decode_name(raw_name)
+        child_path(parent, name)
+        if self.journal.lookup(parent_id, name) is not None:
+            raise FsError(errno.EEXIST, f"{name!r} exists")
+        return parent, name
+
+    def vanished(self, inode: Inode) -> None:
+        """Someone deleted this entry's object from the shared store: it goes here too (open handles and
+        the kernel's references keep the inode until they are let go, as after an unlink)."""
+        with self.journal.transaction():
+            self.journal.detach(inode._replace(remote_key=None))
+        self._references.maybe_purge(inode.id)
+
+    def mkdir(self, parent_id: int, raw_name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        parent, name = self.check_new_entry(parent_id, raw_name)
+        with self.journal.transaction():
+            inode = self.journal.create_inode(
+                parent, name, DIR, stat.S_IFDIR | (mode & 0o7777), uid, gid, closed_at=time.time()
+            )
+        self._lister.mark_listed(inode.id)
+        self._references.remember(inode.id)
+        self._notify_drain()
+        return attr_of(self.cache, inode)
+
+    def symlink(self, parent_id: int, raw_name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+        parent, name = self.check_new_entry(parent_id, raw_name)
+        try:
+            target_text = target.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FsError(errno.EINVAL, "symlink target is not UTF-8") from None
+        with self.journal.transaction():
+            inode = self.journal.create_inode(
+                parent, name, SYMLINK, stat.S_IFLNK | 0o777, uid, gid, target=target_text, closed_at=time.time()
+            )
+        self._references.remember(inode.id)
+        self._notify_drain()
+        return attr_of(self.cache, inode)
+
+    def readlink(self, inode_id: int) -> bytes:
+        inode = existing(self.journal, inode_id)
+        if inode.kind != SYMLINK or inode.target is None:
+            raise FsError(errno.EINVAL, "not a symlink")
+        return inode.target.encode()
+
+    def link(self) -> None:
+        raise FsError(errno.EPERM, "hard links are not supported")
+
+    def unlink(self, parent_id: int, raw_name: bytes) -> None:
+        inode = self.existing_child(directory(self.journal, parent_id), raw_name)
+        if inode.kind == DIR:
+            raise FsError(errno.EISDIR, f"{inode.path!r} is a directory")
+        self._remove(inode)
+
+    def rmdir(self, parent_id: int, raw_name: bytes) -> None:
+        inode = self.existing_child(directory(self.journal, parent_id), raw_name)
+        if inode.kind != DIR:
+            raise FsError(errno.ENOTDIR, f"{inode.path!r} is not a directory")
+        if self.journal.has_children(inode.id):
+            raise FsError(errno.ENOTEMPTY, f"{inode.path!r} is not empty")
+        self._remove(inode)
+
+    def _remove(self, inode: Inode) -> None:
+        with self.journal.transaction():
+            self.journal.detach(inode)
+            if inode.kind == DIR:
+                self.journal.forget_folder(inode.path, inode.remote_key)
+        self._references.maybe_purge(inode.id)
+        self._notify_drain()
+
+    def rename(
+        self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes, flags: int
+    ) -> Moved | None:
+        """Returns what moved (for cross-node ordering), None if nothing did (a rename onto itself)."""
+        if flags & RENAME_EXCHANGE:
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        if flags & ~RENAME_NOREPLACE:
+            raise FsError(errno.EINVAL, f"unsupported rename flags {flags:#x}")
+        source = self.existing_child(directory(self.journal, old_parent_id), raw_old)
+        new_parent = directory(self.journal, new_parent_id)
+        new_name = decode_name(raw_new)
+        child_path(new_parent, new_name)
+        target = self.journal.lookup(new_parent_id, new_name)
+        if target is not None and target.id == source.id:
+            return None
+        if target is not None and flags & RENAME_NOREPLACE:
+            raise FsError(errno.EEXIST, f"{target.path!r} exists")
+        if source.kind == DIR and self.journal.is_ancestor(source.id, new_parent_id):
+            raise FsError(errno.EINVAL, "cannot move a directory into itself")
+        if source.kind == DIR and source.path is not None:
+            # Moving a tree deeper lengthens every path in it; none may outgrow what a store key holds.
+            new_path_bytes = len(child_path(new_parent, new_name).encode())
+            growth = new_path_bytes - len(source.path.encode())
+            if self.journal.longest_path_under(source.path) + growth > PATH_MAX_BYTES:
+                raise FsError(errno.ENAMETOOLONG, f"a path below {source.path!r} would exceed {PATH_MAX_BYTES} bytes")
+        if target is not None:
+            if target.kind == DIR and source.kind != DIR:
+                raise FsError(errno.EISDIR, f"{target.path!r} is a directory")
+            if target.kind != DIR and source.kind == DIR:
+                raise FsError(errno.ENOTDIR, f"{target.path!r} is not a directory")
+            if target.kind == DIR and self.journal.has_children(target.id):
+                raise FsError(errno.ENOTEMPTY, f"{target.path!r} is not empty")
+        # One transaction: a crash leaves either the old or the new namespace, never a mix.
+        with self.journal.transaction():
+            if target is not None:
+                self.journal.detach(target)
+            self.journal.move(source, new_parent, new_name)
+        if target is not None:
+            self._references.maybe_purge(target.id)
+        self._notify_drain()
+        return Moved(source.id, child_path(new_parent, new_name), source.kind == DIR)

@@ -1,0 +1,76 @@
+"""How long an inode lives: the references the kernel holds (lookup counts, given back by FORGET) and the
+open handles; an unlinked inode is purged (its journal row, cache file, staged upload) once neither refers
+to it. After a takeover the kernel holds references this daemon never counted: such an inode is purged
+only once the kernel forgot it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ckptfs.cache import CacheDir
+from ckptfs.evict import Evictor
+from ckptfs.fs.changes import Changes
+from ckptfs.fs.interface import ReadStreams
+from ckptfs.fs.open_files import OpenFiles
+from ckptfs.journal import FILE, ROOT_ID, Journal
+
+
+class References:
+    def __init__(self, journal: Journal, cache: CacheDir, open_files: OpenFiles, changes: Changes,
+                 evictor: Evictor, streams: ReadStreams[Any] | None,
+                 discard_upload: Callable[[str], None]) -> None:
+        self.journal = journal
+        self.cache = cache
+        self._open_count = open_files.open_count
+        self._changes = changes
+        self.evictor = evictor
+        self.streams = streams
+        # Takes the journaled upload_state of a purged file: its staged upload or spill is to be aborted.
+        self._discard_upload = discard_upload
+        self._lookup_count: dict[int, int] = {}
+        # After a takeover the kernel holds references this daemon never counted: an unlinked inode is
+        # purged only once the kernel forgot it (it sends FORGET when it evicts an inode, with its full
+        # count), `_counted` holds those.
+        self._refs_inherited = False
+        self._counted: set[int] = set()
+
+    def inherit(self) -> None:
+        """This daemon took the mount over: the kernel holds references it never counted."""
+        self._refs_inherited = True
+
+    def remember(self, inode_id: int) -> None:
+        """The kernel now holds a reference to this inode (a lookup, create, mkdir, ... or readdirplus
+        reported it)."""
+        self._lookup_count[inode_id] = self._lookup_count.get(inode_id, 0) + 1
+
+    def forget(self, inode_id: int, count: int) -> None:
+        left = self._lookup_count.get(inode_id, 0) - count
+        if left > 0:
+            self._lookup_count[inode_id] = left
+        else:
+            self._lookup_count.pop(inode_id, None)
+            if self._refs_inherited:
+                self._counted.add(inode_id)
+            self.maybe_purge(inode_id)
+
+    def maybe_purge(self, inode_id: int) -> None:
+        """Drop an unlinked inode once neither the kernel nor an open handle refers to it."""
+        if self._lookup_count.get(inode_id, 0) or self._open_count.get(inode_id, 0):
+            return
+        if self._refs_inherited and inode_id not in self._counted:
+            return
+        inode = self.journal.get(inode_id)
+        if inode is None or inode.parent is not None or inode_id == ROOT_ID:
+            return
+        with self.journal.transaction():
+            self.journal.purge(inode_id)
+        self._counted.discard(inode_id)
+        if inode.upload_state is not None:
+            self._discard_upload(inode.upload_state)
+        self._changes.forget(inode_id)
+        if inode.kind == FILE:
+            self.cache.remove_data(inode_id)
+            self.evictor.forget(inode_id)
+            if self.streams is not None:
+                self.streams.discard(inode_id)

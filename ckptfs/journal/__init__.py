@@ -1,0 +1,36 @@
+"""The journal: SQLite (WAL) holding the namespace, every file's state and the pending remote operations.
+
+It is the single source of truth. The FUSE layer changes state only through it, the drain learns its work
+only from it, and a restart rebuilds everything from it. All calls are synchronous and must be made from
+the trio thread: a run of journal calls between two awaits is therefore atomic with respect to every other
+task. It knows nothing about FUSE, trio or object stores; it stores keys as plain strings.
+
+Durability: WAL with synchronous=NORMAL survives a crash or kill -9 of the daemon after every commit;
+`sync()` makes everything committed so far survive power loss (fsync() on a file calls it).
+
+Modules, one concern each: records (Inode, PendingDelete, states and kinds), schema (create_tables, the
+schema version and its migrations), connection (the SQLite connection; SQLite's errors become JournalFull,
+JournalUnusable or JournalError there, and nowhere else), base (opening, transactions, sync, meta), and the
+concerns of the Journal class: namespace, deletes, work (the drain's), local (fetch, eviction, status).
+"""
+
+from ckptfs.journal.connection import JournalError, JournalFull, JournalUnusable, journal_unusable
+from ckptfs.journal.journal import Journal
+from ckptfs.journal.records import (
+    CLEAN,
+    DIR,
+    DIRTY,
+    FILE,
+    REMOTE,
+    ROOT_ID,
+    SYMLINK,
+    UPLOADING,
+    Inode,
+    PendingDelete,
+)
+from ckptfs.journal.schema import SCHEMA_VERSION
+
+__all__ = [
+    "CLEAN", "DIR", "DIRTY", "FILE", "REMOTE", "ROOT_ID", "SCHEMA_VERSION", "SYMLINK", "UPLOADING", "Inode", "Journal",
+    "JournalError", "JournalFull", "JournalUnusable", "PendingDelete", "journal_unusable",
+]

@@ -1,0 +1,121 @@
+"""The journal's core: opening it (schema created or migrated), transactions, durability, the sequence of
+work, the meta table, and reading inodes by id. The concerns of the Journal class build on it."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from collections.abc import Collection, Iterator
+from pathlib import Path
+
+from ckptfs.journal.connection import connect
+from ckptfs.journal.records import INODE_COLUMNS, Inode
+from ckptfs.journal.schema import check_version, create_tables, migrations
+
+# Below SQLite's smallest limit on bound parameters (999 before 3.32).
+_IDS_PER_QUERY = 900
+
+
+def prefix_range(prefix: str) -> tuple[str, str]:
+    """(lo, hi) such that `lo <= s < hi` holds exactly for the strings s that start with the non-empty
+    `prefix`: a range of an index where `substr(s, 1, n) = prefix` would read every row. SQLite compares
+    TEXT by its UTF-8 bytes, whose order is that of code points."""
+    return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def id_groups(ids: Collection[int]) -> Iterator[tuple[tuple[int, ...], str]]:
+    """`ids` in groups small enough for one query each, with each group's placeholders ("?, ?, ...")."""
+    items = list(ids)
+    for start in range(0, len(items), _IDS_PER_QUERY):
+        group = tuple(items[start:start + _IDS_PER_QUERY])
+        yield group, ", ".join("?" * len(group))
+
+
+def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:
+    return Inode(*row)
+
+
+class JournalBase:
+    """One connection to the journal at `path`, opened with its schema current."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fresh = not path.exists()
+        self.db = connect(path)
+        if fresh:
+            path.chmod(0o600)
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self.db.execute("PRAGMA synchronous = NORMAL")
+        self.db.execute("PRAGMA foreign_keys = OFF")
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            create_tables(self.db)
+        else:
+            check_version(self.db, path, version)
+            for migration in migrations(version):
+                with self.transaction():
+                    migration(self.db)
+        self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            # A COMMIT that fails (SQLITE_FULL: the cache filesystem is full) leaves the transaction open;
+            # roll it back too, or every later BEGIN fails as well.
+            self.db.execute("COMMIT")
+        except BaseException:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
+
+    def sync(self) -> None:
+        """Make every committed transaction survive power loss (fsync the WAL): a write transaction
+        committed with synchronous=FULL syncs the WAL, and with it every transaction before it."""
+        self.db.execute("PRAGMA synchronous = FULL")
+        try:
+            with self.transaction():
+                self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('synced_at', ?)", (str(time.time()),))
+        finally:
+            self.db.execute("PRAGMA synchronous = NORMAL")
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # -- meta ---------------------------------------------------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    # -- reading inodes -----------------------------------------------------------------------------
+
+    def _one(self, sql: str, args: tuple = ()) -> Inode | None:
+        cur = self.db.execute(sql, args)
+        cur.row_factory = _inode_factory
+        return cur.fetchone()
+
+    def _all(self, sql: str, args: tuple = ()) -> list[Inode]:
+        cur = self.db.execute(sql, args)
+        cur.row_factory = _inode_factory
+        return cur.fetchall()
+
+    def get(self, inode_id: int) -> Inode | None:
+        return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+
+    def get_many(self, inode_ids: Collection[int]) -> dict[int, Inode]:
+        """The inodes among `inode_ids` that exist, by id: one query per _IDS_PER_QUERY ids, not one each."""
+        found: dict[int, Inode] = {}
+        for chunk, marks in id_groups(inode_ids):
+            for inode in self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id IN ({marks})", chunk):
+                found[inode.id] = inode
+        return found

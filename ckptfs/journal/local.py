@@ -1,0 +1,73 @@
+"""Local copies: a fetched file becomes local, an evicted one remote, one whose cache file vanished or
+whose object another node replaced is served from the store again; what may be evicted, and the counts
+status reports."""
+
+from __future__ import annotations
+
+from ckptfs.journal.base import JournalBase
+
+
+class LocalCopies(JournalBase):
+    """Whether a file's bytes are in the cache dir (clean) or only in the store (remote)."""
+
+    def finish_fetch(self, inode_id: int, *, size: int, mtime_ns: int) -> None:
+        self.db.execute(
+            "UPDATE inodes SET state = 'clean', size = ?, mtime_ns = ? WHERE id = ? AND state = 'remote'",
+            (size, mtime_ns, inode_id),
+        )
+
+    def serve_from_store(self, inode_id: int) -> None:
+        """The local copy is gone (its cache file vanished): the version the store holds serves it now."""
+        self.db.execute("UPDATE inodes SET state = 'remote' WHERE id = ?", (inode_id,))
+
+    def replaced_in_store(self, inode_id: int, *, size: int, mtime_ns: int, checksum: str | None) -> None:
+        """Another node replaced the object of this inode: the store's new version (of this size, mtime and
+        checksum) serves it from now; the caller drops the local copy."""
+        self.db.execute(
+            "UPDATE inodes SET state = 'remote', size = ?, mtime_ns = ?, checksum = ? WHERE id = ?",
+            (size, mtime_ns, checksum, inode_id),
+        )
+
+    # -- eviction (called by evict.py) ----------------------------------------------------------------
+
+    def clean_files(self) -> list[int]:
+        """Ids of linked files whose local data is a clean copy of what the store holds: what may be
+        evicted (the evictor skips open ones)."""
+        return [row[0] for row in self.db.execute(
+            "SELECT id FROM inodes WHERE state = 'clean' AND kind = 'file' AND path IS NOT NULL"
+        )]
+
+    def open_dirty_files(self) -> list[int]:
+        """Ids of linked files being written right now (what a spill may take from)."""
+        return [row[0] for row in self.db.execute(
+            # The IN term lets the planner use the partial index inodes_pending.
+            "SELECT id FROM inodes WHERE state IN ('dirty', 'uploading') AND state = 'dirty' AND kind = 'file'"
+            " AND closed_at IS NULL AND path IS NOT NULL"
+        )]
+
+    def clean_bytes(self) -> int:
+        row = self.db.execute(
+            "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE state = 'clean' AND kind = 'file' AND path IS NOT NULL"
+        ).fetchone()
+        return int(row[0])
+
+    def mark_evicted(self, inode_id: int, *, size: int, mtime_ns: int) -> bool:
+        """The local copy of a clean file is about to go: the store's copy serves it from now ('remote').
+        False (nothing changed) if the file is no longer clean."""
+        cur = self.db.execute(
+            "UPDATE inodes SET state = 'remote', size = ?, mtime_ns = ? WHERE id = ? AND state = 'clean'"
+            " AND kind = 'file'",
+            (size, mtime_ns, inode_id),
+        )
+        return cur.rowcount == 1
+
+    # -- status ---------------------------------------------------------------------------------------
+
+    def state_summary(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for state, files, size in self.db.execute(
+            "SELECT state, COUNT(*), COALESCE(SUM(size), 0) FROM inodes"
+            " WHERE kind = 'file' AND path IS NOT NULL GROUP BY state"
+        ):
+            out[state] = {"files": files, "bytes": size}
+        return out

@@ -1,0 +1,210 @@
+"""The namespace: looking entries up and walking the tree, the changes the fs package makes inside transaction()
+(create, attributes, open and close for writing, unlink, rename), the entries recovery imports from the
+store, and when each directory was last listed from the store (recovery.DirLister)."""
+
+from __future__ import annotations
+
+import time
+
+from ckptfs.journal.base import prefix_range
+from ckptfs.journal.deletes import PendingDeletes
+from ckptfs.journal.records import CLEAN, DIR, FILE, INODE_COLUMNS, REMOTE, ROOT_ID, Inode
+
+
+class Namespace(PendingDeletes):
+    """The tree of entries and its changes; an entry removed or moved queues its store keys' deletes."""
+
+    def lookup(self, parent: int, name: str) -> Inode | None:
+        return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ? AND name = ?", (parent, name))
+
+    def by_path(self, path: str) -> Inode | None:
+        return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE path = ?", (path,))
+
+    def children(self, parent: int, after_id: int = 0, limit: int = 1000) -> list[Inode]:
+        return self._all(
+            f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
+            (parent, after_id, limit),
+        )
+
+    def all_children(self, parent: int) -> list[Inode]:
+        return self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ?", (parent,))
+
+    def descendants(self, path: str) -> list[Inode]:
+        """Every linked inode below the directory `path`."""
+        return self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE path >= ? AND path < ?", prefix_range(path + "/"))
+
+    def has_children(self, parent: int) -> bool:
+        return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
+
+    def all_inodes(self) -> list[Inode]:
+        return self._all(f"SELECT {INODE_COLUMNS} FROM inodes")
+
+    def is_ancestor(self, ancestor: int, inode_id: int) -> bool:
+        """True if `ancestor` is `inode_id` or one of its parent directories."""
+        current: int | None = inode_id
+        while current is not None:
+            if current == ancestor:
+                return True
+            row = self.db.execute("SELECT parent FROM inodes WHERE id = ?", (current,)).fetchone()
+            current = row[0] if row else None
+        return False
+
+    def longest_path_under(self, path: str) -> int:
+        """Length in bytes of the longest path at or below `path`."""
+        below = self.db.execute(
+            "SELECT MAX(length(CAST(path AS BLOB))) FROM inodes WHERE path >= ? AND path < ?",
+            prefix_range(path + "/"),
+        ).fetchone()[0]
+        return max(len(path.encode()), int(below or 0))
+
+    # -- changes (called by the fs package inside transaction()) -----------------------------------------------
+
+    def create_inode(
+        self,
+        parent: Inode,
+        name: str,
+        kind: str,
+        mode: int,
+        uid: int,
+        gid: int,
+        *,
+        target: str | None = None,
+        now_ns: int | None = None,
+        closed_at: float | None = None,
+    ) -> Inode:
+        now = now_ns if now_ns is not None else time.time_ns()
+        path = f"{parent.path}/{name}" if parent.path else name
+        cur = self.db.execute(
+            "INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, mtime_ns, ctime_ns, target, state,"
+            " closed_at, seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'dirty', ?, ?)",
+            (parent.id, name, path, kind, mode, uid, gid, now, now, target, closed_at, self.next_seq()),
+        )
+        self.touch_dir(parent.id, now)
+        inode = self.get(cur.lastrowid)  # type: ignore[arg-type]
+        assert inode is not None
+        return inode
+
+    def import_remote(
+        self, parent: Inode, name: str, kind: str, *, size: int, mtime_ns: int, mode: int, key: str | None,
+        uid: int, gid: int, now: float, target: str | None = None, checksum: str | None = None,
+    ) -> Inode:
+        """An inode for an object that exists only in the store (state 'remote'; 'clean' for dirs).
+        `key` None: a directory implied by deeper keys, with no marker object of its own."""
+        path = f"{parent.path}/{name}" if parent.path else name
+        state = REMOTE if kind == FILE else CLEAN
+        cur = self.db.execute(
+            "INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,"
+            " state, version, uploaded_version, remote_key, checksum, closed_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, 1, ?, ?, ?)",
+            (parent.id, name, path, kind, mode, uid, gid, size, mtime_ns, mtime_ns, target, state, key, checksum,
+             now),
+        )
+        inode = self.get(cur.lastrowid)  # type: ignore[arg-type]
+        assert inode is not None
+        return inode
+
+    def touch_dir(self, inode_id: int, now_ns: int | None = None) -> None:
+        now = now_ns if now_ns is not None else time.time_ns()
+        self.db.execute("UPDATE inodes SET mtime_ns = ?, ctime_ns = ? WHERE id = ?", (now, now, inode_id))
+
+    def set_attrs(self, inode_id: int, **columns: object) -> None:
+        assert columns and set(columns) <= {"mode", "uid", "gid", "size", "mtime_ns", "ctime_ns"}
+        assignments = ", ".join(f"{c} = ?" for c in columns)
+        self.db.execute(f"UPDATE inodes SET {assignments} WHERE id = ?", (*columns.values(), inode_id))
+
+    def mark_dirty(self, inode_id: int) -> None:
+        """The content is about to change: new version, dirty, not closed (a writer holds it). Setuid and
+        setgid go, as a write drops them (the daemon asks the kernel to leave that to it: see fuse_ops)."""
+        self.db.execute(
+            "UPDATE inodes SET version = version + 1, state = 'dirty', closed_at = NULL, mode = mode & ~3072"
+            " WHERE id = ?",
+            (inode_id,),
+        )
+
+    def mark_open_for_write(self, inode_id: int) -> None:
+        self.db.execute("UPDATE inodes SET closed_at = NULL WHERE id = ?", (inode_id,))
+
+    def mark_closed(self, inode_id: int, *, size: int, mtime_ns: int, changed: bool, now: float) -> None:
+        """The last writer closed. If it changed the content, the file queues for upload from now."""
+        if changed:
+            self.db.execute(
+                "UPDATE inodes SET size = ?, mtime_ns = ?, closed_at = ?, seq = ? WHERE id = ?",
+                (size, mtime_ns, now, self.next_seq(), inode_id),
+            )
+        else:
+            self.db.execute("UPDATE inodes SET closed_at = ? WHERE id = ?", (now, inode_id))
+
+    def detach(self, inode: Inode) -> None:
+        """Remove the entry of `inode` from the namespace; its store copy (if any) is queued for deletion.
+        The row stays (parent NULL) while handles are open; call purge() when the last one goes."""
+        self.queue_delete(inode.remote_key)
+        self.db.execute(
+            "UPDATE inodes SET parent = NULL, name = NULL, path = NULL, remote_key = NULL,"
+            " uploaded_version = 0 WHERE id = ?",
+            (inode.id,),
+        )
+        if inode.parent is not None:
+            self.touch_dir(inode.parent)
+
+    def forget_folder(self, path: str | None, remote_key: str | None) -> None:
+        """A directory leaves `path`. Its marker, if any, goes with its remote_key; but the objects
+        uploaded below `path` made a folder there in stores with real or implicit directories (SeaweedFS
+        lists an emptied folder until its own key is deleted, marker or not). Deleting `path/` once the
+        objects below are gone (see Drain._delete_verdict) removes it; a missing key is no error."""
+        if path and remote_key != path + "/":
+            self.queue_delete(path + "/")
+
+    def purge(self, inode_id: int) -> None:
+        self.db.execute("DELETE FROM inodes WHERE id = ? AND parent IS NULL AND id != ?", (inode_id, ROOT_ID))
+
+    def move(self, inode: Inode, new_parent: Inode, new_name: str) -> None:
+        """Re-link `inode` (and, for a directory, its subtree) under a new parent/name."""
+        new_path = f"{new_parent.path}/{new_name}" if new_parent.path else new_name
+        old_path = inode.path
+        assert old_path is not None
+        now = time.time_ns()
+        if inode.kind == DIR:
+            folders = self.db.execute("SELECT path, remote_key FROM inodes WHERE id = ?", (inode.id,)).fetchall()
+            folders += self.db.execute(
+                "SELECT path, remote_key FROM inodes WHERE path >= ? AND path < ? AND kind = 'dir'",
+                prefix_range(old_path + "/"),
+            ).fetchall()
+            for path, remote_key in folders:
+                self.forget_folder(path, remote_key)
+        self.db.execute(
+            "UPDATE inodes SET parent = ?, name = ?, path = ?, ctime_ns = ?, seq = ? WHERE id = ?",
+            (new_parent.id, new_name, new_path, now, self.next_seq(), inode.id),
+        )
+        if inode.kind == DIR:
+            # The subtree becomes work after everything before the rename, in the order its entries
+            # became work before it: a commit marker inside still follows its siblings.
+            # A range of the path index, not a walk of every inode: `mv step.tmp step` in a namespace of
+            # many retained checkpoints stays cheap (the FUSE loop waits for it).
+            prefix = old_path + "/"
+            lo, hi = prefix_range(prefix)
+            self.db.execute(
+                "UPDATE inodes SET path = ? || substr(path, ?), seq = seq + ? WHERE path >= ? AND path < ?",
+                (new_path + "/", len(prefix) + 1, self.next_seq(), lo, hi),
+            )
+            # Only the subtree's seqs changed: the journal-wide maximum is the old one or among them.
+            lo, hi = prefix_range(new_path + "/")
+            moved_max = self.db.execute("SELECT MAX(seq) FROM inodes WHERE path >= ? AND path < ?", (lo, hi))
+            self._seq = max(self._seq, moved_max.fetchone()[0] or 0)
+        if inode.parent is not None:
+            self.touch_dir(inode.parent, now)
+        self.touch_dir(new_parent.id, now)
+
+    # -- lazy listing: when each directory was last listed from the store (recovery.DirLister) ----------
+
+    def prune_listed_dirs(self) -> None:
+        """Forget when directories gone since were listed."""
+        self.db.execute("DELETE FROM listed_dirs WHERE inode_id NOT IN (SELECT id FROM inodes WHERE path IS NOT NULL)")
+
+    def listed_dirs(self) -> dict[int, float]:
+        return dict(self.db.execute("SELECT inode_id, listed_at FROM listed_dirs").fetchall())
+
+    def set_listed(self, inode_id: int, listed_at: float) -> None:
+        self.db.execute("INSERT OR REPLACE INTO listed_dirs (inode_id, listed_at) VALUES (?, ?)", (inode_id, listed_at))
+
+    def clear_listed(self) -> None:
+        self.db.execute("DELETE FROM listed_dirs")

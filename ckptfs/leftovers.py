@@ -1,0 +1,188 @@
+"""What interrupted uploads leave in the store, and its removal: the one owner of leftovers.
+
+A staged upload or spill that nobody will finish stays in the store until it is aborted: those of a killed
+run, those whose best-effort cleanup failed in this one (an abort of the engine, a delete a store makes on
+its own and reports through its `left_behind`), those of a journal row that could not be read. `Leftovers`
+keeps what a sweep needs to tell them from the uploads still in use, and sweeps: at start-up
+(`sweep_at_start`, sparing what the journal resumes), in the background while a cleanup has failed
+(`next_sweep_at`, `sweep_in_background`: 30 s after the failure, doubling up to 10 min), and at the end of a
+flush (the drain calls `sweep_in_background` too).
+
+What a store call has half made looks like a leftover in a listing (a file:// temp file of a put, the
+multipart upload of an S3 copy, an upload whose id `open_upload` has not returned yet), so a sweep lists
+only while no store call runs: every call that may leave something behind runs inside `store_call()`,
+which a listing waits out and holds off. The store calls themselves (one attempt each, retried) are the
+engine's: it hands them over as `call`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, Protocol, TypeVar
+
+import trio
+
+from ckptfs.backends.base import TEMP_PREFIX, ObjectStore, UploadRef
+from ckptfs.errors import BackendError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Background sweeps after a cleanup failed: the first this long after, doubling up to the cap.
+SWEEP_RETRY_FIRST = 30.0
+SWEEP_RETRY_CAP = 600.0
+# A sweep lists only while no store call runs; a background sweep holds new calls off for at most this
+# long waiting for the running ones (a stalled upload must not stall the others, nor a flush), and else
+# tries again later.
+SWEEP_PATIENCE = 5.0
+# A spill's hidden key: SPILL_PREFIX<owner>.<random> (its final key is known only when the file closes).
+SPILL_PREFIX = f"{TEMP_PREFIX}spill."
+
+
+class StoreCall(Protocol):
+    """The engine's way to call the store: one call in a worker thread, retried on transient errors;
+    `gated=False` for one that runs while a sweep lists (the sweep's own listing)."""
+
+    def __call__(self, fn: Callable[..., T], *args: Any, gated: bool = ...) -> Awaitable[T]: ...
+
+
+def is_spill(key: str) -> bool:
+    """Is `key` the hidden key of a spill (the start of a file still being written, staged by the engine)?"""
+    return key.rsplit("/", 1)[-1].startswith(SPILL_PREFIX)
+
+
+class Leftovers:
+    """This owner's leftovers in one store: which staged uploads are still in use, and the sweeps."""
+
+    def __init__(self, store: ObjectStore, call: StoreCall) -> None:
+        self.store = store
+        self._call = call
+        # The staged uploads this process still works on (upload ids), which a sweep spares.
+        self._live: set[str] = set()
+        # Store calls running, which a sweep's listing waits out; set while a sweep lists, fired when done.
+        self._calls_running = 0
+        self._calls_idle: trio.Event | None = None
+        self._listing: trio.Event | None = None
+        self._lock = trio.Lock()
+        # Something may be left in the store (a failed abort, a sweep that failed): sweep again.
+        self._failed = False
+        # The background sweeps: when the next is due (math.inf: none scheduled), how long after a failure.
+        self._next_at = math.inf
+        self._delay = SWEEP_RETRY_FIRST
+        self._background = 0
+
+    # -- what this process works on ----------------------------------------------------------------------
+
+    def opened(self, ref: UploadRef) -> None:
+        """A staged upload this process opened (or resumes): no sweep removes it until finished()."""
+        self._live.add(ref.upload_id)
+
+    def finished(self, ref: UploadRef) -> None:
+        """This process is done with a staged upload: completed, or aborted."""
+        self._live.discard(ref.upload_id)
+
+    def cleanup_failed(self) -> None:
+        """A best-effort cleanup failed: something of ours may be left in the store for a sweep."""
+        self._failed = True
+
+    @contextlib.asynccontextmanager
+    async def store_call(self) -> AsyncIterator[None]:
+        """Around one attempt of a store call that may leave something in the store: never while a sweep
+        lists the leftovers."""
+        while self._listing is not None:
+            await self._listing.wait()
+        self._calls_running += 1
+        try:
+            yield
+        finally:
+            self._calls_running -= 1
+            if not self._calls_running and self._calls_idle is not None:
+                self._calls_idle.set()
+
+    # -- sweeps ------------------------------------------------------------------------------------------
+
+    @property
+    def due(self) -> bool:
+        """Did a cleanup fail (the engine's abort, a sweep, or one the store does on its own), so that a
+        sweep would find something?"""
+        return self._failed or self.store.left_behind
+
+    async def sweep_at_start(self, keep: Iterable[str] = ()) -> int:
+        """At start-up: the staged uploads the journal resumes (`keep`, upload ids) are this process's from
+        now on; every other leftover of this owner in the store goes. How many went."""
+        self._live.update(keep)
+        return await self.sweep() or 0  # never None: no patience limit
+
+    async def sweep(self, *, patience: float = math.inf) -> int | None:
+        """Remove this owner's staged uploads and spills that nobody will finish: those of a killed run, and
+        those whose cleanup failed in this one. Spares the uploads this process works on. Returns how many
+        went, or None if store calls still ran after `patience` seconds (nothing done, `due` stays true);
+        raises BackendError (`due` stays true) if the store refuses."""
+        async with self._lock:
+            self._failed = True  # until this sweep succeeds
+            self.store.left_behind = False  # what fails from now on, the next sweep sees
+            listed = trio.Event()
+            self._listing = listed
+            try:
+                with trio.move_on_after(patience):
+                    while self._calls_running:
+                        self._calls_idle = trio.Event()
+                        await self._calls_idle.wait()
+                self._calls_idle = None
+                if self._calls_running:
+                    return None
+                refs = await self._call(self.store.list_leftovers, gated=False)
+                live = set(self._live)
+            finally:
+                self._listing = None
+                listed.set()
+            removed = 0
+            for ref in refs:
+                if ref.upload_id and ref.upload_id in live:
+                    continue
+                await self._call(self.store.abort_upload, ref)
+                if is_spill(ref.key):
+                    await self._call(self.store.delete, ref.key)
+                removed += 1
+                log.info("removed an interrupted upload of %s", ref.key or "(unknown key)")
+            self._failed = False
+            return removed
+
+    def next_sweep_at(self) -> float:
+        """The trio time of the next background sweep (math.inf: none wanted): while a cleanup has failed,
+        SWEEP_RETRY_FIRST after it, and after each sweep the store refused, twice as long, up to the cap."""
+        if self._background:
+            return math.inf
+        if not self.due:
+            self._next_at = math.inf
+            return math.inf
+        if self._next_at == math.inf:  # a cleanup failed just now: give the store some time
+            self._next_at = trio.current_time() + self._delay
+        return self._next_at
+
+    async def sweep_in_background(self) -> None:
+        """A sweep of the leftovers a failed cleanup left, for the drain: once next_sweep_at() has come, and
+        at the end of a flush. A store that refuses it is not an error here: the next one is scheduled,
+        backing off."""
+        self._background += 1
+        self._next_at = math.inf
+        try:
+            removed = await self.sweep(patience=SWEEP_PATIENCE)
+        except BackendError as exc:
+            log.warning("cannot remove the leftovers of interrupted uploads from the store: %s; trying again"
+                        " in %.0f s", exc, self._delay)
+            self._next_at = trio.current_time() + self._delay
+            self._delay = min(self._delay * 2, SWEEP_RETRY_CAP)
+        else:
+            if removed is None:  # the store calls running did not let it list: not the store's fault
+                self._next_at = trio.current_time() + SWEEP_RETRY_FIRST
+            else:
+                self._delay = SWEEP_RETRY_FIRST
+            if removed:
+                log.info("removed %d leftovers of interrupted uploads from the store", removed)
+        finally:
+            self._background -= 1

@@ -1,0 +1,197 @@
+"""The FUSE connection beyond one daemon's life (keep_mount, docs/design/keep-mount.md): handing a
+duplicate of it to a holder (holder.py) or to systemd's file descriptor store, taking over the one a daemon
+before left (its open handles, the requests it had not answered), and letting go of it at the end: unmount
+after a clean stop, abort after a journal failure, hand over for `ckptfs restart`, keep for the next
+daemon otherwise.
+
+The FUSE session itself stays in daemon.py (the only module besides fuse_ops.py that imports pyfuse3): this
+module gets the few session calls it needs as a `FuseConnection` (the pyfuse3 module is one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from ckptfs import guard, holder
+from ckptfs.errors import CkptfsError
+from ckptfs.fs import Filesystem
+from ckptfs.handles import HandleTable, OpenHandle
+from ckptfs.mountpoint import unmount
+from ckptfs.systemd import Notifier, listen_fds
+
+log = logging.getLogger(__name__)
+
+# FUSE_NOTIFY_RESEND (Linux >= 6.9): the kernel queues again every request its daemon read and did not answer
+RESEND_NOTIFICATION = struct.pack("<IiQ", 16, 7, 0)  # struct fuse_out_header: len, notify code, unique 0
+
+
+class Restart(Exception):  # not an error: how daemon.run() hands the connection to its caller
+    """The daemon stopped serving to let a new one (the code installed now) take the connection over:
+    the caller executes `argv` with `env` in this process (same pid: systemd and the holder see no death)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        super().__init__("restart")
+        self.argv = argv
+        self.env = env
+
+
+class FuseConnection(Protocol):
+    """The session calls this module needs (pyfuse3's, with the project's patch)."""
+
+    def fuse_fd(self) -> int: ...
+
+    def init_request(self) -> bytes | None: ...
+
+    def close(self, unmount: bool = ...) -> None: ...
+
+
+def find_held_connection(mountpoint: Path) -> tuple[holder.Held | None, bool]:
+    """The connection a daemon before left for this one to take over, if any, and whether it came from
+    systemd's store (which then still keeps it). Looked for before anything touches the mountpoint."""
+    held = holder.inherited()  # from the daemon before in this process (`ckptfs restart`)
+    from_systemd = False
+    if held is None:
+        held = holder.from_systemd(listen_fds())  # from a daemon of this unit that died (Restart=)
+        from_systemd = held is not None
+    if held is None:
+        held = holder.attach(mountpoint)
+    else:
+        held.link = holder.attach_link(mountpoint)
+    return held, from_systemd
+
+
+class ConnectionKeeper:
+    """Who keeps this mount's connection besides the daemon, and what happens to it when the daemon ends.
+
+    `held`: a connection taken over from the daemon before (with the handles the kernel still holds in
+    `restored`); `restart_argv`: what the holder runs to start a daemon again (None: no holder is started).
+    """
+
+    def __init__(
+        self, connection: FuseConnection, fs: Filesystem, notifier: Notifier, *, mountpoint: Path, cache_root: Path,
+        keep_mount: bool, guard_mountpoint: bool, handle_table: HandleTable | None, held: holder.Held | None,
+        restored: list[OpenHandle], restart_argv: list[str] | None,
+    ) -> None:
+        self.connection = connection
+        self.fs = fs
+        self.notifier = notifier
+        self.mountpoint = mountpoint
+        self.cache_root = cache_root
+        self.keep_mount = keep_mount
+        self.guard_mountpoint = guard_mountpoint
+        self.handle_table = handle_table
+        self.held = held
+        self.restored = restored
+        self.restart_argv = restart_argv
+        self.link: holder.Link | None = held.link if held is not None else None
+        self.handles_taken_over = 0
+        # keep_mount under systemd: the unit's file descriptor store keeps the connection (no holder there)
+        self.systemd_keeps = False
+
+    def kept_by_systemd(self, kept: bool) -> None:
+        """The connection this daemon takes over came from systemd's store, which still keeps it."""
+        self.systemd_keeps = kept and self.notifier.enabled
+
+    def take_over_handles(self) -> None:
+        """After pyfuse3.takeover (and the passthrough probe): the kernel's open handles, and the requests
+        the dead daemon had read but not answered, queued again."""
+        restored = self.handles_taken_over = self.fs.restore_handles(self.restored)
+        writers = sum(1 for record in self.restored if record.writable)
+        try:
+            os.write(self.connection.fuse_fd(), RESEND_NOTIFICATION)
+            resent = "the requests it had not answered are sent again"
+        except OSError as exc:
+            resent = (f"the kernel cannot send again the requests it had not answered ({exc.strerror}; it needs"
+                      " Linux >= 6.9): the processes waiting on them stay blocked")
+            log.warning("taking over the mount of %s: %s", self.mountpoint, resent)
+        kept_by = (f"holder pid {self.link.holder_pid}" if self.link is not None
+                   else "systemd" if self.notifier.enabled else "this process")
+        log.info("took over the FUSE connection of %s from the daemon before (kept by %s): %d open files (%d for"
+                 " writing), %s", self.mountpoint, kept_by, restored, writers, resent)
+
+    async def start_holder(self) -> None:
+        """Hand a duplicate of the connection to a holder process, so that the mount outlives this daemon."""
+        if not self.keep_mount or self.restart_argv is None:
+            return
+        init_request = self.connection.init_request()
+        if init_request is None:
+            log.warning("keep_mount is off for this mount: pyfuse3 did not keep the kernel's INIT request")
+            return
+        fuse_fd = self.connection.fuse_fd()
+        if self.notifier.enabled:
+            # Under systemd a holder would be killed with the unit's other processes; its file descriptor
+            # store keeps the connection instead, and Restart= starts the daemon that takes it over.
+            memfd = holder.init_memfd(init_request)
+            try:
+                self.systemd_keeps = (self.notifier.store_fd(holder.SYSTEMD_FUSE_FD, fuse_fd)
+                                      and self.notifier.store_fd(holder.SYSTEMD_INIT_FD, memfd))
+            finally:
+                os.close(memfd)
+            if self.systemd_keeps:
+                log.info("the mount outlives this daemon: systemd's file descriptor store keeps the FUSE"
+                         " connection for the daemon Restart= starts (the unit needs FileDescriptorStoreMax=2)")
+            return
+        argv = list(self.restart_argv)
+        if "--cache-dir" not in argv:
+            argv += ["--cache-dir", str(self.cache_root)]
+        try:
+            self.link = await trio.to_thread.run_sync(
+                lambda: holder.start(self.mountpoint, fuse_fd, init_request, argv=argv))
+        except CkptfsError as exc:
+            log.warning("keep_mount is off for this mount: %s; a daemon that dies leaves the mount at"
+                        " 'Transport endpoint is not connected'", exc)
+            return
+        log.info("the mount outlives this daemon: holder pid %d keeps the FUSE connection", self.link.holder_pid)
+
+    def let_go(self, *, unmounted: bool, journal_failed: bool, restarting: bool, exiting_now: bool) -> Restart | None:
+        """The end of serving: unmount after a clean stop; leave the connection aborted when the journal
+        failed (every access then fails with ENOTCONN, none lands on the disk below the mountpoint); hand
+        it to the new daemon of a `ckptfs restart` (returned: the caller raises it once the journal and
+        the lock are closed); and when this daemon fails otherwise while a holder keeps the connection,
+        leave it to the daemon the holder starts next, handles and all. `exiting_now`: a second signal,
+        not a failure to recover from."""
+        if restarting and not journal_failed and self.restart_argv is not None:
+            fd = os.dup(self.connection.fuse_fd())  # the session's own descriptor goes with close()
+            init_request = self.connection.init_request() or b""
+            self.connection.close(unmount=False)
+            self.fs.backing = None
+            if self.link is not None:
+                self.link.handover()
+                self.link = None
+            os.set_inheritable(fd, True)
+            return Restart(self.restart_argv, holder.handover_env(fd, init_request))
+        failed = not unmounted and not journal_failed and not exiting_now
+        if (self.link is not None or self.systemd_keeps) and failed:
+            self.connection.close(unmount=False)
+            self.fs.backing = None
+            self.link = None  # its socket closes with the process: the holder starts a new daemon
+            log.error("the daemon fails; the mount stays, held for the daemon started next")
+            return None
+        if self.systemd_keeps:
+            self.notifier.remove_fds(holder.SYSTEMD_FUSE_FD)
+            self.notifier.remove_fds(holder.SYSTEMD_INIT_FD)
+            self.systemd_keeps = False
+        # Closing our /dev/fuse descriptor without unmounting aborts the connection (with no holder left).
+        self.connection.close(unmount=not journal_failed)
+        self.fs.backing = None  # closed with the connection
+        if self.held is not None and not journal_failed:
+            unmount(self.mountpoint)  # a connection taken over: libfuse did not mount it, so it does not unmount
+        if not journal_failed:
+            if self.guard_mountpoint:  # writes into the bare directory fail (EROFS), not land on disk
+                guard.place(self.mountpoint)
+            self.fs.close_all()
+            if self.handle_table is not None:
+                self.handle_table.clear()
+        if self.link is not None:
+            if journal_failed:
+                self.link.abort()
+            else:
+                self.link.release()
+            self.link = None
+        return None
