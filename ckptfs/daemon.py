@@ -27,7 +27,7 @@ import pyfuse3
 import trio
 
 from ckptfs import ctl, guard, holder
-from ckptfs.backends import open_store
+from ckptfs.backends import check_store, open_store
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
 from ckptfs.config import Config, parse_size
@@ -117,7 +117,7 @@ class Daemon:
             journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure
         )
         self.fetcher = Fetcher(journal, cache, engine, evictor=self.evictor)
-        self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval)
+        self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval, call=engine.call)
         self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.mount_changed, self.evictor, self.lister,
                              streams=self.fetcher, wait_uploaded=lambda path: self.drain.wait_durable([path]),
                              discard_upload=self.drain.discard_upload, failure_of=self.drain.failure_of)
@@ -440,7 +440,7 @@ async def run(
     return_freed_part_buffers()
     raise_open_file_limit()
     store = InstrumentedStore(open_store(config.source, endpoint_url=config.endpoint_url))
-    await trio.to_thread.run_sync(store.check)
+    await trio.to_thread.run_sync(check_store, store)
     # Before anything touches the mountpoint: if a holder keeps its connection, a stat would wait for a
     # daemon, and this is the one. (A daemon that cannot start fails before it attaches: its holder counts
     # that, and gives up after a few.)

@@ -24,6 +24,17 @@ class UsageError(CkptfsError):
     exit_code = 2
 
 
+class StoreCheckError(CkptfsError):
+    """The store failed its mount-time check (ObjectStore.check), one attempt: the message names the problem
+    and the fix. `transient`: another attempt may pass (a dropped connection, a busy server); `busy`: the
+    store answered that it is busy (throttling, 5xx), so it is there and worth waiting for."""
+
+    def __init__(self, message: str, cause: BackendError | None = None, *, busy: bool = False) -> None:
+        super().__init__(message)
+        self.transient = isinstance(cause, TransientBackendError)
+        self.busy = busy
+
+
 class NoDaemonError(CkptfsError):
     """No ckptfs daemon serves this mountpoint (no control socket, or nobody listening on it)."""
 
@@ -96,6 +107,17 @@ class AuthBackendError(PermanentBackendError):
 
 class NotFoundBackendError(BackendError):
     """The key (or the bucket) does not exist."""
+
+
+class UploadGoneError(NotFoundBackendError):
+    """The store no longer has the staged upload (aborted, expired, or completed): no part can be added to
+    it, nor can it be completed. After a complete whose answer was lost, the object may be at its key all
+    the same: the engine checks that (Transfers._complete), not the store."""
+
+
+class TooLargeToCopyError(PermanentBackendError):
+    """The object is larger than the store copies in one request (PartLimits.max_copy_size): the engine
+    copies it part by part instead (ObjectStore.copy_part, Transfers.copy)."""
 
 
 # How a store failure looks to a process blocked in a FUSE request (a read-through fetch).

@@ -15,8 +15,9 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -139,11 +140,14 @@ class DirLister:
 
     def __init__(
         self, journal: Journal, cache: CacheDir, store: ObjectStore, *, refresh_interval: float = 30.0,
-        vanished: Callable[[Inode], None] | None = None,
+        vanished: Callable[[Inode], None] | None = None, call: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
         self.journal = journal
         self.cache = cache
         self.store = store
+        # How a listing runs: the engine's Transfers.call (a worker thread, retried: a store call makes one
+        # attempt), or one plain attempt in a worker thread.
+        self._call = call if call is not None else trio.to_thread.run_sync
         self.refresh_interval = refresh_interval
         self.vanished = vanished if vanished is not None else _drop_entry(journal, cache)
         journal.prune_listed_dirs()
@@ -193,7 +197,7 @@ class DirLister:
             prefix = inode.key or ""
             stored_before = stored_versions(self.journal, inode_id)
             try:
-                listing = await trio.to_thread.run_sync(self.store.list_dir, prefix)
+                listing = await self._call(self.store.list_dir, prefix)
             except BackendError as exc:
                 if required:
                     raise

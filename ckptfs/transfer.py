@@ -42,7 +42,9 @@ from ckptfs.errors import (
     NotFoundBackendError,
     ObjectChangedError,
     PermanentBackendError,
+    TooLargeToCopyError,
     TransientBackendError,
+    UploadGoneError,
 )
 from ckptfs.leftovers import SPILL_PREFIX, Leftovers
 from ckptfs.local_io import (
@@ -72,6 +74,7 @@ DEFAULT_ATTEMPTS = 5  # per part or request; the drain retries whole jobs foreve
 CONTROL_THREADS = 8
 # Parts of one file in parallel that the part size aims for (boto3's default concurrency is 10).
 UPLOAD_SPREAD = 8
+COPY_PART_SIZE = 512 * MiB  # server-side part copies of an object larger than the store copies at once
 RATE_WINDOW = 5.0  # seconds over which status reports bytes per second
 
 
@@ -466,18 +469,22 @@ class Transfers:
             return
         if why:
             log.info("upload of %s: %s; aborting the interrupted upload", state.key, why)
-        try:
-            await self.call(self.store.abort_upload, state.ref)
-        except BackendError as exc:
-            log.warning("could not abort the upload of %s: %s; it is removed later", state.key, exc)
-            self.leftovers.cleanup_failed()
-        self.leftovers.finished(state.ref)
+        await self._abort(state.ref)
         if state.spilled:
             try:
                 await self.call(self.store.delete, state.key)
             except BackendError as exc:
                 log.warning("could not remove the spilled start of %s: %s; it is removed later", state.key, exc)
                 self.leftovers.cleanup_failed()
+
+    async def _abort(self, ref: UploadRef) -> None:
+        """Abort a staged upload, best effort: what fails is left for a sweep."""
+        try:
+            await self.call(self.store.abort_upload, ref)
+        except BackendError as exc:
+            log.warning("could not abort the upload of %s: %s; it is removed later", ref.key, exc)
+            self.leftovers.cleanup_failed()
+        self.leftovers.finished(ref)
 
     async def commit_upload(self, staged: StagedUpload, *, priority: Priority = Priority.UPLOAD) -> None:
         """Make a staged upload the object at its key, atomically. Below the multipart threshold, one PUT of
@@ -489,7 +496,7 @@ class Transfers:
                 raise outcome
             return
         state = staged.state
-        await self.call(self.store.complete_upload, state.ref, state.parts, state.size, state.checksum)
+        await self._complete(state.ref, state.parts, state.size, state.checksum)
         self.leftovers.finished(state.ref)
 
     async def put_files(
@@ -626,41 +633,55 @@ class Transfers:
         the store can, by completing the upload there; else by completing it at its hidden key, copying it to
         `key` and deleting the hidden object."""
         if self.store.limits.completes_anywhere:
-            try:
-                await self.call(functools.partial(self.store.complete_upload, key=key, meta=meta),
-                                state.ref, state.parts, state.size, state.checksum)
-            except BackendError:
-                if not await self._holds(key, state):  # else a retried commit: the first one got through
-                    raise
+            await self._complete(state.ref, state.parts, state.size, state.checksum, key=key, meta=meta)
             self.leftovers.finished(state.ref)
             return
         try:
-            await self.call(self.store.complete_upload, state.ref, state.parts, state.size, None)
+            await self._complete(state.ref, state.parts, state.size, None)
         except BackendError:
-            if await self._holds(key, state):  # a retried commit: the first one got through
+            if await self._holds(key, state.size, state.checksum):  # a retried commit: the first one got through
                 await self.call(self.store.delete, state.key)  # if its delete of the spill did not
                 self.leftovers.finished(state.ref)
                 return
             raise
         try:
-            await self.call(self.store.copy, state.key, key, meta, state.checksum)
+            await self.copy(state.key, key, meta, state.checksum)
         except NotFoundBackendError:
-            if await self._holds(key, state):  # a retried commit: the first one copied and deleted it
+            if await self._holds(key, state.size, state.checksum):  # a retried commit: the first one copied it
                 self.leftovers.finished(state.ref)
                 return
             raise NotFoundBackendError(f"{key}: the spilled upload is gone") from None
         await self.call(self.store.delete, state.key)
         self.leftovers.finished(state.ref)
 
-    async def _holds(self, key: str, state: UploadState) -> bool:
-        """Is the object at `key` the one this spill made (a commit retried after it got through)?"""
+    async def _complete(
+        self, ref: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *, key: str | None = None,
+        meta: ObjectMeta | None = None,
+    ) -> None:
+        """complete_upload, retried. An upload the store no longer has (UploadGoneError) was completed all the
+        same if the object is at its key (a complete whose answer was lost, retried): then what the first
+        complete left of the upload's bookkeeping goes too."""
+        complete = self.store.complete_upload
+        if key is not None:
+            complete = functools.partial(complete, key=key, meta=meta)
+        try:
+            await self.call(complete, ref, parts, size, checksum)
+        except UploadGoneError:
+            if not await self._holds(key or ref.key, size, checksum):
+                raise
+            await self._abort(ref)
+
+    async def _holds(self, key: str, size: int, checksum: str | None) -> bool:
+        """Is the object at `key` the one of `size` bytes and `checksum` (None: any) that a commit made?"""
         info = await self.call(self.store.head, key)
-        if info is None or info.size != state.size:
+        if info is None or info.size != size:
             return False
+        if checksum is None:
+            return True
         if info.checksum is not None:
-            return info.checksum == state.checksum
+            return info.checksum == checksum
         # A store without checksums in its metadata (file://): read it. Rare: only a retried commit.
-        return await self.call(self._checksum_of, key, info.size) == state.checksum
+        return await self.call(self._checksum_of, key, info.size) == checksum
 
     def _checksum_of(self, key: str, size: int) -> str:
         counted = RangeWriter(-1, 0)  # the ranges arrive in order: one running CRC over all of them
@@ -670,6 +691,55 @@ class Transfers:
             if counted.written == offset:
                 break
         return crc_text(counted.crc)
+
+    async def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None,
+                   checksum: str | None = None) -> None:
+        """Server-side copy (ObjectStore.copy): dst_key appears atomically, with `meta` and `checksum` as its
+        metadata if given, else the source's. An object larger than the store copies in one request goes part
+        by part: open_upload, copy_part in parallel (pinned to the source's version), complete. Raises
+        NotFoundBackendError only if the source is missing."""
+        try:
+            await self.call(self.store.copy, src_key, dst_key, meta, checksum)
+            return
+        except TooLargeToCopyError:
+            pass
+        source = await self.call(self.store.head, src_key)
+        if source is None:
+            raise NotFoundBackendError(f"copy {src_key}: no such object")
+        # What is not given stays the source's, as in a copy in one request.
+        meta = meta if meta is not None else ObjectMeta(source.mtime_ns, source.mode)
+        checksum = checksum if checksum is not None else source.checksum
+        limits = self.store.limits
+        part_size = plan_part_size(source.size, COPY_PART_SIZE, UPLOAD_SPREAD, min_part=limits.min_part_size,
+                                   max_parts=limits.max_parts)
+        copy_part = functools.partial(self.store.copy_part, if_match=source.etag)
+        ref = await self._open_upload(dst_key, meta, checksum)
+        parts: list[UploadPart] = []
+
+        async def copy_one(numbered: tuple[int, int]) -> None:
+            number, offset = numbered
+            length = min(part_size, source.size - offset)
+            parts.append(await self._retry(copy_part, ref, number, src_key, offset, length,
+                                           limiter=self._part_threads))
+
+        try:
+            await _for_each(enumerate(range(0, source.size, part_size), start=1), copy_one, UPLOAD_SPREAD)
+            await self._complete(ref, sorted(parts, key=lambda p: p.number), source.size, checksum)
+        except BaseException as exc:
+            with trio.move_on_after(30, shield=True):
+                await self._abort(ref)
+            if isinstance(exc, UploadGoneError):  # the staged copy went, not the source (a NotFound to callers)
+                raise TransientBackendError(f"copy {src_key} to {dst_key}: {exc}") from exc
+            raise
+        self.leftovers.finished(ref)
+
+    async def set_meta(self, key: str, meta: ObjectMeta) -> None:
+        """ObjectStore.set_meta; where the store rewrites metadata by copying an object onto itself and the
+        object is larger than it copies in one request, a copy onto itself part by part (Transfers.copy)."""
+        try:
+            await self.call(self.store.set_meta, key, meta)
+        except TooLargeToCopyError:
+            await self.copy(key, key, meta)
 
     # -- downloads --------------------------------------------------------------------------------------
 

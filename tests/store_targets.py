@@ -65,9 +65,7 @@ def local_target(root: Path) -> Target:
 
 def s3_target_on(name: str, server: S3Server, bucket: str, prefix: str = "run/42") -> Target:
     def make(owner: str = "a", **kwargs: Any) -> ObjectStore:
-        options: dict[str, Any] = dict(copy_threshold=PART, copy_part_size=PART)
-        options.update(kwargs)
-        return S3Store(bucket, prefix, endpoint_url=server.endpoint, owner=owner, **options)
+        return S3Store(bucket, prefix, endpoint_url=server.endpoint, owner=owner, **kwargs)
 
     raw = server.client()
 

@@ -26,6 +26,7 @@ from ckptfs.errors import (
     ObjectChangedError,
     PermanentBackendError,
     TransientBackendError,
+    UploadGoneError,
     UsageError,
 )
 
@@ -133,8 +134,9 @@ def test_staged_upload_appears_complete_with_its_metadata(upload_target: Target,
     assert info is not None and info.kind == FILE and info.size == len(data)
     assert (info.mtime_ns, info.mode, info.checksum) == (META.mtime_ns, META.mode, _crc(data))
     assert _read_all(store, "ckpt/model.pt") == data
-    # Complete is idempotent: a retry after a lost answer (bookkeeping already gone) succeeds.
-    store.complete_upload(upload, staged, len(data), _crc(data))
+    # A retry after a lost answer (bookkeeping already gone): the upload is gone, the engine checks the key.
+    with pytest.raises(UploadGoneError):
+        store.complete_upload(upload, staged, len(data), _crc(data))
     assert not [n for n in upload_target.raw_names() if TEMP_PREFIX in n]
     assert store.list_leftovers() == []
 
@@ -345,7 +347,8 @@ def test_azure_server_rejects_a_block_with_a_wrong_md5(azurite: AzuriteServer, m
 
     from azure.core.exceptions import HttpResponseError
 
-    from ckptfs.backends.azure import AzureBlobStore, translate_error
+    from ckptfs.backends.azure import AzureBlobStore
+    from ckptfs.backends.azureerrors import translate_error
 
     store = _azure_target(azurite, monkeypatch).store
     assert isinstance(store, AzureBlobStore)
@@ -499,11 +502,11 @@ def _azure_errors() -> Iterator[tuple[BaseException, type[BackendError]]]:
 @pytest.mark.parametrize("sdk", ["gcs", "azure"])
 def test_error_mapping(sdk: str) -> None:
     if sdk == "gcs":
-        from ckptfs.backends.gcs import translate_error
+        from ckptfs.backends.gcserrors import translate_error
 
         cases = list(_gcs_errors())
     else:
-        from ckptfs.backends.azure import translate_error  # type: ignore[assignment]
+        from ckptfs.backends.azureerrors import translate_error  # type: ignore[assignment]
 
         cases = list(_azure_errors())
     for error, expected in cases:
@@ -513,8 +516,8 @@ def test_error_mapping(sdk: str) -> None:
 
 
 def test_error_tables_are_consistent() -> None:
-    from ckptfs.backends.azure import ERROR_CODES
-    from ckptfs.backends.gcs import STATUS_ERRORS
+    from ckptfs.backends.azureerrors import ERROR_CODES
+    from ckptfs.backends.gcserrors import STATUS_ERRORS
 
     for table in (ERROR_CODES, STATUS_ERRORS):
         assert set(table.values()) <= {TransientBackendError, PermanentBackendError, AuthBackendError,
@@ -537,7 +540,7 @@ def test_no_credential_in_messages(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_azure_errors_never_carry_a_sas_or_key() -> None:
     from azure.core.exceptions import ServiceRequestError
 
-    from ckptfs.backends.azure import translate_error
+    from ckptfs.backends.azureerrors import translate_error
 
     url = "https://acct.blob.core.windows.net/c/k?sv=2024-01-01&sp=racwdl&sig=c2VjcmV0c2lnbmF0dXJl%3D&se=2030"
     got = translate_error(ServiceRequestError(f"Max retries exceeded with url: {url}"), "op")
@@ -551,21 +554,22 @@ def test_check_messages_for_denied_access() -> None:
     import google.api_core.exceptions as gexc
     from azure.core.exceptions import HttpResponseError
 
-    from ckptfs.backends import azure, gcs
+    from ckptfs.backends import azureerrors, gcserrors
 
     def raised(translate: Callable[[BaseException, str], BackendError], exc: BaseException) -> BackendError:
         error = translate(exc, "list")
         error.__cause__ = exc  # as `raise ... from` in the store does
         return error
 
-    gcs_store = gcs.GcsStore("b", "p", endpoint_url="http://127.0.0.1:1")
-    message = gcs_store._check_message(raised(gcs.translate_error, gexc.Forbidden("no storage.objects.list")))
+    where = {"url": "gs://b/p", "bucket": "b", "endpoint_url": "http://127.0.0.1:1"}
+    message = gcserrors.check_message(raised(gcserrors.translate_error, gexc.Forbidden("no storage.objects.list")),
+                                      **where)
     assert "access denied" in message and "roles/storage.object" in message
-    message = gcs_store._check_message(raised(gcs.translate_error, gexc.Unauthorized("bad token")))
+    message = gcserrors.check_message(raised(gcserrors.translate_error, gexc.Unauthorized("bad token")), **where)
     assert "rejected" in message and "gcloud auth application-default login" in message
     denied = HttpResponseError(message="denied")
     denied.status_code = 403
     denied.error_code = "AuthorizationPermissionMismatch"  # type: ignore[attr-defined]
-    az_store = azure.AzureBlobStore("c", endpoint_url="http://127.0.0.1:1/a")
-    message = az_store._check_message(raised(azure.translate_error, denied))
+    message = azureerrors.check_message(raised(azureerrors.translate_error, denied), url="az://c",
+                                        container="c", endpoint_url="http://127.0.0.1:1/a", credential_source="")
     assert "access denied (AuthorizationPermissionMismatch)" in message and "Storage Blob Data Contributor" in message

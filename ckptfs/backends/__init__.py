@@ -1,15 +1,49 @@
-"""Store URLs -> ObjectStore instances. The only place that decides which backend serves a URL; cloud
-SDKs are imported inside the backend modules, never here, so a missing extra fails only when used."""
+"""Store URLs -> ObjectStore instances, and the mount's patient check that the store is there. The only
+place that decides which backend serves a URL; cloud SDKs are imported inside the backend modules, never
+here, so a missing extra fails only when used."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ckptfs.backends.base import ObjectStore
-from ckptfs.errors import CkptfsError, UsageError
+from ckptfs.backends.base import ObjectStore, backoff_delays
+from ckptfs.errors import CkptfsError, StoreCheckError, UsageError
+
+log = logging.getLogger(__name__)
 
 SCHEMES = ("file", "s3", "gs", "az")
+CHECK_ATTEMPTS = 5
+# A store that answers "busy" (throttling, 5xx) when the mount starts is waited for this long: it is there
+# and will serve, unlike a wrong URL, endpoint or credentials, which fail after the usual attempts.
+CHECK_BUSY_SECONDS = 60.0
+
+
+def check_store(store: ObjectStore, *, attempts: int = CHECK_ATTEMPTS,
+                sleep: Callable[[float], None] = time.sleep) -> None:
+    """The mount's check that the store is there and usable: store.check() (one attempt), tried again with
+    backoff while a failure may pass (`attempts` in a row), and more rounds of that while the store answers
+    that it is busy, for up to CHECK_BUSY_SECONDS. Raises the last StoreCheckError (a CkptfsError naming the
+    problem and the fix)."""
+    busy_until = time.monotonic() + CHECK_BUSY_SECONDS
+    while True:
+        delays = backoff_delays()
+        for attempt in range(attempts):
+            try:
+                store.check()
+                return
+            except StoreCheckError as exc:
+                if not exc.transient:
+                    raise
+                if attempt < attempts - 1:
+                    sleep(next(delays))
+                elif not exc.busy or time.monotonic() >= busy_until:
+                    raise
+                else:
+                    log.warning("%s is busy (%s); trying again for up to %.0f s", store.url, exc, CHECK_BUSY_SECONDS)
 
 
 def open_store(url: str, *, endpoint_url: str | None = None) -> ObjectStore:

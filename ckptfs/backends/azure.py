@@ -32,41 +32,28 @@ its MD5 (validate_content): a new version replaces the old atomically, and a rea
 are strongly consistent, so list_notes sees every note whose Put Blob has returned. Notes are not under
 `.ckptfs-tmp.uploads/`, the only directory list_leftovers and the upload cleanups list or delete in.
 
-Errors: every SDK failure is translated once, by `translate_error` (the ERROR_CODES table keyed by
-x-ms-error-code, then the HTTP status, plus the transport and credential exceptions). The SDK retries
-once; transfer.py retries the rest.
+Errors: every SDK failure is translated once (azureerrors.py). Every method makes one attempt (the SDK
+retries once); the callers retry.
 """
 
 from __future__ import annotations
 
 import builtins
-import functools
-import json
 import logging
 import os
-import re
-import secrets
 import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from datetime import datetime
 from typing import Any
 
 import requests
 import requests.adapters
 from azure.core import MatchConditions
-from azure.core.exceptions import (
-    AzureError,
-    ClientAuthenticationError,
-    HttpResponseError,
-    ServiceRequestError,
-    ServiceResponseError,
-)
 from azure.core.pipeline.transport import RequestsTransport
 from azure.storage.blob import BlobBlock, BlobClient, BlobPrefix, BlobServiceClient, ContainerClient, ContentSettings
 
+from ckptfs.backends.azureerrors import check_message, error_code_of, mapped
 from ckptfs.backends.base import (
     BUSY_STATUSES,
     DIR,
@@ -82,27 +69,33 @@ from ckptfs.backends.base import (
     UploadRef,
     check_note_name,
     check_note_prefix,
-    check_patiently,
     listed_note_names,
-    retry_transient,
 )
-from ckptfs.backends.objmeta import (
+from ckptfs.backends.common import (
+    CONTENT_TYPE,
     MAX_SYMLINK_TARGET,
     SYMLINK_BODY,
+    WholeCopies,
+    check_key,
     encode_target,
     info_from_metadata,
+    is_bookkeeping,
     metadata_of,
+    new_upload,
+    ns_of,
+    parse_bookkeeping,
     type_bits_of,
 )
 from ckptfs.checksums import crc_text
 from ckptfs.errors import (
     AuthBackendError,
     BackendError,
-    CkptfsError,
     NotFoundBackendError,
     ObjectChangedError,
     PermanentBackendError,
+    StoreCheckError,
     TransientBackendError,
+    UploadGoneError,
 )
 
 log = logging.getLogger(__name__)
@@ -113,116 +106,7 @@ MAX_BLOCKS = 50_000  # committed blocks per blob
 META_CHECKSUM = "ckptfs_checksum"
 META_SYMLINK = "ckptfs_symlink"
 MARKER_DIR = f"{TEMP_PREFIX}uploads/"
-CONTENT_TYPE = "application/octet-stream"
 COPY_POLL_SECONDS = 600.0  # a pending server-side copy is abandoned (and retried by the caller) after this
-
-
-# -- error mapping ---------------------------------------------------------------------------------------
-
-# The one table from Azure error codes (x-ms-error-code) to our classes; codes not listed fall back on the
-# HTTP status (404 not found, 401/403 auth, 408/409/429/5xx transient, else permanent).
-ERROR_CODES: dict[str, type[BackendError]] = {
-    # worth retrying: the service is busy or broken, a condition failed because the blob changed, the data
-    # was damaged on the way, a copy or lease is in progress
-    **dict.fromkeys(
-        ["InternalError", "ServerBusy", "OperationTimedOut", "ConditionNotMet", "Md5Mismatch", "Crc64Mismatch",
-         "PendingCopyOperation", "LeaseIdMissing", "LeaseAlreadyPresent", "BlobBeingRehydrated",
-         "TargetConditionNotMet", "SourceConditionNotMet", "IncrementalCopyBlobMismatch"],
-        TransientBackendError,
-    ),
-    # the credentials: missing, wrong, expired or not allowed
-    **dict.fromkeys(
-        ["AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch",
-         "AuthorizationProtocolMismatch", "AuthorizationSourceIPMismatch", "AuthorizationServiceMismatch",
-         "AuthorizationResourceTypeMismatch", "InsufficientAccountPermissions", "InvalidAuthenticationInfo",
-         "NoAuthenticationInformation", "KeyBasedAuthenticationNotPermitted", "CannotVerifyCopySource"],
-        AuthBackendError,
-    ),
-    # an operator must act: no container, a disabled account, a request Azure will never accept
-    **dict.fromkeys(
-        ["ContainerNotFound", "ContainerBeingDeleted", "ContainerDisabled", "AccountIsDisabled",
-         "InvalidResourceName", "InvalidBlobOrBlock", "InvalidBlockId", "InvalidBlockList", "RequestBodyTooLarge",
-         "InvalidHeaderValue", "InvalidInput", "InvalidQueryParameterValue", "OutOfRangeInput", "InvalidRange",
-         "UnsupportedHeader", "BlobArchived", "InvalidMetadata", "MetadataTooLarge", "FeatureVersionMismatch",
-         "InvalidBlobType"],
-        PermanentBackendError,
-    ),
-    **dict.fromkeys(["BlobNotFound", "ResourceNotFound"], NotFoundBackendError),
-}
-
-
-def error_code_of(exc: BaseException) -> tuple[str, int]:
-    """(x-ms-error-code, HTTP status) of an SDK failure; ('', 0) for one without a response."""
-    if isinstance(exc, BackendError):
-        exc = exc.__cause__ or exc
-    if not isinstance(exc, HttpResponseError):
-        return "", 0
-    status = int(exc.status_code or 0)
-    headers = getattr(exc.response, "headers", None) if exc.response is not None else None
-    code = str(headers.get("x-ms-error-code", "") or "") if headers is not None else ""
-    if not code:
-        value = getattr(exc, "error_code", None) or ""
-        code = str(getattr(value, "value", value))  # the SDK's StorageErrorCode enum, or a plain string
-    return code, status
-
-
-def _status_class(status: int) -> type[BackendError]:
-    if status == 404:
-        return NotFoundBackendError
-    if status in (401, 403):
-        return AuthBackendError
-    if status >= 500 or status in (408, 409, 412, 429):
-        return TransientBackendError
-    return PermanentBackendError
-
-
-_SAS_SIGNATURE = re.compile(r"(?i)\b(sig|AccountKey|SharedAccessSignature)=[^&;\s'\")]+")
-
-
-def redact(text: str) -> str:
-    """`text` without SAS signatures or account keys (transport errors quote the request URL, which
-    carries the SAS when one is used)."""
-    return _SAS_SIGNATURE.sub(lambda m: f"{m.group(1)}=REDACTED", text)
-
-
-def translate_error(exc: BaseException, what: str) -> BackendError:
-    """The BackendError that an azure-core / azure-storage-blob / azure-identity failure of `what` stands for."""
-    translated = _translate(exc, what)
-    if translated is not exc:
-        translated.args = tuple(redact(str(a)) for a in translated.args)
-    return translated
-
-
-def _translate(exc: BaseException, what: str) -> BackendError:
-    if isinstance(exc, BackendError):
-        return exc
-    if isinstance(exc, HttpResponseError) and exc.status_code:
-        code, status = error_code_of(exc)
-        cls = ERROR_CODES.get(code) or _status_class(status)
-        return cls(f"{what}: {code or 'HTTP'} {status}")
-    if isinstance(exc, ClientAuthenticationError):  # azure-identity found no credential, or it was refused
-        return AuthBackendError(f"{what}: {exc.message if hasattr(exc, 'message') else exc}")
-    if isinstance(exc, (ServiceRequestError, ServiceResponseError, HttpResponseError,
-                        requests.exceptions.RequestException, OSError)):
-        return TransientBackendError(f"{what}: {type(exc).__name__}: {exc}")
-    return PermanentBackendError(f"{what}: unexpected {type(exc).__name__}: {exc}")
-
-
-_SDK_ERRORS = (AzureError, requests.exceptions.RequestException, OSError, ValueError)
-
-
-@contextmanager
-def _mapped(what: str) -> Iterator[None]:
-    try:
-        yield
-    except BackendError:
-        raise
-    except _SDK_ERRORS as exc:
-        raise translate_error(exc, what) from exc
-
-
-def _ns(when: datetime | None) -> int:
-    return int(when.timestamp() * 1e9) if when is not None else 0
 
 
 def _etag(value: str | None) -> str | None:
@@ -240,7 +124,7 @@ def _parse_connection_string(text: str) -> dict[str, str]:
 # -- the store -------------------------------------------------------------------------------------------
 
 
-class AzureBlobStore:
+class AzureBlobStore(WholeCopies):
     listing_has_metadata = True  # List Blobs with include=metadata
     left_behind = False
     limits = PartLimits(min_part_size=1 * MiB, max_part_size=MAX_BLOCK_SIZE, max_parts=MAX_BLOCKS,
@@ -256,7 +140,6 @@ class AzureBlobStore:
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         pool_size: int = 64,
-        attempts: int = 5,
     ) -> None:
         self.container = container
         clean = prefix.strip("/")
@@ -267,7 +150,6 @@ class AzureBlobStore:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.pool_size = pool_size
-        self.attempts = max(1, attempts)
         self.credential_source = ""  # which of the credential chain is used (for messages; never the secret)
         self._lock = threading.Lock()
         self._container_obj: ContainerClient | None = None
@@ -332,7 +214,7 @@ class AzureBlobStore:
     def _container(self) -> ContainerClient:
         with self._lock:
             if self._container_obj is None:
-                with _mapped(f"connect to {self.url}"):
+                with mapped(f"connect to {self.url}"):
                     self._container_obj = self._make_service().get_container_client(self.container)
             return self._container_obj
 
@@ -344,68 +226,35 @@ class AzureBlobStore:
     def _full(self, key: str) -> str:
         return self.prefix + key
 
-    def _check_key(self, key: str) -> None:
-        if not key or key.startswith("/") or any(part.startswith(TEMP_PREFIX) for part in key.split("/")):
-            raise PermanentBackendError(f"{key!r}: not a key ckptfs may write (names starting with {TEMP_PREFIX}"
-                                        " are reserved)")
-
-    def _where(self) -> str:
-        return f" at {self.endpoint_url}" if self.endpoint_url else ""
 
     # -- check ----------------------------------------------------------------------------------------------
 
     def check(self) -> None:
         try:
-            check_patiently(self._probe, busy=lambda exc: error_code_of(exc)[1] in BUSY_STATUSES, attempts=2,
-                            where=self.url)
+            self._probe()
         except BackendError as exc:
-            raise CkptfsError(self._check_message(exc)) from None
+            message = check_message(exc, url=self.url, container=self.container, endpoint_url=self.endpoint_url,
+                                    credential_source=self.credential_source)
+            raise StoreCheckError(message, exc, busy=error_code_of(exc)[1] in BUSY_STATUSES) from None
 
     def _probe(self) -> None:
         container = self._container()
-        with _mapped(f"list {self.url}"):
+        with mapped(f"list {self.url}"):
             pages = container.list_blobs(name_starts_with=self.prefix, results_per_page=1).by_page()
             next(pages, None)
-
-    def _check_message(self, exc: BackendError) -> str:
-        cause = exc.__cause__
-        code, status = error_code_of(exc)
-        if cause is None and isinstance(exc, AuthBackendError):  # no account to talk to
-            return (f"no Azure storage account for {self.url}: set AZURE_STORAGE_CONNECTION_STRING, or"
-                    " AZURE_STORAGE_ACCOUNT (with AZURE_STORAGE_KEY, AZURE_STORAGE_SAS_TOKEN or an identity)")
-        if code == "ContainerNotFound" or (status == 404 and not code):
-            return (f"container {self.container!r} does not exist{self._where()}; create it"
-                    f" (az storage container create --name {self.container}) or fix the URL")
-        if isinstance(cause, ClientAuthenticationError) and not status:
-            return (f"no Azure credentials found for {self.url}: set AZURE_STORAGE_CONNECTION_STRING, or"
-                    " AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN, or use a managed /"
-                    " workload identity or `az login` (DefaultAzureCredential)")
-        if code in ("AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"):
-            return (f"cannot use {self.url}{self._where()}: the credentials were rejected ({code}); check"
-                    f" {self.credential_source or 'the credentials'} (account key, SAS token expiry, identity)")
-        if isinstance(exc, AuthBackendError):
-            return (f"cannot use {self.url}{self._where()}: access denied ({code or f'HTTP {status}'}) for the"
-                    f" credentials from {self.credential_source or 'the environment'}; check the key or SAS (Azurite"
-                    " answers a wrong key this way) and grant the identity 'Storage Blob Data Contributor' on the"
-                    " container, or use a SAS with read, add, create, write, delete and list")
-        if not status and isinstance(exc, TransientBackendError):
-            endpoint = self.endpoint_url or "the blob endpoint"
-            return (f"cannot reach {endpoint} for {self.url}: check --endpoint-url / the connection string and the"
-                    " network")
-        return f"cannot use {self.url}{self._where()}: {exc}"
 
     # -- staged uploads: blocks on the blob itself, bracketed by this owner's marker -------------------------
 
     def _upload_blob(self, name: str, data: bytes, metadata: dict[str, str] | None, what: str,
                      overwrite: bool = True, **kwargs: Any) -> dict[str, Any]:
-        with _mapped(what):
+        with mapped(what):
             result: dict[str, Any] = self._blob(name).upload_blob(
                 data, length=len(data), overwrite=overwrite, metadata=metadata, validate_content=True,
                 content_settings=ContentSettings(content_type=CONTENT_TYPE), **kwargs)
         return result
 
     def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
-        self._check_key(key)
+        check_key(key)
         metadata = metadata_of(meta, stat.S_IFREG)
         metadata[META_CHECKSUM] = checksum
         self._upload_blob(self._full(key), data, metadata, f"upload {key}")
@@ -414,15 +263,7 @@ class AzureBlobStore:
         return f"{self.prefix}{MARKER_DIR}{upload.marker or f'{self.owner}/{upload.upload_id}'}"
 
     def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
-        if not key.rsplit("/", 1)[-1].startswith(f"{TEMP_PREFIX}spill."):
-            self._check_key(key)
-        metadata: dict[str, str] = {}
-        if meta is not None:
-            metadata = metadata_of(meta, stat.S_IFREG)
-            metadata[META_CHECKSUM] = checksum or ""
-        upload_id = secrets.token_hex(8)
-        upload = UploadRef(key, upload_id, f"{self.owner}/{upload_id}")
-        body = json.dumps({"key": key, "metadata": metadata, "owner": self.owner}).encode()
+        upload, body = new_upload(key, meta, checksum, owner=self.owner, checksum_key=META_CHECKSUM)
         # Create-only (If-None-Match: *): a random id never meets an existing marker, and a retry after a
         # lost answer finds its own (409), which is as good as written.
         try:
@@ -438,7 +279,7 @@ class AzureBlobStore:
 
     def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         block_id = self._block_id(upload, number)
-        with _mapped(f"upload part {number} of {upload.key}"):
+        with mapped(f"upload part {number} of {upload.key}"):
             # validate_content: the block's MD5 travels in Content-MD5 and the service checks it.
             # bytes already (reusable_buffers=False): the SDK's Content-MD5 takes bytes or a stream only.
             self._blob(self._full(upload.key)).stage_block(block_id, bytes(data), length=len(data),
@@ -447,20 +288,17 @@ class AzureBlobStore:
 
     def _read_marker(self, upload: UploadRef) -> dict[str, Any] | None:
         try:
-            with _mapped(f"read the marker of the upload of {upload.key}"):
-                data = json.loads(self._blob(self._marker_name(upload)).download_blob().readall())
+            with mapped(f"read the marker of the upload of {upload.key}"):
+                return parse_bookkeeping(self._blob(self._marker_name(upload)).download_blob().readall())
         except NotFoundBackendError:
             return None
-        except ValueError:
-            return {}
-        return data if isinstance(data, dict) else {}
 
     def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
         if self._read_marker(upload) is None:
             return None
         mine = f"{upload.upload_id}-"
         try:
-            with _mapped(f"list parts of {upload.key}"):
+            with mapped(f"list parts of {upload.key}"):
                 _committed, uncommitted = self._blob(self._full(upload.key)).get_block_list("uncommitted")
         except NotFoundBackendError:
             return {}
@@ -478,14 +316,12 @@ class AzureBlobStore:
             raise ValueError("this store completes an upload at the key and with the metadata it was opened with")
         what = f"complete upload of {upload.key}"
         marker = self._read_marker(upload)
-        if marker is None:
-            if self._holds(upload.key, size, checksum):  # a retried complete: the first one got through
-                return
-            raise NotFoundBackendError(f"{what}: the staged upload is gone")
+        if marker is None:  # aborted, or a complete whose answer was lost got through (the engine checks)
+            raise UploadGoneError(f"{what}: the staged upload is gone")
         metadata = {str(k): str(v) for k, v in (marker.get("metadata") or {}).items()}
         blocks = [BlobBlock(block_id=p.etag) for p in sorted(parts, key=lambda p: p.number)]
         try:
-            with _mapped(what):
+            with mapped(what):
                 # A retry after a lost answer commits the same ids again: they are committed blocks by then,
                 # which Put Block List ('latest') accepts, so the same object results.
                 self._blob(self._full(upload.key)).commit_block_list(
@@ -493,21 +329,14 @@ class AzureBlobStore:
         except PermanentBackendError as exc:
             if error_code_of(exc)[0] != "InvalidBlockList":
                 raise
-            if self._holds(upload.key, size, checksum):
-                self._delete_marker(upload)
-                return
-            raise NotFoundBackendError(f"{what}: the staged blocks are gone (another writer committed the blob)"
-                                       ) from exc
+            # The staged blocks are gone: another writer committed the blob (which discards them), or this
+            # commit got through before and its answer was lost (the engine checks which).
+            raise UploadGoneError(f"{what}: the staged blocks are gone") from exc
         self._delete_marker(upload)
-
-    def _holds(self, key: str, size: int, checksum: str | None) -> bool:
-        info = self.head(key)
-        return info is not None and info.size == size and (checksum is None or info.checksum == checksum)
 
     def _delete_marker(self, upload: UploadRef) -> None:
         try:
-            retry_transient(lambda: self._delete_name(self._marker_name(upload), "delete upload marker"),
-                            attempts=self.attempts)
+            self._delete_name(self._marker_name(upload), "delete upload marker")
         except BackendError as exc:  # harmless: the engine's next sweep finds it in list_leftovers
             log.debug("could not delete the upload marker of %s: %s", upload.key, exc)
             self.left_behind = True
@@ -525,8 +354,7 @@ class AzureBlobStore:
             if not upload_id or "/" in upload_id:
                 continue
             ref = UploadRef("", upload_id, f"{self.owner}/{upload_id}")
-            # One request per marker: retried alone, so that a busy store fails none of the others.
-            marker = retry_transient(functools.partial(self._read_marker, ref), attempts=self.attempts)
+            marker = self._read_marker(ref)
             if marker is None:
                 continue
             key = marker.get("key")
@@ -534,10 +362,8 @@ class AzureBlobStore:
         return found
 
     def _list_names(self, full_prefix: str) -> list[str]:
-        def names() -> list[str]:
-            with _mapped(f"list {self.url}"):
-                return [b.name for b in self._container().list_blobs(name_starts_with=full_prefix)]
-        return retry_transient(names, attempts=self.attempts)
+        with mapped(f"list {self.url}"):
+            return [b.name for b in self._container().list_blobs(name_starts_with=full_prefix)]
 
     # -- reads ----------------------------------------------------------------------------------------------
 
@@ -550,7 +376,7 @@ class AzureBlobStore:
             condition = {"etag": if_match, "match_condition": MatchConditions.IfNotModified}
         blob = self._blob(self._full(key))
         try:
-            with _mapped(what):
+            with mapped(what):
                 downloader = blob.download_blob(offset=offset, length=max(length, 1), **condition)
                 data = downloader.readall()
             props = downloader.properties
@@ -563,7 +389,7 @@ class AzureBlobStore:
             if code != "InvalidRange" and status != 416:
                 raise
             # Past the end (an empty blob has no byte 0): its properties tell size and version.
-            with _mapped(what):
+            with mapped(what):
                 props = blob.get_blob_properties(**condition)
             data, total = b"", int(props.size)
         data = data[:length] if length > 0 else b""
@@ -574,12 +400,13 @@ class AzureBlobStore:
         return RangeRead(data, total, _etag(props.etag), (props.metadata or {}).get(META_CHECKSUM))
 
     def _info(self, key: str, props: Any) -> ObjectInfo:
-        return info_from_metadata(key, int(props.size or 0), props.metadata, fallback_mtime_ns=_ns(props.last_modified),
-                                  etag=_etag(props.etag), checksum_key=META_CHECKSUM, symlink_key=META_SYMLINK)
+        return info_from_metadata(key, int(props.size or 0), props.metadata,
+                                  fallback_mtime_ns=ns_of(props.last_modified), etag=_etag(props.etag),
+                                  checksum_key=META_CHECKSUM, symlink_key=META_SYMLINK)
 
     def _props(self, key: str, what: str) -> Any:
         try:
-            with _mapped(what):
+            with mapped(what):
                 return self._blob(self._full(key)).get_blob_properties()
         except NotFoundBackendError:
             return None
@@ -592,10 +419,10 @@ class AzureBlobStore:
         if prefix and not prefix.endswith("/"):
             prefix += "/"
         skip = len(self.prefix)
-        with _mapped(f"list {self.url}"):
+        with mapped(f"list {self.url}"):
             for props in self._container().list_blobs(name_starts_with=self.prefix + prefix, include=["metadata"]):
                 key = props.name[skip:]
-                if not key or key == prefix or any(part.startswith(TEMP_PREFIX) for part in key.split("/")):
+                if not key or key == prefix or is_bookkeeping(key):
                     continue
                 yield self._info(key, props)
 
@@ -605,7 +432,7 @@ class AzureBlobStore:
         entries: list[ObjectInfo] = []
         subdirs: list[str] = []
         marker = False
-        with _mapped(f"list {self.url}/{prefix}"):
+        with mapped(f"list {self.url}/{prefix}"):
             for item in self._container().walk_blobs(name_starts_with=full, include=["metadata"], delimiter="/"):
                 if isinstance(item, BlobPrefix):
                     name = item.name[len(full):][:-1]
@@ -624,7 +451,7 @@ class AzureBlobStore:
     # -- other writes -----------------------------------------------------------------------------------------
 
     def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
-        self._check_key(dst_key)
+        check_key(dst_key)
         what = f"copy {src_key} to {dst_key}"
         source = self._props(src_key, what)
         if source is None:
@@ -635,7 +462,7 @@ class AzureBlobStore:
             if checksum is not None:
                 metadata[META_CHECKSUM] = checksum
         dest = self._blob(self._full(dst_key))
-        with _mapped(what):
+        with mapped(what):
             # Pinned to the version read: a source replaced meanwhile fails the copy (and the caller retries).
             answer = dest.start_copy_from_url(self._blob(self._full(src_key)).url, metadata=metadata or None,
                                               source_etag=source.etag,
@@ -665,13 +492,13 @@ class AzureBlobStore:
         type_bits = stat.S_IFDIR if key.endswith("/") else type_bits_of(metadata, META_SYMLINK)
         metadata.update(metadata_of(meta if type_bits != stat.S_IFLNK else ObjectMeta(meta.mtime_ns, 0o777),
                                     type_bits))
-        with _mapped(what):
+        with mapped(what):
             self._blob(self._full(key)).set_blob_metadata(metadata, etag=props.etag,
                                                           match_condition=MatchConditions.IfNotModified)
 
     def _delete_name(self, name: str, what: str) -> None:
         try:
-            with _mapped(what):
+            with mapped(what):
                 self._blob(name).delete_blob()
         except NotFoundBackendError:
             pass
@@ -682,11 +509,11 @@ class AzureBlobStore:
     def put_dir(self, key: str, meta: ObjectMeta) -> None:
         if not key.endswith("/"):
             key += "/"
-        self._check_key(key.rstrip("/"))
+        check_key(key.rstrip("/"))
         self._upload_blob(self._full(key), b"", metadata_of(meta, stat.S_IFDIR), f"create directory {key}")
 
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
-        self._check_key(key)
+        check_key(key)
         encoded = encode_target(target)
         if len(encoded) > MAX_SYMLINK_TARGET:
             raise PermanentBackendError(f"symlink {key}: its target is longer than Azure metadata can hold"
@@ -706,7 +533,7 @@ class AzureBlobStore:
 
     def get_note(self, name: str) -> bytes | None:
         try:
-            with _mapped(f"read note {name}"):
+            with mapped(f"read note {name}"):
                 data: bytes = self._blob(self._note_blob_name(name)).download_blob().readall()
         except NotFoundBackendError:
             return None
@@ -716,7 +543,7 @@ class AzureBlobStore:
         """One attempt (not retried here, unlike the store's own listings): the caller retries the listing."""
         base = f"{self.prefix}{NOTES_DIR}"
         full = base + check_note_prefix(prefix)
-        with _mapped(f"list notes {prefix!r}"):
+        with mapped(f"list notes {prefix!r}"):
             return listed_note_names((props.name for props in self._container().list_blobs(name_starts_with=full)),
                                      base)
 
@@ -724,4 +551,4 @@ class AzureBlobStore:
         self._delete_name(self._note_blob_name(name), f"delete note {name}")
 
 
-__all__ = ["ERROR_CODES", "AzureBlobStore", "translate_error"]
+__all__ = ["AzureBlobStore"]

@@ -3,16 +3,17 @@
 A store implements only what differs between services; everything about parts (sizing, parallelism,
 retries, the memory budget, resume, spills, ranged reads) lives once, in ckptfs/transfer.py. Stores know
 keys, bytes and a little metadata (mtime, mode); never inodes, paths of the mount or the journal. Every
-method is blocking, thread-safe, and makes one attempt (plus whatever the SDK retries on its own): callers
-run them in worker threads and own the retries. Keys are relative to the store's prefix, use '/' as
-separator, and a key ending in '/' is a directory marker.
+method is blocking, thread-safe, and makes one attempt (plus whatever the SDK retries on its own), without
+threads of its own: callers run them in worker threads and own the retries and the parallelism. Keys are
+relative to the store's prefix, use '/' as separator, and a key ending in '/' is a directory marker.
 
 The primitives:
   - staged uploads: `open_upload` (invisible until complete) -> `put_part` N (bytes plus their CRC32, which
-    the server verifies where it can) -> `complete_upload` (the object appears at the key atomically) or
-    `abort_upload`; `list_parts` tells which parts of an interrupted upload the server still holds, and
-    `list_leftovers` finds this owner's interrupted uploads after a crash. `put_object` is the one-request
-    form for small objects.
+    the server verifies where it can) or `copy_part` N (bytes of another object, server-side) ->
+    `complete_upload` (the object appears at the key atomically) or `abort_upload`; a store that no longer
+    has the upload raises UploadGoneError; `list_parts` tells which parts of an interrupted upload the
+    server still holds, and `list_leftovers` finds this owner's interrupted uploads after a crash.
+    `put_object` is the one-request form for small objects.
   - reads: `get_range` (one ranged GET, optionally pinned to a version by its etag, its bytes returned or
     streamed to a sink piece by piece), `head`, `list_dir` (one level), `list` (recursive).
   - namespace: `copy` (server-side, optionally with new metadata), `delete`, `put_dir`, `put_symlink`,
@@ -40,12 +41,12 @@ import logging
 import os
 import random
 import re
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, TypeVar
 
-from ckptfs.errors import BackendError, PermanentBackendError, TransientBackendError
+from ckptfs.errors import BackendError as BackendError  # for nodes.py, a layer that cannot import errors
+from ckptfs.errors import PermanentBackendError
 
 FILE = "file"
 DIR = "dir"
@@ -196,6 +197,10 @@ class PartLimits:
     # GCS: a compose into any object): a spill needs no copy, so files being written upload early. S3 and
     # Azure fix the key and metadata when the upload opens, so there a spill costs a server-side copy.
     completes_anywhere: bool = False
+    # The largest object `copy` (and `set_meta`, where it copies) copies in one request; above it they raise
+    # TooLargeToCopyError and the engine copies part by part with `copy_part` (S3: 5 GiB). None: any size,
+    # and the store has no copy_part.
+    max_copy_size: int | None = None
 
 
 class ObjectStore(Protocol):
@@ -212,7 +217,8 @@ class ObjectStore(Protocol):
     left_behind: bool
 
     def check(self) -> None:
-        """Verify the store exists and is usable; raise CkptfsError naming the problem and the fix."""
+        """Verify the store exists and is usable, one attempt; raise StoreCheckError naming the problem and
+        the fix (backends.check_store tries again while that may help)."""
 
     # -- uploads ----------------------------------------------------------------------------------------
 
@@ -228,7 +234,15 @@ class ObjectStore(Protocol):
     def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         """Stage part `number` (1-based) holding the object's bytes at `offset`; `crc` is CRC32(data), sent
         for the server to verify where it can. `data` is the engine's buffer, reused for another part once
-        this returns: a store must not keep it, or anything that shares its memory."""
+        this returns: a store must not keep it, or anything that shares its memory. UploadGoneError where
+        the store can tell that the upload is gone."""
+        ...
+
+    def copy_part(self, upload: UploadRef, number: int, src_key: str, offset: int, length: int,
+                  if_match: str | None = None) -> UploadPart:
+        """Stage part `number` as a server-side copy of bytes [offset, offset + length) of the object at
+        src_key (pinned to version `if_match`: ObjectChangedError if it was replaced). Only stores with a
+        limits.max_copy_size have it. The part's checksum is the server's CRC32 of it, '' if it gave none."""
         ...
 
     def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
@@ -240,10 +254,11 @@ class ObjectStore(Protocol):
         self, upload: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *,
         key: str | None = None, meta: ObjectMeta | None = None,
     ) -> None:
-        """Make the staged parts (in order, all of them) the object at upload.key, atomically. Idempotent:
-        a retry after a completion whose answer was lost finds the object (`size`, `checksum`) and succeeds.
-        With `key` and `meta` (only where limits.completes_anywhere), the object appears at `key` instead,
-        with `meta` and `checksum` as its metadata, as if the upload had been opened with them."""
+        """Make the staged parts (in order, all of them) the object at upload.key, atomically. UploadGoneError
+        if the store no longer has the upload: aborted, or completed by a try whose answer was lost (the
+        engine then checks the object at the key: `size`, `checksum`). With `key` and `meta` (only where
+        limits.completes_anywhere), the object appears at `key` instead, with `meta` and `checksum` as its
+        metadata, as if the upload had been opened with them."""
         ...
 
     def abort_upload(self, upload: UploadRef) -> None:
@@ -284,7 +299,8 @@ class ObjectStore(Protocol):
 
     def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
         """Server-side copy; dst appears atomically, with `meta` and `checksum` as its metadata if given (else
-        the source's). NotFoundBackendError if src is missing."""
+        the source's). NotFoundBackendError if src is missing; TooLargeToCopyError above limits.max_copy_size
+        (Transfers.copy then copies it part by part)."""
         ...
 
     def delete(self, key: str) -> None:
@@ -400,37 +416,5 @@ def backoff_delays(base: float = 0.2, cap: float = 30.0) -> Iterator[float]:
         attempt += 1
 
 
-# A store that answers "busy" (throttling, 5xx) when the mount starts is waited for this long: it is there
-# and will serve, unlike a wrong URL, endpoint or credentials, which fail after the usual retries.
-CHECK_BUSY_SECONDS = 60.0
+# The HTTP statuses of a store that is busy (throttling, a passing server error): at mount it is waited for.
 BUSY_STATUSES = frozenset({429, 500, 502, 503, 504})
-
-
-def check_patiently(probe: Callable[[], None], *, busy: Callable[[BackendError], bool], attempts: int,
-                    where: str) -> None:
-    """The mount's check that the store is there: `probe` with the usual retries, and while the store answers
-    that it is busy (`busy`), more rounds of them for up to CHECK_BUSY_SECONDS. Raises the last error."""
-    busy_until = time.monotonic() + CHECK_BUSY_SECONDS
-    while True:
-        try:
-            retry_transient(probe, attempts=attempts)
-            return
-        except BackendError as exc:
-            if not busy(exc) or time.monotonic() >= busy_until:
-                raise
-            log.warning("%s is busy (%s); trying again for up to %.0f s", where, exc, CHECK_BUSY_SECONDS)
-
-
-def retry_transient(call: Callable[[], T], *, attempts: int = 5, sleep: Callable[[float], None] = time.sleep) -> T:
-    """Run a blocking store call, retrying TransientBackendError a few times with backoff. For the few
-    calls a store makes on its own behalf (listings at mount, bookkeeping objects); transfers retry in
-    the engine."""
-    delays = backoff_delays()
-    for attempt in range(attempts):
-        try:
-            return call()
-        except TransientBackendError:
-            if attempt == attempts - 1:
-                raise
-            sleep(next(delays))
-    raise AssertionError("unreachable")

@@ -8,20 +8,11 @@ deleted it (a directory renamed away while one of its files was uploading came b
 The staging directory is removed whenever it is left empty, so a drained store holds only its objects;
 whoever creates a temp file recreates it, and tries again if another upload removed it meanwhile.
 It knows nothing of inodes or the journal.
-
-Notes (base.py) are files at DIR/.ckptfs-tmp.notes/<name>, a name's '/' making subdirectories. A note is
-written the way an object is, but with its temp file in the note's own directory (the rename must stay on
-one filesystem, and nodes sharing DIR over NFS or Lustre each see either the old file or the new): written,
-fsynced, renamed over the name, the directory fsynced. A directory made for a note is fsynced into its
-parent, so a note that survived a crash can be found. delete_note removes the directories it leaves empty
-(the notes directory too), and put_note makes them again if a delete removed them under it. As a path
-cannot be a file and a directory, file:// cannot hold both a note `x` and a note `x/y`
-(PermanentBackendError); object stores can.
+Notes (base.py) are files below DIR/.ckptfs-tmp.notes/ (localnotes.py).
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import errno
 import os
@@ -37,7 +28,6 @@ from typing import TypeVar
 from ckptfs.backends.base import (
     DIR,
     FILE,
-    NOTES_DIR,
     RANGE_PIECE,
     SYMLINK,
     TEMP_PREFIX,
@@ -49,35 +39,25 @@ from ckptfs.backends.base import (
     RangeSink,
     UploadPart,
     UploadRef,
-    check_note_name,
-    check_note_prefix,
     pread_exact,
 )
+from ckptfs.backends.common import WholeCopies
+from ckptfs.backends.localnotes import STALE_TEMP_SECONDS, LocalNotes, create_file, fsync_dir, translate_os_error
 from ckptfs.checksums import crc32, crc_text
 from ckptfs.errors import (
     CkptfsError,
     NotFoundBackendError,
     ObjectChangedError,
-    PermanentBackendError,
     TransientBackendError,
+    UploadGoneError,
 )
 
 COPY_CHUNK = 8 << 20
-STALE_TEMP_SECONDS = 24 * 3600
 STAGING_DIR = f"{TEMP_PREFIX}staging"
-NOTES_ROOT = NOTES_DIR.rstrip("/")
 MAX_NAME = 255
 STAGING_ATTEMPTS = 8
 
 T = TypeVar("T")
-
-
-def _translate(exc: OSError, key: str) -> Exception:
-    if exc.errno == errno.ENOENT:
-        return NotFoundBackendError(f"{key}: no such object")
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return PermanentBackendError(f"{key}: {exc.strerror}")
-    return TransientBackendError(f"{key}: {exc.strerror}")
 
 
 def copy_with_checksum(src_fd: int, dst_fd: int) -> tuple[int, str]:
@@ -99,7 +79,7 @@ def copy_with_checksum(src_fd: int, dst_fd: int) -> tuple[int, str]:
     return total, f"crc32:{crc:08x}"
 
 
-class LocalStore:
+class LocalStore(WholeCopies, LocalNotes):
     listing_has_metadata = True  # a listing is lstat(): exact mtime and mode
     left_behind = False
     # Parts are pwrite()s into one temp file: any size works; parallel parts still overlap reads and writes.
@@ -172,7 +152,7 @@ class LocalStore:
         except FileNotFoundError:
             return []
         except OSError as exc:
-            raise _translate(exc, STAGING_DIR) from exc
+            raise translate_os_error(exc, STAGING_DIR) from exc
         for entry in entries:
             temp = f"{STAGING_DIR}/{entry.name}"
             if entry.name.startswith(mine):
@@ -189,7 +169,7 @@ class LocalStore:
     def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
         final = self._path(key)
         try:
-            temp, fd = self._staged(key, _create_file)
+            temp, fd = self._staged(key, create_file)
             try:
                 view = memoryview(data)
                 written = 0
@@ -202,17 +182,17 @@ class LocalStore:
                 os.close(fd)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(temp, final)
-            _fsync_dir(os.path.dirname(final))
+            fsync_dir(os.path.dirname(final))
         except OSError as exc:
             with contextlib.suppress(OSError, UnboundLocalError):
                 os.unlink(temp)
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
         finally:
             self._tidy_staging()
 
     def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
         try:
-            temp, fd = self._staged(key, _create_file)
+            temp, fd = self._staged(key, create_file)
             try:
                 if meta is not None:
                     os.fchmod(fd, meta.mode & 0o7777)
@@ -220,7 +200,7 @@ class LocalStore:
                 os.close(fd)
         except OSError as exc:
             self._tidy_staging()
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
         # The mtime is set at complete (writing the parts changes it); the marker carries it until then.
         return UploadRef(key=key, upload_id=os.path.relpath(temp, self.root),
                          marker="" if meta is None else str(meta.mtime_ns))
@@ -229,9 +209,9 @@ class LocalStore:
         try:
             fd = os.open(os.path.join(self.root, upload.upload_id), os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise TransientBackendError(f"{upload.key}: the staged upload is gone") from None
+            raise UploadGoneError(f"{upload.key}: the staged upload is gone") from None
         except OSError as exc:
-            raise _translate(exc, upload.key) from exc
+            raise translate_os_error(exc, upload.key) from exc
         try:
             view = memoryview(data)
             written = 0
@@ -240,7 +220,7 @@ class LocalStore:
             # A spill frees its parts from the cache once they are staged: they must survive power loss.
             os.fdatasync(fd)
         except OSError as exc:
-            raise _translate(exc, upload.key) from exc
+            raise translate_os_error(exc, upload.key) from exc
         finally:
             os.close(fd)
         return UploadPart(number, crc_text(crc), crc_text(crc))
@@ -257,12 +237,10 @@ class LocalStore:
         final = self._path(key)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if _holds(final, size):  # a retried complete: the first one renamed it already
-                return
-            raise NotFoundBackendError(f"{key}: the staged upload is gone") from None
+        except FileNotFoundError:  # aborted, or a complete retried after it renamed it (the engine checks)
+            raise UploadGoneError(f"{key}: the staged upload is gone") from None
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
         try:
             if os.fstat(fd).st_size != size:
                 raise TransientBackendError(f"{key}: the staged upload is incomplete")
@@ -273,15 +251,15 @@ class LocalStore:
                 os.utime(fd, ns=(mtime, mtime))
             os.fsync(fd)
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
         finally:
             os.close(fd)
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             os.replace(temp, final)
-            _fsync_dir(os.path.dirname(final))
+            fsync_dir(os.path.dirname(final))
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
         self._tidy_staging()
 
     def abort_upload(self, upload: UploadRef) -> None:
@@ -290,7 +268,7 @@ class LocalStore:
         except (FileNotFoundError, IsADirectoryError):
             pass
         except OSError as exc:
-            raise _translate(exc, upload.key) from exc
+            raise translate_os_error(exc, upload.key) from exc
         self._tidy_staging()
 
     def get_range(
@@ -299,7 +277,7 @@ class LocalStore:
         try:
             fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
         try:
             try:
                 st = os.fstat(fd)
@@ -310,7 +288,7 @@ class LocalStore:
                     raise ObjectChangedError(f"{key}: the object was replaced during the download")
                 data = pread_exact(fd, length, offset) if sink is None else b""
             except OSError as exc:
-                raise _translate(exc, key) from exc
+                raise translate_os_error(exc, key) from exc
             if sink is not None:
                 _stream(fd, offset, min(length, max(0, st.st_size - offset)), sink, key)
         finally:
@@ -347,14 +325,14 @@ class LocalStore:
             # redone after a crash (dst already links the source) would leave the temp name in the store.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
-            _fsync_dir(os.path.dirname(dst))
+            fsync_dir(os.path.dirname(dst))
         except OSError as exc:
             with contextlib.suppress(OSError, UnboundLocalError):
                 os.unlink(temp)
             if exc.errno == errno.ENOENT and os.path.lexists(src):
                 # Only a missing source may read as NotFound: the caller drops a file whose object vanished.
                 raise TransientBackendError(f"{src_key} -> {dst_key}: {exc}") from exc
-            raise _translate(exc, src_key) from exc
+            raise translate_os_error(exc, src_key) from exc
         finally:
             self._tidy_staging()
 
@@ -385,13 +363,13 @@ class LocalStore:
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 return  # foreign files keep the directory alive, as they would keep an S3 prefix alive
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
 
     def put_dir(self, key: str, meta: ObjectMeta) -> None:
         try:
             os.makedirs(self._path(key), exist_ok=True)
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
         self.set_meta(key, meta)
 
     def set_meta(self, key: str, meta: ObjectMeta) -> None:
@@ -401,7 +379,7 @@ class LocalStore:
                 os.chmod(path, meta.mode & 0o7777)
             os.utime(path, ns=(meta.mtime_ns, meta.mtime_ns), follow_symlinks=False)
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
 
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
         final = self._path(key)
@@ -412,7 +390,7 @@ class LocalStore:
         except OSError as exc:
             with contextlib.suppress(OSError, UnboundLocalError):
                 os.unlink(temp)
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
         finally:
             self._tidy_staging()
 
@@ -430,7 +408,7 @@ class LocalStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
         return self._info(key.rstrip("/"), path, st)
 
     def list_dir(self, prefix: str = "") -> DirListing:
@@ -440,7 +418,7 @@ class LocalStore:
         except (FileNotFoundError, NotADirectoryError):
             return DirListing([], [], marker=False)
         except OSError as exc:
-            raise _translate(exc, prefix) from exc
+            raise translate_os_error(exc, prefix) from exc
         entries, subdirs = [], []
         for entry in scanned:
             if entry.name.startswith(TEMP_PREFIX):
@@ -464,7 +442,7 @@ class LocalStore:
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                raise _translate(exc, directory) from exc
+                raise translate_os_error(exc, directory) from exc
             for entry in entries:
                 key = os.path.relpath(entry.path, self.root)
                 st = entry.stat(follow_symlinks=False)
@@ -484,154 +462,6 @@ class LocalStore:
                 if info.kind == DIR:
                     stack.append(entry.path)
 
-    # -- notes: files below DIR/.ckptfs-tmp.notes/, replaced by rename -------------------------------------
-
-    def _note_path(self, name: str) -> str:
-        return os.path.join(self.root, NOTES_ROOT, check_note_name(name))
-
-    def _note_dirs(self, directory: str) -> None:
-        """Make `directory` (the notes directory or one below it) and its missing parents; each one made is
-        fsynced into its parent, or a crash could lose the path to a note whose own fsyncs had succeeded."""
-        path = str(self.root)
-        for part in os.path.relpath(directory, self.root).split(os.sep):
-            parent, path = path, os.path.join(path, part)
-            try:
-                os.mkdir(path, 0o700)
-            except FileExistsError:
-                continue
-            _fsync_dir(parent)
-
-    def put_note(self, name: str, data: bytes) -> None:
-        final = self._note_path(name)
-        directory = os.path.dirname(final)
-        what = f"note {name}"
-        fd = -1
-        try:
-            for _ in range(STAGING_ATTEMPTS):
-                temp = os.path.join(directory, f"{TEMP_PREFIX}{secrets.token_hex(8)}")
-                try:
-                    self._note_dirs(directory)
-                    fd = _create_file(temp)
-                    break
-                except FileNotFoundError:
-                    # A delete_note removed a directory it had left empty, after we made or saw it.
-                    if not os.path.isdir(self.root):
-                        raise
-            else:
-                raise TransientBackendError(f"{what}: its directory {directory} keeps disappearing")
-            try:
-                view = memoryview(data)
-                written = 0
-                while written < len(view):
-                    written += os.write(fd, view[written:])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temp, final)
-            _fsync_dir(directory)
-        except OSError as exc:
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.unlink(temp)
-            raise _note_error(exc, what) from exc
-
-    def get_note(self, name: str) -> bytes | None:
-        what = f"note {name}"
-        try:
-            fd = os.open(self._note_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as exc:
-            raise _translate(exc, what) from exc
-        try:
-            # The open file is one version: a put_note renaming a new one over the name does not change it.
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None  # a directory of notes below `name`, not a note
-            chunks = []
-            while chunk := os.read(fd, COPY_CHUNK):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        except OSError as exc:
-            raise _translate(exc, what) from exc
-        finally:
-            os.close(fd)
-
-    def list_notes(self, prefix: str = "") -> builtins.list[str]:
-        """Walk the notes below the directory part of `prefix`, descending only into directories that can
-        hold a match. Temp files of interrupted put_notes are skipped (and removed once a day old)."""
-        head = check_note_prefix(prefix).rpartition("/")[0]
-        stack = [(os.path.join(self.root, NOTES_ROOT, head), f"{head}/" if head else "")]
-        names = []
-        now = time.time()
-        while stack:
-            directory, rel = stack.pop()
-            try:
-                entries = list(os.scandir(directory))
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # no such notes, or removed by a delete_note just now
-            except OSError as exc:
-                raise _translate(exc, f"notes {prefix!r}") from exc
-            for entry in entries:
-                name = rel + entry.name
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # deleted meanwhile
-                except OSError as exc:
-                    raise _translate(exc, f"notes {prefix!r}") from exc
-                if entry.name.startswith(TEMP_PREFIX):
-                    if stat.S_ISREG(st.st_mode) and now - st.st_ctime > STALE_TEMP_SECONDS:
-                        with contextlib.suppress(OSError):
-                            os.unlink(entry.path)
-                elif stat.S_ISDIR(st.st_mode):
-                    if f"{name}/".startswith(prefix):
-                        stack.append((entry.path, f"{name}/"))
-                elif stat.S_ISREG(st.st_mode) and name.startswith(prefix):
-                    names.append(name)
-        return sorted(names)
-
-    def delete_note(self, name: str) -> None:
-        path = self._note_path(name)
-        try:
-            os.unlink(path)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return  # no such note (IsADirectory: only notes below `name`)
-        except OSError as exc:
-            raise _translate(exc, f"note {name}") from exc
-        # The removal must last too: a note that came back after a crash would be a record of the past. If
-        # another delete_note has removed the directory (left empty) meanwhile, its parent holds the change.
-        notes = os.path.join(self.root, NOTES_ROOT)
-        directory = os.path.dirname(path)
-        while True:
-            try:
-                _fsync_dir(directory)
-                break
-            except FileNotFoundError as exc:
-                if directory == str(self.root):
-                    raise _translate(exc, f"note {name}") from exc
-                directory = os.path.dirname(directory)
-            except OSError as exc:
-                raise _translate(exc, f"note {name}") from exc
-        # Then the directories left empty, up to the notes directory itself (rmdir fails on one that holds
-        # anything, a concurrent put_note's temp file included).
-        directory = os.path.dirname(path)
-        while True:
-            try:
-                os.rmdir(directory)
-            except OSError:
-                break
-            if directory == notes:
-                break
-            directory = os.path.dirname(directory)
-
-
-def _note_error(exc: OSError, what: str) -> Exception:
-    """A put_note's OSError: a path that is a file where a directory must be (or the reverse) means the name
-    clashes with another note's, which no retry cures."""
-    if exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.EEXIST):
-        return PermanentBackendError(f"{what}: a note and a directory of notes cannot share a name on file://")
-    return _translate(exc, what)
-
 
 def _stream(fd: int, offset: int, length: int, sink: RangeSink, key: str) -> None:
     """Pass [offset, offset + length) of fd to sink in RANGE_PIECE pieces. The sink's own OSError (a full
@@ -641,15 +471,11 @@ def _stream(fd: int, offset: int, length: int, sink: RangeSink, key: str) -> Non
         try:
             piece = os.pread(fd, min(RANGE_PIECE, end - offset), offset)
         except OSError as exc:
-            raise _translate(exc, key) from exc
+            raise translate_os_error(exc, key) from exc
         if not piece:
             break
         sink(piece)
         offset += len(piece)
-
-
-def _create_file(path: str) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
 
 def _key_of(name: str) -> str:
@@ -659,21 +485,6 @@ def _key_of(name: str) -> str:
 
 def _etag(st: os.stat_result) -> str:
     return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
-
-
-def _holds(path: str, size: int) -> bool:
-    try:
-        return os.stat(path).st_size == size
-    except OSError:
-        return False
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["FILE", "TEMP_PREFIX", "LocalStore"]
