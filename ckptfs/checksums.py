@@ -5,7 +5,7 @@ its checksum. Imports nothing of ckptfs: stores, the engine and the fetcher all 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -78,3 +78,8 @@ def combine_crcs(pieces: Iterable[tuple[int, int]], start: int = 0) -> int:
     for crc, length in pieces:
         whole = crc32_combine(whole, crc, length)
     return whole
+
+
+def whole_crc(crcs: Sequence[int], part_size: int, size: int) -> int:
+    """The CRC32 of a file of `size` bytes from the CRC32s of its parts of `part_size`, in order."""
+    return combine_crcs((crc, min(part_size, size - index * part_size)) for index, crc in enumerate(crcs))

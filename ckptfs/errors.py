@@ -117,7 +117,7 @@ class UploadGoneError(NotFoundBackendError):
 
 class TooLargeToCopyError(PermanentBackendError):
     """The object is larger than the store copies in one request (PartLimits.max_copy_size): the engine
-    copies it part by part instead (ObjectStore.copy_part, Transfers.copy)."""
+    copies it part by part instead (ObjectStore.copy_part, Transfers.copies)."""
 
 
 # How a store failure looks to a process blocked in a FUSE request (a read-through fetch).

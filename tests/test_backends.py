@@ -298,20 +298,20 @@ def test_a_copy_larger_than_the_store_copies_at_once_goes_part_by_part(target: T
             store.copy("old/f", "new/f")
     new = ObjectMeta(mtime_ns=1_750_000_000_000_000_001, mode=0o600)
     transfers = engine(store)
-    trio.run(transfers.copy, "old/f", "same/f")
-    trio.run(transfers.copy, "old/f", "new/f", new, _crc(data))
+    trio.run(transfers.copies.copy, "old/f", "same/f")
+    trio.run(transfers.copies.copy, "old/f", "new/f", new, _crc(data))
     for key, meta in (("same/f", META), ("new/f", new)):
         info = store.head(key)
         assert info is not None
         assert (info.kind, info.size, info.mtime_ns, info.mode) == (FILE, BIG, meta.mtime_ns, meta.mode)
         assert info.checksum in (None, _crc(data))
         assert download(store, key, tmp_path) == (data, _crc(data))
-    trio.run(transfers.set_meta, "new/f", META)  # S3: a copy onto itself, part by part here
+    trio.run(transfers.copies.set_meta, "new/f", META)  # S3: a copy onto itself, part by part here
     info = store.head("new/f")
     assert info is not None and (info.size, info.mtime_ns, info.mode) == (BIG, META.mtime_ns, META.mode)
     assert download(store, "new/f", tmp_path) == (data, _crc(data))
     with pytest.raises(NotFoundBackendError):
-        trio.run(transfers.copy, "no/such", "other/f")
+        trio.run(transfers.copies.copy, "no/such", "other/f")
     assert store.list_leftovers() == [] and target.leftovers() == []
 
 

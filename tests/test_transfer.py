@@ -315,17 +315,17 @@ async def test_commit_after_a_lost_complete_answer_succeeds(s3_target: Target, t
 async def test_a_spill_stages_the_start_of_a_file_and_lands_whole_at_its_key(target: Target, tmp_path: Path) -> None:
     data = write(tmp_path / "src", 4 * PART + 777)
     transfers = engine(target.store)
-    state = await transfers.spill_begin(PART)
-    state = await transfers.spill_parts(state, str(tmp_path / "src"), PART)  # one part, as under pressure
-    state = await transfers.spill_parts(state, str(tmp_path / "src"), 3 * PART)  # two at once (early spills)
+    state = await transfers.spills.begin(PART)
+    state = await transfers.spills.stage(state, str(tmp_path / "src"), PART)  # one part, as under pressure
+    state = await transfers.spills.stage(state, str(tmp_path / "src"), 3 * PART)  # two at once (early spills)
     assert (state.size, state.checksum, len(state.parts)) == (3 * PART, _crc(data[:3 * PART]), 3)
     state = UploadState.from_json(state.to_json())  # as a restarted daemon reads it from the journal
-    state = await transfers.spill_parts(state, str(tmp_path / "src"), 4 * PART + 777)  # the rest, at close
+    state = await transfers.spills.stage(state, str(tmp_path / "src"), 4 * PART + 777)  # the rest, at close
     assert (state.size, state.checksum) == (len(data), _crc(data))
     assert target.store.head("final/key") is None
     meta = ObjectMeta(mtime_ns=1_750_000_000_000_000_000, mode=0o600)
-    await transfers.spill_commit(state, "final/key", meta)
-    await transfers.spill_commit(state, "final/key", meta)  # a retry after a lost answer succeeds
+    await transfers.spills.commit(state, "final/key", meta)
+    await transfers.spills.commit(state, "final/key", meta)  # a retry after a lost answer succeeds
     info = target.store.head("final/key")
     assert info is not None and (info.size, info.mtime_ns, info.mode) == (len(data), meta.mtime_ns, meta.mode)
     assert await fetch(target.store, "final/key", tmp_path) == (data, _crc(data))
@@ -338,29 +338,29 @@ async def test_spill_matches_tells_whether_the_staged_start_is_still_the_files(t
     data = write(src, 3 * PART)
     (tmp_path / "store").mkdir()
     transfers = engine(LocalStore(tmp_path / "store"))
-    begun = await transfers.spill_begin(PART, early=True)
-    assert begun.early and await transfers.spill_matches(begun, str(src))  # nothing staged yet
+    begun = await transfers.spills.begin(PART, early=True)
+    assert begun.early and await transfers.spills.matches(begun, str(src))  # nothing staged yet
     state = begun
     for _ in range(2):
-        state = await transfers.spill_parts(state, str(src), state.size + PART)
-    assert await transfers.spill_matches(state, str(src))
+        state = await transfers.spills.stage(state, str(src), state.size + PART)
+    assert await transfers.spills.matches(state, str(src))
     fd = os.open(src, os.O_WRONLY)
     try:
         os.pwrite(fd, b"later", 2 * PART)  # beyond the staged start: still a match
-        assert await transfers.spill_matches(state, str(src))
+        assert await transfers.spills.matches(state, str(src))
         os.pwrite(fd, bytes([data[PART + 7] ^ 1]), PART + 7)  # inside the second part
     finally:
         os.close(fd)
-    assert not await transfers.spill_matches(state, str(src))
+    assert not await transfers.spills.matches(state, str(src))
     os.truncate(src, PART)
-    assert not await transfers.spill_matches(state, str(src))
+    assert not await transfers.spills.matches(state, str(src))
     await transfers.abandon(state)
 
 
 async def test_an_aborted_spill_leaves_nothing(target: Target, tmp_path: Path) -> None:
     write(tmp_path / "src", PART)
     transfers = engine(target.store)
-    state = await transfers.spill_parts(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
+    state = await transfers.spills.stage(await transfers.spills.begin(PART), str(tmp_path / "src"), PART)
     await transfers.abandon(state)
     assert target.leftovers() == []
 
@@ -370,10 +370,10 @@ async def test_a_sweep_spares_the_uploads_this_process_works_on(target: Target, 
     await _interrupted_upload(target.store, "killed", tmp_path / "src")  # a killed run's, same owner
     transfers = engine(target.store)
     staged = await transfers.stage_upload("live", str(tmp_path / "src"), META, progress=lambda state: None)
-    spill = await transfers.spill_parts(await transfers.spill_begin(PART), str(tmp_path / "src"), PART)
+    spill = await transfers.spills.stage(await transfers.spills.begin(PART), str(tmp_path / "src"), PART)
     assert await transfers.leftovers.sweep() == 1  # the killed run's only
     await transfers.commit_upload(staged)
-    await transfers.spill_commit(spill, "spilled", META)
+    await transfers.spills.commit(spill, "spilled", META)
     assert (await fetch(target.store, "live", tmp_path))[0] == data
     assert (await fetch(target.store, "spilled", tmp_path))[0] == data[:PART]
     assert await transfers.leftovers.sweep() == 0

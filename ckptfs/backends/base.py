@@ -300,7 +300,7 @@ class ObjectStore(Protocol):
     def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
         """Server-side copy; dst appears atomically, with `meta` and `checksum` as its metadata if given (else
         the source's). NotFoundBackendError if src is missing; TooLargeToCopyError above limits.max_copy_size
-        (Transfers.copy then copies it part by part)."""
+        (Transfers.copies then copies it part by part)."""
         ...
 
     def delete(self, key: str) -> None:

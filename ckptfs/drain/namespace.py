@@ -63,7 +63,7 @@ class Namespace:
             if inode.kind == DIR:
                 await self.engine.call(self.store.put_dir, new, object_meta(inode))
             else:
-                await self.engine.copy(old, new)
+                await self.engine.copies.copy(old, new)
         except NotFoundBackendError:
             self._lost_remote_copy(inode_id, old)
             return
@@ -83,7 +83,7 @@ class Namespace:
             return
         meta = object_meta(inode)
         try:
-            await self.engine.set_meta(inode.key, meta)
+            await self.engine.copies.set_meta(inode.key, meta)
         except NotFoundBackendError:
             self._lost_remote_copy(inode_id, inode.key)
             return

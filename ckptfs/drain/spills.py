@@ -106,7 +106,7 @@ class Spills:
             if earlier is not None and not earlier.spilled and inode.upload_state is not None:
                 self.discard_upload(inode.upload_state)  # a staged upload of an earlier close
             early = not self.pressure
-            state = await self.engine.spill_begin(self.part_size, early=early)
+            state = await self.engine.spills.begin(self.part_size, early=early)
             with self.journal.transaction():
                 self.journal.save_upload_state(inode_id, state.to_json())
             entry = self.cache.files.get(inode_id)
@@ -129,7 +129,7 @@ class Spills:
                 return
             # Seal the part first: a write into it from now on fails instead of going unnoticed.
             entry.seal(state.size + part)
-            state = await self.engine.spill_parts(state, path, state.size + part)
+            state = await self.engine.spills.stage(state, path, state.size + part)
             current = self.journal.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
                 await self.engine.abandon(state)  # removed meanwhile: nothing will finish this spill
@@ -169,7 +169,7 @@ class Spills:
             # time), and the cache file to disk with them: else all of it is written back in the fsync
             # before the file is called clean, seconds after close on a slow disk.
             staged = state.size
-            state = await self.engine.spill_parts(state, path, staged + ready, sync_source=True)
+            state = await self.engine.spills.stage(state, path, staged + ready, sync_source=True)
             current = self.journal.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
                 await self.engine.abandon(state)  # removed meanwhile: nothing will finish this spill
@@ -197,7 +197,7 @@ class Spills:
     async def early_spill_holds(self, inode: Inode, state: UploadState) -> bool:
         """An early spill of a closed file can be finished if its staged parts are still the start of the
         file; else it is thrown away and the file is uploaded whole."""
-        if await self.engine.spill_matches(state, self.cache.data_path(inode.id)):
+        if await self.engine.spills.matches(state, self.cache.data_path(inode.id)):
             return True
         await self.discard(inode, state, "it changed where it was already uploaded")
         return False
@@ -215,7 +215,7 @@ class Spills:
             if not state.early:  # an early spill's file stays writable: a change is caught by its version
                 entry.seal(entry.size)
             if state.size < entry.size:
-                state = await self.engine.spill_parts(
+                state = await self.engine.spills.stage(
                     state, path, entry.size, priority=upload_priority(self.markers, inode))
                 with self.journal.transaction():
                     self.journal.save_upload_state(inode_id, state.to_json())
@@ -228,7 +228,7 @@ class Spills:
                 return
             meta = object_meta(current)
             write_ahead = self.records.write_ahead(current_key)
-            await self.engine.spill_commit(state, current_key, meta)
+            await self.engine.spills.commit(state, current_key, meta)
         except BaseException:
             with self.journal.transaction():
                 self.journal.abort_upload(inode_id)

@@ -1,29 +1,15 @@
-"""The transfer engine: one scheduler for every part transfer between the cache and the store, up and down.
-
-Owns: part sizing, parallelism (one pool of parts in flight shared by every file, up and down, each part
-under the memory budget of memory.py), priorities (a reader waiting on a range first, read-ahead next,
-background uploads after, commit markers last), retries with backoff of each part, staged uploads with
-resume from a journaled UploadState and the one way to abandon one (`abandon`), small files in one PUT
-each, spills (the start of a file still being written, staged at a hidden key) and ranged downloads.
-Beside it: memory.py (the budget), leftovers.py (what interrupted uploads leave in the store, and the
-sweeps), checksums.py (CRC32 math), local_io.py (reading and writing the local files).
-
-Stores (backends/) implement only primitives: one attempt each, in a worker thread. This module never
-knows inodes or paths of the mount and never touches the journal: callers persist the UploadState it
-reports through `progress` (called in the trio thread after the upload is opened and after every part).
-Everything here runs in the trio thread except the blocking store calls and local reads.
-"""
+"""The transfer engine (see the package docstring): `Transfers`, one scheduler for every part transfer,
+with the plumbing every store call goes through (`call`: a worker thread, the limiters, retries with
+backoff), uploads of closed files (staged, committed, resumed, abandoned), small files in one PUT each,
+and ranged downloads."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
 import os
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
-from enum import IntEnum
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import trio
@@ -36,33 +22,43 @@ from ckptfs.backends.base import (
     UploadState,
     backoff_delays,
 )
-from ckptfs.checksums import combine_crcs, crc32, crc_of, crc_text
+from ckptfs.checksums import crc32, crc_text, whole_crc
 from ckptfs.errors import (
     BackendError,
-    NotFoundBackendError,
     ObjectChangedError,
     PermanentBackendError,
-    TooLargeToCopyError,
     TransientBackendError,
     UploadGoneError,
 )
-from ckptfs.leftovers import SPILL_PREFIX, Leftovers
+from ckptfs.leftovers import Leftovers
 from ckptfs.local_io import (
     RangeWriter,
     SourceChangedError,
-    fdatasync_path,
     read_part,
     read_whole,
     scan_crc,
     source_error,
 )
 from ckptfs.memory import MemoryBudget
+from ckptfs.transfer.copies import Copies
+from ckptfs.transfer.pool import for_each, parallel
+from ckptfs.transfer.spills import Spills
+from ckptfs.transfer.values import (
+    UPLOAD_SPREAD,
+    FetchedRange,
+    MiB,
+    Priority,
+    PutFile,
+    SmallFile,
+    StagedUpload,
+    TransferStats,
+    plan_part_size,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MiB = 1 << 20
 DEFAULT_MEMORY_BUDGET = 256 * MiB
 DEFAULT_PART_SIZE = 64 * MiB
 DEFAULT_DOWNLOAD_PART_SIZE = 16 * MiB
@@ -72,136 +68,11 @@ DEFAULT_ATTEMPTS = 5  # per part or request; the drain retries whole jobs foreve
 # Store calls that carry no part data (open, complete, abort, head, list) run on their own threads, so
 # that they never queue behind big parts.
 CONTROL_THREADS = 8
-# Parts of one file in parallel that the part size aims for (boto3's default concurrency is 10).
-UPLOAD_SPREAD = 8
-COPY_PART_SIZE = 512 * MiB  # server-side part copies of an object larger than the store copies at once
 RATE_WINDOW = 5.0  # seconds over which status reports bytes per second
-
-
-class Priority(IntEnum):
-    """Who waits for a transfer; lower goes first."""
-
-    READ = 0  # a process is blocked in read() on these bytes
-    READAHEAD = 1  # a sequential reader will want them soon
-    UPLOAD = 2  # the background drain
-    MARKER = 3  # commit markers: after everything else
-
-
-@dataclass(frozen=True)
-class SmallFile:
-    """A small closed file for put_files: read whole, PUT in one request. `changed` (called in the worker
-    thread, after the read) says whether the file may have changed since the caller chose it; `expected`,
-    the (size, checksum) its bytes must have (what stage_upload's scan found)."""
-
-    key: str
-    src_path: str
-    meta: ObjectMeta
-    changed: Callable[[], bool]
-    expected: tuple[int, str] | None = None
-
-
-@dataclass(frozen=True)
-class PutFile:
-    """What put_files put at a key: the bytes the file held, their checksum."""
-
-    size: int
-    checksum: str
-
-
-@dataclass(frozen=True)
-class StagedUpload:
-    """An upload whose bytes are in the store (or, below the multipart threshold, checked locally) but not
-    yet visible at `key`. `state` is the staged multipart upload, None for a one-request upload at commit."""
-
-    key: str
-    size: int
-    checksum: str
-    meta: ObjectMeta
-    src_path: str
-    state: UploadState | None
-
-
-@dataclass(frozen=True)
-class FetchedRange:
-    """What one ranged download wrote into a local file."""
-
-    offset: int
-    length: int  # bytes written (fewer than asked at the object's end)
-    crc: int  # CRC32 of those bytes
-    size: int  # the whole object's size
-    etag: str | None  # the object's version: pass it as if_match to read more of the same
-    checksum: str | None  # the whole object's checksum from its metadata, if any
-
-
-@dataclass
-class TransferStats:
-    parts_up: int = 0  # part uploads in flight now
-    parts_down: int = 0  # ranged downloads in flight now
-    bytes_up: int = 0  # since start
-    bytes_down: int = 0
-    up_bytes_per_second: float = 0.0  # over the last RATE_WINDOW seconds
-    down_bytes_per_second: float = 0.0
-    retries: int = 0
-    memory_in_use: int = 0
-    memory_budget: int = 0
-    memory_peak: int = 0
-    memory_waiters: int = 0
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
-    return out
-
-
-@contextlib.asynccontextmanager
-async def _parallel() -> AsyncIterator[trio.Nursery]:
-    """A nursery for the parts of one transfer that fails with the first real error of its tasks, as one
-    call would: callers handle a BackendError, not a group of them (a cancellation passes unchanged)."""
-    try:
-        async with trio.open_nursery() as nursery:
-            yield nursery
-    except BaseExceptionGroup as group:
-        first = next((exc for exc in _leaves(group) if not isinstance(exc, trio.Cancelled)), None)
-        if first is None:
-            raise
-        raise first from None
-
-
-async def _for_each(items: Iterable[T], work: Callable[[T], Awaitable[object]], width: int) -> None:
-    """work(item) for every item, in their order, `width` at a time (the engine's worker pool for the parts
-    of one transfer); fails as _parallel does."""
-    todo = collections.deque(items)
-
-    async def worker() -> None:
-        while todo:
-            await work(todo.popleft())
-
-    async with _parallel() as nursery:
-        for _ in range(min(width, len(todo))):
-            nursery.start_soon(worker)
-
-
-def plan_part_size(size: int, part_size: int, spread: int, *, min_part: int, max_parts: int) -> int:
-    """The part size for a file of `size` bytes: the configured size, smaller for mid-size files so that
-    `spread` parts can go in parallel (never below the store's minimum), and larger when the file would
-    need more parts than the store allows. Whole MiB."""
-    ps = max(min_part, part_size)
-    if spread > 1:
-        share = -(-size // spread)
-        ps = min(ps, max(min_part, -(-share // MiB) * MiB))
-    needed = -(-size // max_parts)
-    return max(ps, -(-needed // MiB) * MiB)
 
 
 def _unchanged() -> bool:
     return False
-
-
-def _whole_crc(crcs: Sequence[int], part_size: int, size: int) -> int:
-    """The CRC32 of a file of `size` bytes from the CRC32s of its parts of `part_size`, in order."""
-    return combine_crcs((crc, min(part_size, size - index * part_size)) for index, crc in enumerate(crcs))
 
 
 class Transfers:
@@ -232,6 +103,8 @@ class Transfers:
         self._recent: collections.deque[tuple[float, int, int]] = collections.deque()  # (time, up, down)
         # What interrupted uploads leave in the store: the uploads this process works on, the sweeps.
         self.leftovers = Leftovers(store, self.call)
+        self.spills = Spills(self)  # the start of a file still being written, staged at a hidden key
+        self.copies = Copies(self)  # server-side copies, part by part where the store copies less at once
 
     def statistics(self) -> TransferStats:
         now = trio.current_time()
@@ -352,7 +225,7 @@ class Transfers:
                     await self.abandon(resume, "the file is now below the multipart threshold")
                 crcs = await self._scan(fd, size, max(size, 1), key, sync_source=sync_source)
                 return StagedUpload(key, size, crc_text(crcs[0]), meta, src_path, None)
-            async with _parallel() as nursery:
+            async with parallel() as nursery:
                 if sync_source:
                     nursery.start_soon(self._sync_source, fd, key)
                 staged = await self._stage_parts(key, src_path, fd, size, meta, resume, progress, priority)
@@ -383,7 +256,7 @@ class Transfers:
             # Not abandoned: it reads the caller's descriptor (and a local read is quick).
             await trio.to_thread.run_sync(scan, index, limiter=self._part_threads)
 
-        await _for_each(range(count), scan_part, self.parts_in_flight)
+        await for_each(range(count), scan_part, self.parts_in_flight)
         return crcs
 
     async def _stage_parts(
@@ -393,7 +266,7 @@ class Transfers:
         reusable = resume is not None and resume.key == key and resume.size == size and not resume.spilled
         part_size = resume.part_size if reusable and resume is not None else self.upload_part_size(size)
         crcs = await self._scan(fd, size, part_size, key)
-        checksum = crc_text(_whole_crc(crcs, part_size, size))
+        checksum = crc_text(whole_crc(crcs, part_size, size))
 
         state: UploadState | None = None
         if resume is not None:
@@ -421,7 +294,7 @@ class Transfers:
                 progress(current[0])
 
         try:
-            await _for_each(todo, put, self.parts_in_flight)
+            await for_each(todo, put, self.parts_in_flight)
         except BaseException:
             if progress is None:  # nobody can resume it: do not leave it behind
                 with trio.move_on_after(30, shield=True):
@@ -569,91 +442,6 @@ class Transfers:
         self.store.put_object(small.key, data, small.meta, checksum)
         return PutFile(len(data), checksum)
 
-    # -- spills: the start of a file still being written, staged at a hidden key ------------------------
-
-    async def spill_begin(self, part_size: int, *, early: bool = False) -> UploadState:
-        key = f"{SPILL_PREFIX}{self.store.owner}.{secrets.token_hex(8)}"
-        ref = await self._open_upload(key, None, None)
-        part_size = min(max(part_size, self.store.limits.min_part_size), self.store.limits.max_part_size)
-        return UploadState(key=key, upload_id=ref.upload_id, marker=ref.marker, size=0, checksum="", mtime_ns=0,
-                           mode=0, part_size=part_size, spilled=True, early=early)
-
-    async def spill_matches(self, state: UploadState, src_path: str) -> bool:
-        """Are the first state.size bytes of src_path still the ones the spill staged? (An early spill's
-        parts stay in the cache, and a writer may have changed them since.) Also syncs src_path to disk, as
-        stage_upload's `sync_source` does: the caller is about to call it a clean copy."""
-        try:
-            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise source_error(exc, state.key) from exc
-        try:
-            async with _parallel() as nursery:
-                nursery.start_soon(self._sync_source, fd, state.key)
-                if not state.size:
-                    return True
-                try:
-                    crcs = await self._scan(fd, state.size, state.part_size, state.key)
-                except SourceChangedError:  # shorter than what was staged
-                    return False
-        finally:
-            os.close(fd)
-        return crc_text(_whole_crc(crcs, state.part_size, state.size)) == state.checksum
-
-    async def spill_parts(
-        self, state: UploadState, src_path: str, end: int, *, priority: Priority = Priority.UPLOAD,
-        sync_source: bool = False,
-    ) -> UploadState:
-        """Stage src_path's bytes from state.size up to `end`, in parts of state.part_size in parallel as for
-        any upload; return the new state. Nothing is journaled in between: after a crash they are all staged
-        again, under the same part numbers. `sync_source` then fdatasyncs src_path: a file being written goes
-        to disk a batch at a time, not all at once before it is called clean (spill_matches)."""
-        part_size = state.part_size
-        offsets = list(range(state.size, end, part_size))
-        first = len(state.parts) + 1
-        if first + len(offsets) - 1 > self.store.limits.max_parts:
-            raise PermanentBackendError(f"a spilled file needs more than {self.store.limits.max_parts} parts;"
-                                        " raise part_size")
-        done: list[tuple[UploadPart, int]] = []
-
-        async def put(index: int) -> None:
-            offset = offsets[index]
-            done.append(await self._put_part(state.ref, first + index, offset, min(part_size, end - offset),
-                                             src_path, None, priority))
-
-        await _for_each(range(len(offsets)), put, self.parts_in_flight)
-        if sync_source:
-            await trio.to_thread.run_sync(fdatasync_path, src_path, state.key, limiter=self._part_threads)
-        done.sort(key=lambda item: item[0].number)
-        pieces = [(crc, min(part_size, end - offset)) for (_, crc), offset in zip(done, offsets, strict=True)]
-        whole = combine_crcs(pieces, crc_of(state.checksum))
-        return replace(state, size=end, parts=(*state.parts, *(part for part, _ in done)), checksum=crc_text(whole))
-
-    async def spill_commit(self, state: UploadState, key: str, meta: ObjectMeta) -> None:
-        """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum: where
-        the store can, by completing the upload there; else by completing it at its hidden key, copying it to
-        `key` and deleting the hidden object."""
-        if self.store.limits.completes_anywhere:
-            await self._complete(state.ref, state.parts, state.size, state.checksum, key=key, meta=meta)
-            self.leftovers.finished(state.ref)
-            return
-        try:
-            await self._complete(state.ref, state.parts, state.size, None)
-        except BackendError:
-            if await self._holds(key, state.size, state.checksum):  # a retried commit: the first one got through
-                await self.call(self.store.delete, state.key)  # if its delete of the spill did not
-                self.leftovers.finished(state.ref)
-                return
-            raise
-        try:
-            await self.copy(state.key, key, meta, state.checksum)
-        except NotFoundBackendError:
-            if await self._holds(key, state.size, state.checksum):  # a retried commit: the first one copied it
-                self.leftovers.finished(state.ref)
-                return
-            raise NotFoundBackendError(f"{key}: the spilled upload is gone") from None
-        await self.call(self.store.delete, state.key)
-        self.leftovers.finished(state.ref)
-
     async def _complete(
         self, ref: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *, key: str | None = None,
         meta: ObjectMeta | None = None,
@@ -691,55 +479,6 @@ class Transfers:
             if counted.written == offset:
                 break
         return crc_text(counted.crc)
-
-    async def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None,
-                   checksum: str | None = None) -> None:
-        """Server-side copy (ObjectStore.copy): dst_key appears atomically, with `meta` and `checksum` as its
-        metadata if given, else the source's. An object larger than the store copies in one request goes part
-        by part: open_upload, copy_part in parallel (pinned to the source's version), complete. Raises
-        NotFoundBackendError only if the source is missing."""
-        try:
-            await self.call(self.store.copy, src_key, dst_key, meta, checksum)
-            return
-        except TooLargeToCopyError:
-            pass
-        source = await self.call(self.store.head, src_key)
-        if source is None:
-            raise NotFoundBackendError(f"copy {src_key}: no such object")
-        # What is not given stays the source's, as in a copy in one request.
-        meta = meta if meta is not None else ObjectMeta(source.mtime_ns, source.mode)
-        checksum = checksum if checksum is not None else source.checksum
-        limits = self.store.limits
-        part_size = plan_part_size(source.size, COPY_PART_SIZE, UPLOAD_SPREAD, min_part=limits.min_part_size,
-                                   max_parts=limits.max_parts)
-        copy_part = functools.partial(self.store.copy_part, if_match=source.etag)
-        ref = await self._open_upload(dst_key, meta, checksum)
-        parts: list[UploadPart] = []
-
-        async def copy_one(numbered: tuple[int, int]) -> None:
-            number, offset = numbered
-            length = min(part_size, source.size - offset)
-            parts.append(await self._retry(copy_part, ref, number, src_key, offset, length,
-                                           limiter=self._part_threads))
-
-        try:
-            await _for_each(enumerate(range(0, source.size, part_size), start=1), copy_one, UPLOAD_SPREAD)
-            await self._complete(ref, sorted(parts, key=lambda p: p.number), source.size, checksum)
-        except BaseException as exc:
-            with trio.move_on_after(30, shield=True):
-                await self._abort(ref)
-            if isinstance(exc, UploadGoneError):  # the staged copy went, not the source (a NotFound to callers)
-                raise TransientBackendError(f"copy {src_key} to {dst_key}: {exc}") from exc
-            raise
-        self.leftovers.finished(ref)
-
-    async def set_meta(self, key: str, meta: ObjectMeta) -> None:
-        """ObjectStore.set_meta; where the store rewrites metadata by copying an object onto itself and the
-        object is larger than it copies in one request, a copy onto itself part by part (Transfers.copy)."""
-        try:
-            await self.call(self.store.set_meta, key, meta)
-        except TooLargeToCopyError:
-            await self.copy(key, key, meta)
 
     # -- downloads --------------------------------------------------------------------------------------
 

@@ -1,0 +1,32 @@
+"""The transfer engine: one scheduler for every part transfer between the cache and the store, up and down.
+
+Owns: part sizing, parallelism (one pool of parts in flight shared by every file, up and down, each part
+under the memory budget of memory.py), priorities (a reader waiting on a range first, read-ahead next,
+background uploads after, commit markers last), retries with backoff of each part, staged uploads with
+resume from a journaled UploadState and the one way to abandon one (`abandon`), small files in one PUT
+each, spills (the start of a file still being written, staged at a hidden key) and ranged downloads.
+Modules: engine.py (`Transfers`: the plumbing of every store call, uploads, small files, downloads),
+spills.py (`Transfers.spills`), copies.py (`Transfers.copies`), pool.py (the worker pool of one transfer),
+values.py (what callers hand it and get back). Beside it: memory.py (the budget), leftovers.py (what
+interrupted uploads leave in the store, and the sweeps), checksums.py (CRC32 math), local_io.py (reading
+and writing the local files).
+
+Stores (backends/) implement only primitives: one attempt each, in a worker thread. This module never
+knows inodes or paths of the mount and never touches the journal: callers persist the UploadState it
+reports through `progress` (called in the trio thread after the upload is opened and after every part).
+Everything here runs in the trio thread except the blocking store calls and local reads.
+"""
+
+from ckptfs.transfer.engine import Transfers
+from ckptfs.transfer.values import (
+           FetchedRange,
+           Priority,
+           PutFile,
+           SmallFile,
+           StagedUpload,
+           TransferStats,
+           plan_part_size,
+)
+
+__all__ = ["FetchedRange", "Priority", "PutFile", "SmallFile", "StagedUpload", "TransferStats", "Transfers",
+           "plan_part_size"]
