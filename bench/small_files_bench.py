@@ -13,6 +13,8 @@ previous one's writeback):
             (what a training job waits for) and durable (the workload plus `ckptfs flush`)
   ckptfs-1node  the same with --no-cross-node-ordering (no pending records, no FLUSH per close): what
             cross-node ordering of commit markers costs a single node
+  before    with --before DIR: `ckptfs` of another checkout (PYTHONPATH=DIR), for a before/after comparison
+            in the same run
 
 The ratio that issue 13 targets is ckptfs workload / local workload (<= 3x). JSON in
 bench/results/small_files_bench.json.
@@ -76,11 +78,14 @@ def quiet_disk(pause: float) -> None:
     time.sleep(pause)
 
 
-def run_ckptfs(root: Path, tag: str, files: int, seed: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
+def run_ckptfs(root: Path, tag: str, files: int, seed: int, extra: tuple[str, ...] = (),
+               checkout: Path | None = None) -> dict[str, float]:
     store, mnt, cache = root / f"store-{tag}", root / f"mnt-{tag}", root / f"cache-{tag}"
     store.mkdir()
     mnt.mkdir()
     env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(root / "run"))
+    if checkout is not None:  # another version of ckptfs, for a before/after comparison in the same run
+        env["PYTHONPATH"] = str(checkout)
     ckptfs("mount", "--no-guard-mountpoint",
            f"file://{store}", str(mnt), "--cache-dir", str(cache), "--metrics-addr", "off", "--daemon",
            *extra, env=env)
@@ -110,6 +115,7 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
                    help="scratch parent: the local baseline, the store and the cache dir")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    p.add_argument("--before", type=Path, help="a checkout of another ckptfs version to run side by side")
     args = p.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="ckptfs-small-bench.", dir=args.dir))
@@ -119,6 +125,8 @@ def main() -> None:
             ("local", run_local), ("ckptfs", run_ckptfs),
             ("ckptfs-1node", lambda *a: run_ckptfs(*a, extra=("--no-cross-node-ordering",))),
         ]
+        if args.before is not None:
+            ways.append(("before", lambda *a: run_ckptfs(*a, checkout=args.before)))
         for run in range(args.runs):
             for way, fn in ways[run % len(ways):] + ways[:run % len(ways)]:
                 times = fn(root, f"{way}-{run}", args.files, args.seed + run)
@@ -136,6 +144,11 @@ def main() -> None:
         "ckptfs workload / ckptfs-1node workload": medians["ckptfs workload"] / medians["ckptfs-1node workload"],
         "ckptfs durable / ckptfs-1node durable": medians["ckptfs durable"] / medians["ckptfs-1node durable"],
     }
+    if args.before is not None:
+        ratios |= {
+            "ckptfs workload / before workload": medians["ckptfs workload"] / medians["before workload"],
+            "ckptfs durable / before durable": medians["ckptfs durable"] / medians["before durable"],
+        }
     print(f"\nmedians of {args.runs} interleaved runs, {args.files} files of 4-256 KiB, temp + rename, 10% deleted")
     for name, value in medians.items():
         print(f"  {name:<26} {value:8.2f} s  ({value / args.files * 1e3:.2f} ms per file)")
