@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "fetch": {"backends", "cache", "checksums", "errors", "evict", "journal", "transfer"},
     "drain": {"backends", "cache", "errors", "journal", "local_io", "transfer"},
     "recovery": {"backends", "cache", "errors", "journal", "transfer"},
-    "nodes": {"backends", "journal", "transfer"},
+    "nodes": {"backends", "errors", "journal", "transfer"},
     "fs": {"cache", "errors", "evict", "handles", "journal"},
     "fuse_ops": {"errors", "fs", "journal", "metrics"},
     "client": {"errors"},

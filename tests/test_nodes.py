@@ -14,8 +14,7 @@ import pytest
 import trio
 from fsharness import GID, UID, Stack, make_stack
 
-from ckptfs.backends.base import TransientBackendError
-from ckptfs.errors import BackendError
+from ckptfs.errors import BackendError, TransientBackendError
 from ckptfs.journal import ROOT_ID
 from ckptfs.nodes import PENDING, TOP_FILES, NodeRecords, PeerRecords, own, peers
 

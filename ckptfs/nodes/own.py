@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from ckptfs.backends.base import BackendError
+from ckptfs.errors import BackendError
 from ckptfs.journal import CLEAN, DIR, DIRTY, FILE, REMOTE, UPLOADING, Inode, Journal
 from ckptfs.nodes.names import FILES_NAMED, FORGOTTEN, GEN_META, PENDING, record_name, top_entry
 from ckptfs.transfer import Transfers

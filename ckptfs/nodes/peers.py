@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from ckptfs.backends.base import BackendError
+from ckptfs.errors import BackendError
 from ckptfs.journal import Inode
 from ckptfs.nodes.names import FILES_NAMED, FORGOTTEN, PENDING, TOP_FILES, parse_record_name
 from ckptfs.transfer import Transfers
