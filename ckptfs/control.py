@@ -18,9 +18,9 @@ from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError
 from ckptfs.journal import ROOT_ID
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
-from ckptfs.prune import Pruner
+from ckptfs.pruner import Pruner
 from ckptfs.recovery import DirLister
-from ckptfs.status import MountStats, status_json
+from ckptfs.snapshot import MountStats, status_json
 
 RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take
 REMAINING_LISTED = 100  # a flush or unmount names this many entries not yet durable (and counts them all)

@@ -9,7 +9,7 @@ because whatever was not uploaded stays journaled for the next start.
 This is the only module besides fuse_ops.py that imports pyfuse3, and the only owner of the root nursery.
 It wires and starts; what it starts lives in modules of their own: mountpoint.py (can it be mounted on),
 takeover.py (the connection beyond this daemon: holder, systemd's store, handles taken over), control.py
-(the control socket's requests), status.py (status, metrics and STATUS=, from one gathering), prune.py
+(the control socket's requests), snapshot.py (status, metrics and STATUS=, from one gathering), pruner.py
 (retention carried out).
 """
 
@@ -44,9 +44,9 @@ from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
 from ckptfs.mountpoint import check_mountpoint, set_read_ahead
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
 from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
-from ckptfs.prune import Pruner
+from ckptfs.pruner import Pruner
 from ckptfs.recovery import DirLister, recover
-from ckptfs.status import KeepMount, MountStats, gather, metrics_snapshot, status_line
+from ckptfs.snapshot import KeepMount, MountStats, gather, metrics_snapshot, status_line
 from ckptfs.systemd import Notifier
 from ckptfs.takeover import ConnectionKeeper, Restart, find_held_connection
 from ckptfs.transfer import Transfers
@@ -343,7 +343,7 @@ class Daemon:
             await trio.sleep(METRICS_INTERVAL)
 
     def statistics(self) -> MountStats:
-        """Every statistic of the mount, read once (status.py derives the status, metrics and STATUS=)."""
+        """Every statistic of the mount, read once (snapshot.py derives the status, metrics and STATUS=)."""
         keeper = self.keeper
         keep_mount = KeepMount(keeper.link.holder_pid if keeper.link is not None else None, keeper.systemd_keeps,
                                self.held is not None, keeper.handles_taken_over)

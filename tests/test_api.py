@@ -35,6 +35,19 @@ def test_import_ckptfs_loads_no_fuse_trio_or_cloud_sdk() -> None:
     assert loaded.stdout.strip() == "True"
 
 
+def test_no_module_of_the_package_hides_an_api_function() -> None:
+    """A submodule named like an API function (ckptfs/status.py, say) replaces ckptfs.status once anything
+    imports it: in a process that loads the daemon's modules (the suite, a tool embedding ckptfs),
+    ckptfs.status() became "module object is not callable"."""
+    probe = ("import importlib, pkgutil, ckptfs\n"
+             "for module in pkgutil.walk_packages(ckptfs.__path__, 'ckptfs.'):\n"
+             "    if module.name != 'ckptfs.__main__':\n"
+             "        importlib.import_module(module.name)\n"
+             "print(sorted(n for n in ckptfs.__all__ if n[0].islower() and not callable(getattr(ckptfs, n))))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_wait_durable_returns_once_the_objects_are_in_the_store(api_mount: Mount) -> None:
     step = api_mount.mnt / "step_100"
     step.mkdir()
