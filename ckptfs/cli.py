@@ -199,7 +199,8 @@ class AnswerNobodyWaitsFor(logging.Filter):
     is wrong then: such lines are DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg.endswith("fuse_reply_* failed with %s") and record.args == (os.strerror(errno.ENOENT),):
+        if (isinstance(record.msg, str) and record.msg.endswith("fuse_reply_* failed with %s")
+                and record.args == (os.strerror(errno.ENOENT),)):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             return logging.getLogger().isEnabledFor(logging.DEBUG)
         return True
