@@ -29,9 +29,26 @@ fi
 bash scripts/build-fuse.sh
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-# torch==2.13.0 (in the test extra) resolves to the CPU wheel on this machine's disk.
-.venv/bin/pip install -q -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
+# pip asks the package index about every requirement even when all are installed (minutes when the index is
+# slow): skip it when this venv already has these requirements (pyproject.toml and the extras unchanged since
+# the last install that passed its check) and ckptfs imports from this checkout.
+deps_stamp=.venv/.ckptfs-deps
+deps_line="$(sha256sum <pyproject.toml | cut -c1-16) extras=$extras"
+if [ "$(cat "$deps_stamp" 2>/dev/null)" = "$deps_line" ] &&
+   [ "$(.venv/bin/python -c 'import ckptfs, os; print(os.path.dirname(os.path.dirname(ckptfs.__file__)))' \
+        2>/dev/null)" = "$PWD" ]; then
+  echo "the venv's packages match pyproject.toml: pip install skipped"
+else
+  rm -f "$deps_stamp"
+  # torch==2.13.0 (in the test extra) resolves to the CPU wheel on this machine's disk.
+  if .venv/bin/pip install -q -e "$spec" > >(grep -v "^WARNING: Location" || true) 2>&1; then
+    deps_ok=1
+  else
+    deps_ok=0
+  fi
+fi
 .venv/bin/python -c "import ckptfs, pyfuse3, trio" || { echo "error: install failed" >&2; exit 1; }
+if [ "${deps_ok:-1}" = 1 ]; then echo "$deps_line" >"$deps_stamp"; fi
 
 # The az:// tests run Azurite (Microsoft's Blob emulator, from npm) from .azurite/ (tests/emulators.py).
 # 3.35.0: later releases need node >= 21.

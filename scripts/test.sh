@@ -6,4 +6,8 @@ scripts/install.sh test
 . .venv/bin/activate
 echo "== ruff"; ruff check ckptfs tests bench
 echo "== mypy"; mypy
-echo "== pytest"; pytest -q -p no:cacheprovider "$@"
+# The tests wait mostly on FUSE daemons, subprocesses and emulators: more workers than cores keep the cores
+# busy. CKPTFS_TEST_WORKERS=0 runs them in this one process (as does `-n 0` among the arguments).
+# A daemon the tests start imports ckptfs anew each time: let it compile the modules once, not each time.
+unset PYTHONDONTWRITEBYTECODE
+echo "== pytest"; pytest -q -p no:cacheprovider -n "${CKPTFS_TEST_WORKERS:-4}" --dist worksteal "$@"

@@ -5,6 +5,7 @@ WARNING or ERROR."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,38 @@ def finished_parts(journal: Path) -> int:
     finally:
         db.close()
     return max((len(json.loads(text)["parts"]) for (text,) in rows), default=0)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "serial: runs with no other test beside it when the suite runs in parallel (pytest-xdist): "
+        "it asserts a time bound, which the load of other tests would make it miss")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    """Under pytest-xdist (scripts/test.sh), a test marked serial runs alone: it waits until the tests running
+    on the other workers are done, and they wait for it before their next test. Two flock()ed files in the
+    run's shared temp dir: every test holds `run` shared, a serial one exclusive; `gate` lets a waiting serial
+    test in before tests that come after it (else the workers' shared holds could keep it out for good)."""
+    basetemp = item.config.option.basetemp
+    if "PYTEST_XDIST_WORKER" not in os.environ or not basetemp:
+        return (yield)
+    shared = Path(basetemp).parent  # xdist gives each worker <the run's basetemp>/<worker id>
+    serial = item.get_closest_marker("serial") is not None
+    with open(shared / ".serial-gate", "a") as gate, open(shared / ".serial-run", "a") as run:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(run, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        finally:
+            if not serial:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)
+            if serial:
+                fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)
