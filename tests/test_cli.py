@@ -194,6 +194,7 @@ def test_sigterm_drains_then_unmounts(mount_factory) -> None:  # type: ignore[no
     assert guard.is_guarded(m.mnt)  # unmounted, and the bare directory guarded
 
 
+@pytest.mark.serial  # a second SIGTERM ends the daemon within 4 s
 @pytest.mark.parametrize("signals", [1, 2], ids=["one-signal", "second-signal"])
 def test_sigterm_with_a_store_refusing_writes_exits_3_and_loses_nothing(
     mount_factory, signals: int  # type: ignore[no-untyped-def]

@@ -279,6 +279,7 @@ async def test_a_file_held_open_for_writing_does_not_keep_an_old_record(
     await _until(lambda: not b.pending_records())
 
 
+@pytest.mark.serial  # five opens within 1 s
 async def test_a_store_that_does_not_answer_delays_one_open_not_every_open(
     tmp_path: Path, nursery: trio.Nursery, quick: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

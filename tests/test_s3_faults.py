@@ -325,6 +325,7 @@ def test_stalled_requests_complete(s3_mount, seaweedfs_s3: S3Server, proxy: Faul
     assert m.status()["errors"] == 0
 
 
+@pytest.mark.serial  # the other uploads within 8 s
 def test_a_stalled_upload_does_not_hold_up_others(s3_mount, seaweedfs_s3: S3Server,
                                                   proxy: FaultProxy, bucket: str) -> None:
     m = s3_mount("--part-size", "5M")
