@@ -61,6 +61,9 @@ METRICS_INTERVAL = 1.0
 EXTEND_SECONDS = 30
 # A background service that failed unexpectedly starts again after this long (doubling up to the cap).
 RESTART_PAUSE = 1.0
+# How often the journal's WAL is checkpointed in a worker thread while the journal changes: each one syncs
+# two files, and syncs on the cache filesystem slow down the cache file creates of FUSE requests meanwhile.
+JOURNAL_CHECKPOINT_INTERVAL = 0.5
 RESTART_PAUSE_CAP = 60.0
 # `ckptfs restart`: how long the requests being served may take to finish before the connection goes to the
 # new daemon anyway (the kernel sends it the unfinished ones again)
@@ -223,6 +226,7 @@ class Daemon:
                 await nursery.start(self._supervised, "evictor", self.evictor.run)
                 await nursery.start(self._supervised, "fetcher", self.fetcher.run)
                 await nursery.start(self._supervised, "close recorder", self.fs.run)
+                await nursery.start(self._supervised, "journal checkpoints", self._checkpoint_journal)
                 if self.records is not None and self.peers is not None:
                     await nursery.start(self._supervised, "node records", self.records.run)
                     await nursery.start(self._supervised, "other nodes' records", self.peers.run)
@@ -298,6 +302,18 @@ class Daemon:
                 self.faults.record(name, repr(_innermost(exc)))
             await trio.sleep(pause)
             pause = min(pause * 2, RESTART_PAUSE_CAP)
+
+    async def _checkpoint_journal(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Checkpoint the journal's WAL in a worker thread, so that no FUSE request waits for the syncs of
+        one (Journal.checkpoints_elsewhere)."""
+        self.journal.checkpoints_elsewhere()
+        task_status.started()
+        seen = -1
+        while True:
+            await trio.sleep(JOURNAL_CHECKPOINT_INTERVAL)
+            if self.journal.commits != seen:
+                seen = self.journal.commits
+                await trio.to_thread.run_sync(self.journal.checkpoint)
 
     def _on_journal_failure(self, exc: BaseException) -> None:
         """A FUSE request met an unusable journal (it was answered EIO): end the daemon (run)."""

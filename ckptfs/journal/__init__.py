@@ -3,7 +3,9 @@
 It is the single source of truth. The FUSE layer changes state only through it, the drain learns its work
 only from it, and a restart rebuilds everything from it. All calls are synchronous and must be made from
 the trio thread: a run of journal calls between two awaits is therefore atomic with respect to every other
-task. It knows nothing about FUSE, trio or object stores; it stores keys as plain strings.
+task. The one exception is `checkpoint()`, which copies the WAL into the database file on a connection of
+its own, in a worker thread (the daemon's, after `checkpoints_elsewhere()`), so that no commit syncs files.
+It knows nothing about FUSE, trio or object stores; it stores keys as plain strings.
 
 Durability: WAL with synchronous=NORMAL survives a crash or kill -9 of the daemon after every commit;
 `sync()` makes everything committed so far survive power loss (fsync() on a file calls it).
