@@ -145,6 +145,9 @@ class Filesystem:
     def lookup(self, parent_id: int, raw_name: bytes) -> Attr:
         return self._namespace.lookup(parent_id, raw_name)
 
+    def find(self, parent_id: int, raw_name: bytes) -> Attr | None:
+        return self._namespace.find(parent_id, raw_name)
+
     def mkdir(self, parent_id: int, raw_name: bytes, mode: int, uid: int, gid: int) -> Attr:
         return self._namespace.mkdir(parent_id, raw_name, mode, uid, gid)
 
