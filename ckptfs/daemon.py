@@ -64,6 +64,7 @@ RESTART_PAUSE = 1.0
 # How often the journal's WAL is checkpointed in a worker thread while the journal changes: each one syncs
 # two files, and syncs on the cache filesystem slow down the cache file creates of FUSE requests meanwhile.
 JOURNAL_CHECKPOINT_INTERVAL = 0.5
+JOURNAL_CHECKPOINT_COMMITS = 250  # about SQLite's 1000 WAL pages: a create or a close writes about 4
 RESTART_PAUSE_CAP = 60.0
 # `ckptfs restart`: how long the requests being served may take to finish before the connection goes to the
 # new daemon anyway (the kernel sends it the unfinished ones again)
@@ -308,12 +309,16 @@ class Daemon:
         one (Journal.checkpoints_elsewhere)."""
         self.journal.checkpoints_elsewhere()
         task_status.started()
-        seen = -1
+        seen = checkpointed = self.journal.commits
         while True:
             await trio.sleep(JOURNAL_CHECKPOINT_INTERVAL)
-            if self.journal.commits != seen:
-                seen = self.journal.commits
+            commits = self.journal.commits
+            # While the journal keeps changing, once per JOURNAL_CHECKPOINT_COMMITS (as often as SQLite's
+            # own checkpoints: each syncs two files); once it is quiet, whatever is left.
+            if commits - checkpointed >= JOURNAL_CHECKPOINT_COMMITS or (commits == seen != checkpointed):
+                checkpointed = commits
                 await trio.to_thread.run_sync(self.journal.checkpoint)
+            seen = commits
 
     def _on_journal_failure(self, exc: BaseException) -> None:
         """A FUSE request met an unusable journal (it was answered EIO): end the daemon (run)."""
