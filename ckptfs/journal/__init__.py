@@ -26,11 +26,12 @@ from ckptfs.journal.records import (
     SYMLINK,
     UPLOADING,
     Inode,
+    ListedEntry,
     PendingDelete,
 )
 from ckptfs.journal.schema import SCHEMA_VERSION
 
 __all__ = [
     "CLEAN", "DIR", "DIRTY", "FILE", "REMOTE", "ROOT_ID", "SCHEMA_VERSION", "SYMLINK", "UPLOADING", "Inode", "Journal",
-    "JournalError", "JournalFull", "JournalUnusable", "PendingDelete", "journal_unusable",
+    "JournalError", "JournalFull", "JournalUnusable", "ListedEntry", "PendingDelete", "journal_unusable",
 ]

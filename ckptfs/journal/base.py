@@ -8,10 +8,13 @@ import sqlite3
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from ckptfs.journal.connection import connect
 from ckptfs.journal.records import INODE_COLUMNS, Inode
 from ckptfs.journal.schema import check_version, create_tables, migrations
+
+T = TypeVar("T")
 
 # Below SQLite's smallest limit on bound parameters (999 before 3.32).
 _IDS_PER_QUERY = 900
@@ -24,8 +27,8 @@ def prefix_range(prefix: str) -> tuple[str, str]:
     return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
-def id_groups(ids: Collection[int]) -> Iterator[tuple[tuple[int, ...], str]]:
-    """`ids` in groups small enough for one query each, with each group's placeholders ("?, ?, ...")."""
+def id_groups(ids: Collection[T]) -> Iterator[tuple[tuple[T, ...], str]]:
+    """`ids` (or keys) in groups small enough for one query each, with each group's placeholders ("?, ?, ...")."""
     items = list(ids)
     for start in range(0, len(items), _IDS_PER_QUERY):
         group = tuple(items[start:start + _IDS_PER_QUERY])

@@ -8,7 +8,7 @@ import time
 
 from ckptfs.journal.base import prefix_range
 from ckptfs.journal.deletes import PendingDeletes
-from ckptfs.journal.records import CLEAN, DIR, FILE, INODE_COLUMNS, REMOTE, ROOT_ID, Inode
+from ckptfs.journal.records import CLEAN, DIR, FILE, INODE_COLUMNS, REMOTE, ROOT_ID, Inode, ListedEntry
 
 
 class Namespace(PendingDeletes):
@@ -102,6 +102,19 @@ class Namespace(PendingDeletes):
         inode = self.get(cur.lastrowid)  # type: ignore[arg-type]
         assert inode is not None
         return inode
+
+    def import_listed(self, parent: Inode, entries: list[ListedEntry], *, uid: int, gid: int, now: float) -> None:
+        """Many imports at once (a directory's listing), as import_remote makes each: one statement for all
+        of them, not a round trip per entry, and no rows read back (a listing of 1,000 files took 3,000
+        statements and most of a first walk's time)."""
+        base = f"{parent.path}/" if parent.path else ""
+        self.db.executemany(
+            "INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,"
+            " state, version, uploaded_version, remote_key, checksum, closed_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, 1, ?, ?, ?)",
+            [(parent.id, e.name, base + e.name, e.kind, e.mode, uid, gid, e.size, e.mtime_ns, e.mtime_ns, e.target,
+              REMOTE if e.kind == FILE else CLEAN, e.key, e.checksum, now) for e in entries],
+        )
 
     def touch_dir(self, inode_id: int, now_ns: int | None = None) -> None:
         now = now_ns if now_ns is not None else time.time_ns()
