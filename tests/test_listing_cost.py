@@ -114,6 +114,29 @@ async def test_readdir_and_lookup_after_a_listing_ask_the_store_nothing(
     check_consistency(stack)
 
 
+async def test_the_kernel_forgetting_a_walked_tree_is_one_query_per_batch(
+    tmp_path: Path, counted: Callable[[Stack], Counts]
+) -> None:
+    """After a walk the kernel forgets its entries by the thousand (BATCH_FORGET). Before: a journal read
+    per forgotten inode, to see whether it was unlinked and must be purged."""
+    _tree(tmp_path / "store", 600)
+    stack = make_stack(tmp_path)
+    await stack.fs.ensure_listed(ROOT_ID)
+    big = stack.fs.lookup(ROOT_ID, b"big")
+    await stack.fs.ensure_listed(big.ino)
+    walked = stack.fs.readdir(stack.fs.opendir(big.ino), 0)
+    for entry in walked:
+        stack.fs.remember(entry.attr.ino)  # what readdirplus does for each entry it reports
+    victim = stack.write_file("victim", b"gone soon")
+    stack.fs.unlink(ROOT_ID, b"victim")  # the kernel still holds the reference of its create
+    counts = counted(stack)
+    stack.fs.forget_many([(entry.attr.ino, 1) for entry in walked] + [(victim, 1)])
+    assert counts.statements <= 5, counts.statements  # which are unlinked; the victim's purge (4)
+    assert stack.journal.get(victim) is None and not stack.cache.has_data(victim)
+    assert len(stack.journal.all_children(big.ino)) == 602  # forgetting is no unlink
+    check_consistency(stack)
+
+
 GOOD = ["a", "a.b", "é" * 127, "x" * 255, "..." , ". a", "a b"]
 BAD = ["", ".", "..", "x" * 256, "é" * 128, "a\0b", "a/b", "/a", "\udcff", "a\udcffb"]
 

@@ -25,6 +25,7 @@ from ckptfs.journal.records import (
     ROOT_ID,
     SYMLINK,
     UPLOADING,
+    EntryRow,
     Inode,
     ListedEntry,
     PendingDelete,
@@ -32,6 +33,6 @@ from ckptfs.journal.records import (
 from ckptfs.journal.schema import SCHEMA_VERSION
 
 __all__ = [
-    "CLEAN", "DIR", "DIRTY", "FILE", "REMOTE", "ROOT_ID", "SCHEMA_VERSION", "SYMLINK", "UPLOADING", "Inode", "Journal",
-    "JournalError", "JournalFull", "JournalUnusable", "ListedEntry", "PendingDelete", "journal_unusable",
+    "CLEAN", "DIR", "DIRTY", "FILE", "REMOTE", "ROOT_ID", "SCHEMA_VERSION", "SYMLINK", "UPLOADING", "EntryRow", "Inode",
+    "Journal", "JournalError", "JournalFull", "JournalUnusable", "ListedEntry", "PendingDelete", "journal_unusable",
 ]

@@ -36,7 +36,12 @@ def id_groups(ids: Collection[T]) -> Iterator[tuple[tuple[T, ...], str]]:
 
 
 def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:
-    return Inode(*row)
+    # The row is the Inode's fields in order (INODE_COLUMNS): tuple.__new__ takes it as it is, without
+    # the keyword parsing of Inode(*row) (a walk of a big tree reads every row).
+    return _new_tuple(Inode, row)
+
+
+_new_tuple = tuple.__new__
 
 
 class JournalBase:

@@ -54,6 +54,10 @@ class Inode(NamedTuple):
         return self.kind == FILE and self.state != REMOTE
 
 
+# (id, name, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target, state): Namespace.entry_rows.
+EntryRow = tuple[int, str, str, int, int, int, int, int, int, "str | None", str]
+
+
 class ListedEntry(NamedTuple):
     """An entry a store listing shows and the journal does not have yet (Namespace.import_listed)."""
 
