@@ -162,8 +162,10 @@ def run_ckptfs(store: Any, root: Path, tag: str, expected: int, checkout: Path |
     mnt.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in getattr(store, "unset", ())}
     env.update(store.env(), CKPTFS_RUNTIME_DIR=str(root / "run"))
-    if checkout is not None:  # another version of ckptfs, for a before/after comparison in the same run
-        env["PYTHONPATH"] = str(checkout)
+    # The checkout to run: this one, or another version for a before/after comparison in the same run.
+    # (main() left the current directory: `python -m` puts it before PYTHONPATH on sys.path, so a run
+    # started in a checkout would run that one's ckptfs in every way.)
+    env["PYTHONPATH"] = str(checkout if checkout is not None else REPO)
     # A refresh interval longer than any run: on a busy machine a first walk can take longer than the
     # default 30 s, and the warm walk would list the directories again instead of answering from the journal.
     ckptfs("mount", "--no-guard-mountpoint", store.url(), str(mnt), "--cache-dir", str(cache),
@@ -198,6 +200,7 @@ def main() -> None:
     args = p.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="ckptfs-walk-bench.", dir=args.dir))
+    os.chdir(root)
     expected = args.dirs * args.files
     results: dict[str, list[float]] = {}
     store: Any = None
