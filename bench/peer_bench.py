@@ -70,7 +70,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from passthrough_ll import Anchor, find_anchor, mounted
+from passthrough_ll import Anchor, AnchorError, find_anchor, mounted
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -1231,6 +1231,6 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except BenchError as exc:
+    except (BenchError, AnchorError) as exc:
         print(f"peer_bench: {exc}", file=sys.stderr)
         sys.exit(1)
