@@ -31,7 +31,9 @@ def directory(journal: Journal, inode_id: int) -> Inode:
     return inode
 
 
-def attr_of(cache: CacheDir, inode: Inode) -> Attr:
+def attr_of(journal: Journal, cache: CacheDir, inode: Inode) -> Attr:
+    """The attributes of `inode`. A directory's link count is 2 plus its subdirectories (each one's '..'),
+    as on a local filesystem: find and fts read it to know how many subdirectories to expect."""
     if inode.kind == FILE and inode.state != REMOTE:
         try:
             st = os.stat(cache.data_path(inode.id))
@@ -46,5 +48,10 @@ def attr_of(cache: CacheDir, inode: Inode) -> Attr:
         blocks = (size + 511) // 512
         atime = mtime = inode.mtime_ns
         ctime = inode.ctime_ns
-    nlink = 0 if inode.path is None else (2 if inode.kind == DIR else 1)
+    if inode.path is None:
+        nlink = 0
+    elif inode.kind == DIR:
+        nlink = 2 + journal.subdirectory_count(inode.id)
+    else:
+        nlink = 1
     return Attr(inode.id, inode.mode, nlink, inode.uid, inode.gid, size, blocks, atime, mtime, ctime)

@@ -85,5 +85,5 @@ class Listing:
         entries = []
         for child in self.journal.children(inode_id, after_id, limit):
             assert child.name is not None
-            entries.append(DirEntry(child.name.encode(), attr_of(self.cache, child), child.id))
+            entries.append(DirEntry(child.name.encode(), attr_of(self.journal, self.cache, child), child.id))
         return entries

@@ -33,6 +33,10 @@ class Namespace(PendingDeletes):
         """Every linked inode below the directory `path`."""
         return self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE path >= ? AND path < ?", prefix_range(path + "/"))
 
+    def subdirectory_count(self, parent: int) -> int:
+        row = self.db.execute("SELECT COUNT(*) FROM inodes WHERE parent = ? AND kind = 'dir'", (parent,)).fetchone()
+        return int(row[0])
+
     def has_children(self, parent: int) -> bool:
         return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
 
