@@ -89,8 +89,10 @@ class Listing:
             inode_id, after_id, limit
         ):
             if kind == FILE and state != REMOTE:
-                attr = attr_of(self.cache, existing(self.journal, ino))
+                attr = attr_of(self.journal, self.cache, existing(self.journal, ino))
             else:
-                attr = journal_attr(ino, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target)
+                subdirectories = self.journal.subdirectory_count(ino) if kind == DIR else 0
+                attr = journal_attr(ino, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,
+                                    subdirectories=subdirectories)
             entries.append(DirEntry(name.encode(), attr, ino))
         return entries

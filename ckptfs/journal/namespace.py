@@ -51,6 +51,10 @@ class Namespace(PendingDeletes):
             found.extend(row[0] for row in rows)
         return found
 
+    def subdirectory_count(self, parent: int) -> int:
+        row = self.db.execute("SELECT COUNT(*) FROM inodes WHERE parent = ? AND kind = 'dir'", (parent,)).fetchone()
+        return int(row[0])
+
     def has_children(self, parent: int) -> bool:
         return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
 
