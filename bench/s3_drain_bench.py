@@ -100,8 +100,10 @@ def make_source(path: Path, size: int) -> None:
 
 
 def ckptfs(*args: str, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    # From "/": `python -m` puts the current directory before PYTHONPATH, so a bench started inside a
+    # checkout would run that checkout's ckptfs as --before's too.
     result = subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, env=env,
-                            timeout=timeout)
+                            timeout=timeout, cwd="/")
     if result.returncode != 0:
         raise SystemExit(f"ckptfs {args[0]} failed: {result.stderr.strip()}")
     return result
@@ -149,7 +151,7 @@ def run_ckptfs(
         rss = peak_rss(pid)
     finally:
         subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt), "--timeout", "120"], env=env,
-                       capture_output=True, timeout=300, check=False)
+                       capture_output=True, timeout=300, check=False, cwd="/")
         shutil.rmtree(cache, ignore_errors=True)
     for source in sources:
         head = server.client().head_object(Bucket=bucket, Key=f"ckptfs-{tag}/{source.name}")

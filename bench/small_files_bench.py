@@ -153,7 +153,7 @@ def run_ckptfs(root: Path, tag: str, work: Work, extra: tuple[str, ...] = (),
         check_tree(mnt, work, "the ckptfs mount")
     finally:
         subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt), "--timeout", "120"], env=env,
-                       capture_output=True, timeout=300, check=False)
+                       capture_output=True, timeout=300, check=False, cwd="/")
     stored = [p for p in store.rglob("*.bin") if p.is_file()]
     if len(stored) != work.expected():
         raise SystemExit(f"the store holds {len(stored)} files, not {work.expected()}")
