@@ -266,11 +266,10 @@ class FuseOperations(pyfuse3.Operations):
         return _entry(await self.fs.setattr(inode, changes, fh))
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        for inode, count in inode_list:
-            try:
-                self.fs.forget(inode, count)
-            except Exception:
-                log.exception("forget(%d) failed", inode)
+        try:
+            self.fs.forget_many(inode_list)
+        except Exception:
+            log.exception("forget of %d inodes failed", len(inode_list))
 
     async def readlink(self, inode: InodeT, ctx: RequestContext) -> FileNameT:
         return self.fs.readlink(inode)

@@ -4,7 +4,7 @@ every request to its owner (write and read without a hop of their own: they are 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -199,6 +199,10 @@ class Filesystem:
 
     def forget(self, inode_id: int, count: int) -> None:
         self._references.forget(inode_id, count)
+
+    def forget_many(self, forgotten: Sequence[tuple[int, int]]) -> None:
+        """The kernel gave back these (inode, count) references at once."""
+        self._references.forget_many(forgotten)
 
     # -- attributes.py --------------------------------------------------------------------------------------
 

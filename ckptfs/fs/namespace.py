@@ -70,23 +70,33 @@ class Namespace:
         elif raw_name == b"..":
             inode = existing(self.journal, parent.parent or ROOT_ID)
         else:
+            if len(raw_name) > NAME_MAX:  # ENAMETOOLONG, as on a local filesystem (stat, unlink of it)
+                raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
             try:
                 name = raw_name.decode("utf-8")
             except UnicodeDecodeError:
                 return None  # it could not have been created
             inode = self.journal.lookup(parent.id, name)
+            if inode is None:
+                child_path(parent, name)  # ENAMETOOLONG beyond the store's key limit
+                return None
         if inode is None:
             return None
         self._references.remember(inode.id)
-        return attr_of(self.cache, inode)
+        return attr_of(self.journal, self.cache, inode)
 
     def existing_child(self, parent: Inode, raw_name: bytes) -> Inode:
+        # A name or path too long to exist is ENAMETOOLONG, as on a local filesystem (stat, unlink, chmod
+        # of it), not ENOENT: the caller learns that the name can never work here.
+        if len(raw_name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
         try:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
             raise FsError(errno.ENOENT, "no such entry") from None  # it could not have been created
         inode = self.journal.lookup(parent.id, name)
         if inode is None:
+            child_path(parent, name)  # ENAMETOOLONG beyond the store's key limit
             raise FsError(errno.ENOENT, f"no entry {name!r}")
         return inode
 
@@ -114,7 +124,7 @@ class Namespace:
         self._lister.mark_listed(inode.id)
         self._references.remember(inode.id)
         self._notify_drain()
-        return attr_of(self.cache, inode)
+        return attr_of(self.journal, self.cache, inode)
 
     def symlink(self, parent_id: int, raw_name: bytes, target: bytes, uid: int, gid: int) -> Attr:
         parent, name = self.check_new_entry(parent_id, raw_name)
@@ -128,7 +138,7 @@ class Namespace:
             )
         self._references.remember(inode.id)
         self._notify_drain()
-        return attr_of(self.cache, inode)
+        return attr_of(self.journal, self.cache, inode)
 
     def readlink(self, inode_id: int) -> bytes:
         inode = existing(self.journal, inode_id)

@@ -10,10 +10,11 @@ It knows nothing about FUSE, trio or object stores; it stores keys as plain stri
 Durability: WAL with synchronous=NORMAL survives a crash or kill -9 of the daemon after every commit;
 `sync()` makes everything committed so far survive power loss (fsync() on a file calls it).
 
-Modules, one concern each: records (Inode, PendingDelete, states and kinds), schema (create_tables, the
-schema version and its migrations), connection (the SQLite connection; SQLite's errors become JournalFull,
-JournalUnusable or JournalError there, and nowhere else), base (opening, transactions, sync, meta), and the
-concerns of the Journal class: namespace, deletes, work (the drain's), local (fetch, eviction, status).
+Modules, one concern each: records (Inode, PendingDelete, the rows of listings and readdir, states and kinds),
+schema (create_tables, the schema version and its migrations), connection (the SQLite connection; SQLite's
+errors become JournalFull, JournalUnusable or JournalError there, and nowhere else), base (opening,
+transactions, sync, meta), and the concerns of the Journal class: namespace, deletes, work (the drain's),
+local (fetch, eviction, status).
 """
 
 from ckptfs.journal.connection import JournalError, JournalFull, JournalUnusable, journal_unusable
@@ -27,12 +28,14 @@ from ckptfs.journal.records import (
     ROOT_ID,
     SYMLINK,
     UPLOADING,
+    EntryRow,
     Inode,
+    ListedEntry,
     PendingDelete,
 )
 from ckptfs.journal.schema import SCHEMA_VERSION
 
 __all__ = [
-    "CLEAN", "DIR", "DIRTY", "FILE", "REMOTE", "ROOT_ID", "SCHEMA_VERSION", "SYMLINK", "UPLOADING", "Inode", "Journal",
-    "JournalError", "JournalFull", "JournalUnusable", "PendingDelete", "journal_unusable",
+    "CLEAN", "DIR", "DIRTY", "FILE", "REMOTE", "ROOT_ID", "SCHEMA_VERSION", "SYMLINK", "UPLOADING", "EntryRow", "Inode",
+    "Journal", "JournalError", "JournalFull", "JournalUnusable", "ListedEntry", "PendingDelete", "journal_unusable",
 ]

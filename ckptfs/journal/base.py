@@ -8,10 +8,13 @@ import sqlite3
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from ckptfs.journal.connection import connect
 from ckptfs.journal.records import INODE_COLUMNS, Inode
 from ckptfs.journal.schema import check_version, create_tables, migrations
+
+T = TypeVar("T")
 
 # Below SQLite's smallest limit on bound parameters (999 before 3.32).
 _IDS_PER_QUERY = 900
@@ -28,8 +31,8 @@ def prefix_range(prefix: str) -> tuple[str, str]:
     return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
-def id_groups(ids: Collection[int]) -> Iterator[tuple[tuple[int, ...], str]]:
-    """`ids` in groups small enough for one query each, with each group's placeholders ("?, ?, ...")."""
+def id_groups(ids: Collection[T]) -> Iterator[tuple[tuple[T, ...], str]]:
+    """`ids` (or keys) in groups small enough for one query each, with each group's placeholders ("?, ?, ...")."""
     items = list(ids)
     for start in range(0, len(items), _IDS_PER_QUERY):
         group = tuple(items[start:start + _IDS_PER_QUERY])
@@ -37,7 +40,12 @@ def id_groups(ids: Collection[int]) -> Iterator[tuple[tuple[int, ...], str]]:
 
 
 def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:
-    return Inode(*row)
+    # The row is the Inode's fields in order (INODE_COLUMNS): tuple.__new__ takes it as it is, without
+    # the keyword parsing of Inode(*row) (a walk of a big tree reads every row).
+    return _new_tuple(Inode, row)
+
+
+_new_tuple = tuple.__new__
 
 
 class JournalBase:
