@@ -2,7 +2,9 @@
 """GCS and Azure benchmark: a checkpoint through ckptfs against the cloud SDK's own tuned transfer, on the
 emulators the tests use (fake-gcs-server and Azurite on 127.0.0.1, started here).
 
-For each store, --runs times, interleaved, one file of --size bytes (1 GiB) of random data:
+For each store, --runs times, interleaved (the order of the two ways alternating from one run to the next),
+one file of --size bytes (1 GiB) of random data, each timed write and restore starting with the disk quiet
+(`sync`, then a pause; after the mount for ckptfs):
 
   ckptfs   a fresh mount (fresh cache dir, default options): copy the file in 1 MiB writes, `ckptfs flush`
            until the object is committed (write, durable); then a second mount on a fresh cache dir reads
@@ -42,7 +44,17 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from emulators import AzuriteServer, GcsServer, start_azurite, start_fake_gcs  # noqa: E402
-from s3_drain_bench import MIB, ckptfs, copy_all, make_source, parse_size, peak_rss, write_report  # noqa: E402
+from s3_drain_bench import (  # noqa: E402
+    MIB,
+    ckptfs,
+    copy_all,
+    make_source,
+    parse_size,
+    peak_rss,
+    quiet_disk,
+    rotated,
+    write_report,
+)
 
 DEFAULT_JSON = REPO / "bench" / "results" / "cloud_bench.json"
 WORKERS = 8
@@ -145,6 +157,7 @@ def run_ckptfs(target: Target, source: Path, root: Path, tag: str) -> dict[str, 
                "--daemon", env=env)
         try:
             pid = json.loads(ckptfs("status", str(mnt), "--json", env=env).stdout)["pid"]
+            quiet_disk()
             started = time.perf_counter()
             if phase == "write":
                 copy_all([source], mnt)
@@ -170,12 +183,14 @@ def run_sdk(target: Target, source: Path, root: Path, tag: str) -> dict[str, flo
     local.mkdir()
     key = f"sdk-{tag}/{source.name}"
     try:
+        quiet_disk()
         started = time.perf_counter()
         copy_all([source], local)
         written = time.perf_counter()
         target.upload(local / source.name, key)
         durable = time.perf_counter()
         (local / source.name).unlink()
+        quiet_disk()
         started_restore = time.perf_counter()
         target.download(key, local / "restored")
         read_all(local / "restored")
@@ -211,7 +226,7 @@ def main() -> None:
         make_source(source, args.size)
         for run in range(args.runs):
             for target in targets:
-                for way, fn in (("sdk", run_sdk), ("ckptfs", run_ckptfs)):
+                for way, fn in rotated([("sdk", run_sdk), ("ckptfs", run_ckptfs)], run):
                     times = fn(target, source, root, f"{target.name}-{way}-{run}")
                     for name, value in times.items():
                         results.setdefault(f"{target.name} {way} {name}", []).append(value)

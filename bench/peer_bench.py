@@ -4,6 +4,9 @@
 Systems (each mounts a fresh bucket, with a fresh cache dir, for every workload and run):
 
   local          a plain directory on the disk of --dir (the physical limit; "durable" = os.sync() returned)
+  passthrough_ll libfuse's example daemon mirroring a directory on that disk (bench/passthrough_ll.py: the
+                 Debian example built into .build/ on first use): what a FUSE daemon that sends every request
+                 to user space costs, the anchor of the small-file target of issue 31; durable as for local
   ckptfs         ckptfs mount s3://BUCKET MNT --endpoint-url ... --cache-dir ... --daemon
   rclone-cached  rclone mount --vfs-cache-mode full --vfs-write-back 1s --transfers 1 (SkyPilot MOUNT_CACHED)
   rclone-cached8 the same with --transfers 8
@@ -32,6 +35,10 @@ Measured for each (system, workload, run):
   rss       peak RSS (VmHWM) of the FUSE process (ckptfs daemon, rclone, s3fs), read just before unmount
   cpu       CPU seconds (utime+stime, children included) of the FUSE process from mount to the durable
             point, and of the SeaweedFS server over the same span (the object store's share of the work)
+
+Every timed call starts with the disk quiet, after the mount: `sync`, then --pause seconds (for restore:
+the page cache dropped, then the pause). The systems take turns in an order that rotates by one place per
+run (each system runs its workloads one after the other, restore right after save-1.3b).
 
 Results: bench/results/peer_bench.json (every run), peer_bench.md (medians, ranges, ratios), PNG charts.
 
@@ -63,6 +70,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from passthrough_ll import Anchor, AnchorError, find_anchor, mounted
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results"
@@ -70,7 +79,7 @@ MIB = 1 << 20
 GIB = 1 << 30
 ACCESS_KEY = SECRET_KEY = "testing"
 REGION = "us-east-1"
-SYSTEMS = ("local", "ckptfs", "rclone-cached", "rclone-cached8", "rclone-off", "s3fs")
+SYSTEMS = ("local", "passthrough_ll", "ckptfs", "rclone-cached", "rclone-cached8", "rclone-off", "s3fs")
 WORKLOADS = ("save-1.3b", "save-0.3b", "dcp", "small", "restore")
 POLL = 0.5  # seconds between bucket listings of the durability check
 DCP_RANKS = 4
@@ -309,6 +318,7 @@ class Mounted:
     mnt: Path
     pid: int | None  # FUSE process; None for local disk
     cpu0: float = 0.0
+    data: Path | None = None  # where the bytes live for a system without a bucket (passthrough_ll's source)
 
 
 class System:
@@ -393,7 +403,7 @@ class Ckptfs(System):
         mnt, cache = self.dirs(tag)
         result = self.cli("mount", "--no-guard-mountpoint",
                           f"s3://{bucket}", str(mnt), "--endpoint-url", self.weed.endpoint,
-                          "--cache-dir", str(cache), "--daemon")
+                          "--cache-dir", str(cache), "--metrics-addr", "off", "--daemon")
         if result.returncode != 0:
             raise BenchError(f"ckptfs mount failed: {(result.stderr or result.stdout).strip()}")
         status = self.cli("status", str(mnt), "--json")
@@ -467,9 +477,37 @@ class S3fs(System):
         return Mounted(mnt, self.proc.pid, proc_cpu(self.proc.pid))
 
 
-def make_systems(names: list[str], weed: Weed, work: Path) -> list[System]:
+class PassthroughLL(System):
+    """libfuse's passthrough_ll over a directory named after the bucket, so that restore's fresh mount (a new
+    daemon) finds what save-1.3b wrote through another."""
+
+    name = "passthrough_ll"
+    s3 = False
+
+    def __init__(self, weed: Weed, work: Path, anchor: Anchor) -> None:
+        super().__init__(weed, work)
+        self.anchor = anchor
+        self.held: dict[Path, contextlib.ExitStack] = {}
+
+    def mount(self, bucket: str, tag: str) -> Mounted:
+        source, mnt = self.work / f"pll-{bucket}", self.work / f"mnt-{tag}"
+        source.mkdir(exist_ok=True)
+        mnt.mkdir(parents=True, exist_ok=True)
+        stack = contextlib.ExitStack()
+        pid = stack.enter_context(mounted(self.anchor, source, mnt, self.work / "passthrough_ll.log"))
+        self.held[mnt] = stack
+        return Mounted(mnt, pid, proc_cpu(pid), data=source)
+
+    def unmount(self, m: Mounted) -> None:
+        stack = self.held.pop(m.mnt, None)
+        if stack is not None:
+            stack.close()
+
+
+def make_systems(names: list[str], weed: Weed, work: Path, anchor_binary: Path | None) -> list[System]:
     table: dict[str, Callable[[], System]] = {
         "local": lambda: Local(weed, work),
+        "passthrough_ll": lambda: PassthroughLL(weed, work, find_anchor(anchor_binary)),
         "ckptfs": lambda: Ckptfs(weed, work),
         "rclone-cached": lambda: Rclone(weed, work, "rclone-cached", [*RCLONE_CACHED, "--transfers", "1"]),
         "rclone-cached8": lambda: Rclone(weed, work, "rclone-cached8", [*RCLONE_CACHED, "--transfers", "8"]),
@@ -661,6 +699,7 @@ class Bench:
         try:
             m = system.mount(bucket, f"{workload}-{run}")
             os.sync()
+            time.sleep(self.args.pause)
             store0 = self.weed.cpu()
             started = time.perf_counter()
             inner = call(m.mnt)
@@ -705,10 +744,12 @@ class Bench:
 
         scale = self.args.scale
         for run in range(1, self.args.runs + 1):
-            for system in systems:
+            k = (run - 1) % len(systems)  # each system takes each place in turn
+            for system in systems[k:] + systems[:k]:
                 print(f"run {run}/{self.args.runs} {system.name}", flush=True)
                 big_bucket = ""
                 big_src: Path | None = None
+                big_data: Path | None = None
                 for w in workloads:
                     if w == "restore":
                         continue
@@ -726,6 +767,7 @@ class Bench:
                             keep = True
                             big_bucket = bucket
                             big_src = m.mnt if m is not None else None
+                            big_data = m.data if m is not None else None
                     elif w == "dcp":
                         nbytes = self.dcp_bytes
 
@@ -743,12 +785,12 @@ class Bench:
                     self.log(s)
                     if not keep:
                         self.weed.delete_bucket(bucket)
-                        self.cleanup(big_src)
+                        self.cleanup(big_src, big_data)
                 if "restore" in workloads:
                     self.restore(system, run, big_bucket, big_src)
                     if big_bucket:
                         self.weed.delete_bucket(big_bucket)
-                    self.cleanup(None)
+                    self.cleanup()
 
     def restore(self, system: System, run: int, bucket: str, src: Path | None) -> None:
         import torch
@@ -768,6 +810,7 @@ class Bench:
             else:
                 m = system.mount(bucket, f"restore-{run}")
             s.dropped_caches = drop_caches()
+            time.sleep(self.args.pause)
             store0 = self.weed.cpu()
             started = time.perf_counter()
             loaded = torch.load(str(m.mnt / "model.pt"), map_location="cpu", weights_only=True)
@@ -790,12 +833,13 @@ class Bench:
                 system.unmount(m)
         self.log(s)
 
-    def cleanup(self, keep: Path | None) -> None:
+    def cleanup(self, *keep: Path | None) -> None:
         """Remove mountpoints, cache dirs and local copies but `keep` (keeps the scratch disk small)."""
         for p in self.work.iterdir():
-            if p == keep:
+            if p in keep:
                 continue
-            if p.name.startswith(("cache-", "local-")) or (p.name.startswith("mnt-") and not os.path.ismount(p)):
+            if p.name.startswith(("cache-", "local-", "pll-")) or (
+                    p.name.startswith("mnt-") and not os.path.ismount(p)):
                 shutil.rmtree(p, ignore_errors=True)
 
     @property
@@ -994,6 +1038,11 @@ def markdown(data: dict[str, Any]) -> str:
             lines.append("")
             lines.append(f"ckptfs: `ckptfs flush` returned 0 after {fmt_s(ck['flush_s'][0])} (median, from the start "
                          "of the call; includes a CLI start-up of ~0.3 s).")
+        anchor = summary.get(("passthrough_ll", w))
+        if ck and anchor and ck["ok"] and anchor["ok"] and ck["blocking_s"] and anchor["blocking_s"]:
+            lines.append("")
+            lines.append(f"ckptfs / passthrough_ll (libfuse's example daemon, the FUSE anchor): blocking "
+                         f"{ck['blocking_s'][0] / anchor['blocking_s'][0]:.2f}x")
         fails = [(s, e) for s in systems if (e := summary.get((s, w))) and e["errors"]]
         for sname, e in fails:
             lines.append("")
@@ -1101,6 +1150,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="scratch parent (the local-disk baseline, caches and SeaweedFS data go here)")
     p.add_argument("--json", type=Path, default=RESULTS / "peer_bench.json")
     p.add_argument("--durable-timeout", type=float, default=1800)
+    p.add_argument("--pause", type=float, default=3.0, help="seconds of quiet after sync before each timed call")
+    p.add_argument("--passthrough-ll", type=Path, metavar="PATH",
+                   help="a passthrough_ll binary (default: the Debian example, built into .build/passthrough_ll)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="also run one ckptfs save-1.3b under py-spy and write the profile summary to DIR")
@@ -1152,7 +1204,10 @@ def main(argv: list[str]) -> int:
             if w in args.workloads or (w == "save-1.3b" and ("dcp" in args.workloads or args.profile)):
                 bench.states[w] = gpt_state(1.3 if w == "save-1.3b" else 0.35, args.scale, args.seed)
                 print(f"{w}: {len(bench.states[w])} tensors, {human(state_bytes(bench.states[w]))}", flush=True)
-        systems = make_systems(args.systems, weed, work)
+        systems = make_systems(args.systems, weed, work, args.passthrough_ll)
+        for anchored in systems:
+            if isinstance(anchored, PassthroughLL):
+                print(f"anchor: {anchored.anchor.origin}", flush=True)
         started = time.monotonic()
         bench.run_all(systems, args.workloads)
         print(f"all runs took {time.monotonic() - started:.0f} s", flush=True)
@@ -1176,6 +1231,6 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except BenchError as exc:
+    except (BenchError, AnchorError) as exc:
         print(f"peer_bench: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -3,7 +3,8 @@
 parallel boto3 download of the same object from the same server (DESIGN.md section 7, issue 4).
 
 SeaweedFS S3 on 127.0.0.1 (started here). Setup: one --size object of random blocks, and a directory of
---files small objects. Each run, interleaved:
+--files small objects. Each run, interleaved (the order rotating by one place per run), each timed read and
+listing starting with the disk quiet (`sync`, the page cache dropped before a read, then a pause):
 
   ckptfs     a fresh mount (empty cache dir) of the bucket; time until the checkpoint has been read whole
              through the mount (open fetches it with parallel ranged GETs, then 1 MiB reads), and the time
@@ -19,6 +20,7 @@ Run from the repo's venv with the test extra installed:  python bench/restore_be
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,18 +37,10 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  # noqa: E402
-from s3_drain_bench import MIB, ckptfs, make_source, parse_size, write_report  # noqa: E402
+from s3_drain_bench import MIB, ckptfs, make_source, parse_size, quiet_disk, rotated, write_report  # noqa: E402
 
 DEFAULT_JSON = REPO / "bench" / "results" / "restore_bench.json"
 BUCKET = "restore-bench"
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass  # not root: the local source file may be cached; the store's side is a server either way
 
 
 def upload(server: S3Server, source: Path, files: int) -> None:
@@ -67,9 +62,9 @@ def run_ckptfs(server: S3Server, root: Path, run: int, size: int, files: int) ->
     env.update(CLIENT_ENV, CKPTFS_RUNTIME_DIR=str(root / "run"))
     ckptfs("mount", "--no-guard-mountpoint",
            f"s3://{BUCKET}/run", str(mnt), "--cache-dir", str(cache), "--endpoint-url", server.endpoint,
-           "--daemon", env=env)
+           "--metrics-addr", "off", "--daemon", env=env)
     try:
-        drop_page_cache()
+        quiet_disk(drop_cache=True)
         started = time.perf_counter()
         read = 0
         with open(mnt / "step_1000" / "model.bin", "rb", buffering=0) as f:
@@ -77,6 +72,7 @@ def run_ckptfs(server: S3Server, root: Path, run: int, size: int, files: int) ->
                 read += len(chunk)
         restored = time.perf_counter() - started
         assert read == size, read
+        quiet_disk()  # the restore's bytes in the cache dir are written back before the listing's turn
         started = time.perf_counter()
         names = os.listdir(mnt / "many")
         listed = time.perf_counter() - started
@@ -88,17 +84,18 @@ def run_ckptfs(server: S3Server, root: Path, run: int, size: int, files: int) ->
     return {"restore": restored, "list": listed}
 
 
-def run_boto3(server: S3Server, root: Path, threads: int, files: int) -> dict[str, float]:
+def run_boto3(server: S3Server, root: Path, run: int, size: int, files: int, threads: int) -> dict[str, float]:
     from boto3.s3.transfer import TransferConfig
 
     client = server.client(max_pool_connections=max(10, threads))
     config = TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=64 * MIB, max_concurrency=threads)
     target = root / "download.bin"
-    drop_page_cache()
+    quiet_disk(drop_cache=True)
     started = time.perf_counter()
     client.download_file(BUCKET, "run/step_1000/model.bin", str(target), Config=config)
     restored = time.perf_counter() - started
     target.unlink()
+    quiet_disk()
     started = time.perf_counter()
     count = 0
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix="run/many/", Delimiter="/"):
@@ -128,18 +125,18 @@ def main() -> None:
         make_source(source, args.size)
         upload(server, source, args.files)
         source.unlink()
+        ways: list[tuple[str, Callable[..., dict[str, float]]]] = [
+            ("boto3  4 threads", functools.partial(run_boto3, threads=4)),
+            ("boto3 16 threads", functools.partial(run_boto3, threads=16)),
+            ("ckptfs", run_ckptfs),
+        ]
         for run in range(args.runs):
-            for threads in (4, 16):
-                times = run_boto3(server, root, threads, args.files)
+            for way, fn in rotated(ways, run):
+                times = fn(server, root, run, args.size, args.files)
                 for name, seconds in times.items():
-                    results.setdefault(f"boto3 {threads} threads {name}", []).append(seconds)
-                print(f"run {run + 1}/{args.runs} boto3 {threads:>2} threads  restore {times['restore']:6.2f}s"
+                    results.setdefault(f"{' '.join(way.split())} {name}", []).append(seconds)
+                print(f"run {run + 1}/{args.runs} {way:<16}  restore {times['restore']:6.2f}s"
                       f"  list {times['list']:5.2f}s", flush=True)
-            times = run_ckptfs(server, root, run, args.size, args.files)
-            for name, seconds in times.items():
-                results.setdefault(f"ckptfs {name}", []).append(seconds)
-            print(f"run {run + 1}/{args.runs} ckptfs           restore {times['restore']:6.2f}s"
-                  f"  list {times['list']:5.2f}s", flush=True)
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -17,8 +17,10 @@ and, for each, two ways:
   local+boto3  the same copies to a directory on local disk, then s3transfer's upload_file of each file
              (64 MiB parts, 8 threads per file; the four files in parallel).
 
-The ratio that matters is ckptfs durable / local+boto3: how much later than writing locally and uploading
-directly a checkpoint written through ckptfs is safe. Medians; JSON in bench/results/s3_drain_bench.json.
+Each timed run starts with the disk quiet (`sync`, then a pause of QUIET_PAUSE seconds, after the mount),
+the ways taking each place in turn from one run to the next. The ratio that matters is ckptfs durable /
+local+boto3: how much later than writing locally and uploading directly a checkpoint written through ckptfs
+is safe. Medians; JSON in bench/results/s3_drain_bench.json.
 
 Run from the repo's venv with the test extra installed:  python bench/s3_drain_bench.py [--size 1G]
 """
@@ -38,7 +40,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -47,6 +49,8 @@ from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  #
 
 MIB = 1 << 20
 DEFAULT_JSON = REPO / "bench" / "results" / "s3_drain_bench.json"
+QUIET_PAUSE = 3.0  # seconds of quiet after sync before each timed run
+T = TypeVar("T")
 
 
 def parse_size(text: str) -> int:
@@ -68,6 +72,25 @@ def write_report(path: Path, settings: dict[str, Any], results: dict[str, Any], 
     print(f"\nresults written to {path}")
 
 
+def quiet_disk(pause: float = QUIET_PAUSE, drop_cache: bool = False) -> None:
+    """Start a timed run with the disk quiet: `sync`, so that the previous run's writeback is not paid by this
+    one; the page cache dropped if asked (a read that must come from the store, not memory); then a pause."""
+    os.sync()
+    if drop_cache:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        except OSError:
+            pass  # not root: a local file may be read from memory; the store's side is a server either way
+    time.sleep(pause)
+
+
+def rotated(ways: list[T], run: int) -> list[T]:
+    """The ways in the order of run number `run`: each takes each place in turn (the one right after another
+    pays for what that one left behind, and the first one after a pause finds the machine idle)."""
+    k = run % len(ways)
+    return ways[k:] + ways[:k]
+
+
 def make_source(path: Path, size: int) -> None:
     block = os.urandom(MIB)
     with open(path, "wb") as f:
@@ -77,8 +100,10 @@ def make_source(path: Path, size: int) -> None:
 
 
 def ckptfs(*args: str, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    # From "/": `python -m` puts the current directory before PYTHONPATH, so a bench started inside a
+    # checkout would run that checkout's ckptfs as --before's too.
     result = subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, env=env,
-                            timeout=timeout)
+                            timeout=timeout, cwd="/")
     if result.returncode != 0:
         raise SystemExit(f"ckptfs {args[0]} failed: {result.stderr.strip()}")
     return result
@@ -117,6 +142,7 @@ def run_ckptfs(
            server.endpoint, "--metrics-addr", "off", "--daemon", *mount_args, env=env)
     try:
         pid = json.loads(ckptfs("status", str(mnt), "--json", env=env).stdout)["pid"]
+        quiet_disk()
         started = time.perf_counter()
         copy_all(sources, mnt)
         written = time.perf_counter()
@@ -125,7 +151,7 @@ def run_ckptfs(
         rss = peak_rss(pid)
     finally:
         subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt), "--timeout", "120"], env=env,
-                       capture_output=True, timeout=300, check=False)
+                       capture_output=True, timeout=300, check=False, cwd="/")
         shutil.rmtree(cache, ignore_errors=True)
     for source in sources:
         head = server.client().head_object(Bucket=bucket, Key=f"ckptfs-{tag}/{source.name}")
@@ -142,6 +168,7 @@ def run_local_boto3(server: S3Server, bucket: str, sources: list[Path], root: Pa
     config = TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=64 * MIB, max_concurrency=8,
                             use_threads=True)
     try:
+        quiet_disk()
         started = time.perf_counter()
         copy_all(sources, local)
         written = time.perf_counter()
@@ -171,7 +198,7 @@ def main() -> None:
     for name in CLIENT_ENV_UNSET:
         os.environ.pop(name, None)
     workloads = {"one": 1, "four": 4}
-    results: dict[str, dict[str, list[float]]] = {}
+    results: dict[str, list[float]] = {}
     try:
         bucket = "drain-bench"
         server.client().create_bucket(Bucket=bucket)
@@ -190,8 +217,7 @@ def main() -> None:
                     ways.append(("variant", functools.partial(run_ckptfs, mount_args=tuple(args.variant.split()))))
                 # Each way takes each place in turn: the one right after the local copy's writes used to be
                 # slower (its writeback) in every run.
-                ways = ways[run % len(ways):] + ways[:run % len(ways)]
-                for way, fn in ways:
+                for way, fn in rotated(ways, run):
                     times = fn(server, bucket, sources[workload], root, f"{workload}-{way}-{run}")
                     for name, value in times.items():
                         results.setdefault(f"{workload} {way} {name}", []).append(value)

@@ -3,8 +3,9 @@
 fresh cache through ckptfs, against boto3's download_file with 8 threads followed by reading the file
 (issue 10).
 
-SeaweedFS S3 on 127.0.0.1 (started here), one --size object of random blocks. Each run, interleaved, with
-the page cache dropped before each measurement:
+SeaweedFS S3 on 127.0.0.1 (started here), one --size object of random blocks. Each run, interleaved (boto3
+first in even runs, ckptfs first in odd ones), each measurement starting with the disk quiet: `sync`, the
+page cache dropped, then a pause:
 
   ckptfs first byte (start)   a fresh mount (empty cache dir): open the file and read 4 KiB at offset 0
   ckptfs first byte (middle)  another fresh mount: open and read 4 KiB in the middle of the file
@@ -34,8 +35,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  # noqa: E402
-from restore_bench import drop_page_cache  # noqa: E402
-from s3_drain_bench import MIB, ckptfs, make_source, parse_size, write_report  # noqa: E402
+from s3_drain_bench import MIB, ckptfs, make_source, parse_size, quiet_disk, rotated, write_report  # noqa: E402
 
 DEFAULT_JSON = REPO / "bench" / "results" / "stream_bench.json"
 BUCKET = "stream-bench"
@@ -65,7 +65,7 @@ def _umount(root: Path, mnt: Path, cache: Path) -> None:
 
 
 def _first_byte(path: Path, offset: int) -> float:
-    drop_page_cache()
+    quiet_disk(drop_cache=True)
     started = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -96,7 +96,7 @@ def run_ckptfs(server: S3Server, root: Path, run: int, size: int) -> dict[str, f
     mnt, cache = _mount(server, root, f"{run}-start")
     try:
         path = mnt / "step_1000" / "model.bin"
-        drop_page_cache()
+        quiet_disk(drop_cache=True)
         started = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
             assert len(f.read(4096)) == 4096
@@ -117,7 +117,7 @@ def run_boto3(server: S3Server, root: Path, size: int, threads: int = 8) -> dict
     client = server.client(max_pool_connections=max(10, threads))
     config = TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=8 * MIB, max_concurrency=threads)
     target = root / "download.bin"
-    drop_page_cache()
+    quiet_disk(drop_cache=True)
     started = time.perf_counter()
     client.download_file(BUCKET, KEY, str(target), Config=config)
     downloaded = time.perf_counter() - started
@@ -149,8 +149,10 @@ def main() -> None:
         client.upload_file(str(source), BUCKET, KEY)
         source.unlink()
         for run in range(args.runs):
-            times = {f"boto3 {k}": v for k, v in run_boto3(server, root, args.size).items()}
-            times.update({f"ckptfs {k}": v for k, v in run_ckptfs(server, root, run, args.size).items()})
+            times: dict[str, float] = {}
+            for way in rotated(["boto3", "ckptfs"], run):
+                ran = run_boto3(server, root, args.size) if way == "boto3" else run_ckptfs(server, root, run, args.size)
+                times.update({f"{way} {k}": v for k, v in ran.items()})
             for name, seconds in times.items():
                 results.setdefault(name, []).append(seconds)
             print(f"run {run + 1}/{args.runs}: " + ", ".join(f"{k} {v:.3f}s" for k, v in times.items()), flush=True)

@@ -2,7 +2,8 @@
 """Write-path benchmark: ckptfs mount vs a plain directory on the same disk (DESIGN.md section 7).
 
 Workloads (each run once into a plain directory next to the cache dir and once through a fresh ckptfs mount
-of an embedded file:// store, interleaved local, ckptfs, local, ckptfs, ...):
+of an embedded file:// store, interleaved, the order alternating from one run to the next: local, ckptfs;
+ckptfs, local; ...):
 
   seq       write --seq-size bytes with --write-size os.write() calls from one preallocated buffer, then
             close. Timed from open() to the return of close().
@@ -13,8 +14,9 @@ of an embedded file:// store, interleaved local, ckptfs, local, ckptfs, ...):
 
 For ckptfs, "durable" is the time from the start of the write until `ckptfs flush MNT` returns 0, i.e.
 until the file is committed in the store. Every ckptfs run gets a fresh mount, cache dir and store; files
-are deleted between runs and `sync` runs before each timed run (--no-sync to skip), so one run's dirty
-pages do not slow down the next. Results: a table on stdout and JSON in bench/results/write_bench.json.
+are deleted between runs and each timed run starts with the disk quiet, after the mount: `sync`, then
+--pause seconds (--no-sync to skip both), so one run's dirty pages do not slow down the next. Results: a
+table on stdout and JSON in bench/results/write_bench.json.
 
 Run from the repo's venv:  python bench/write_bench.py [--runs 3] [--seq-size 2G] [--save-size 1G]
 """
@@ -209,7 +211,8 @@ class Mount:
             d.mkdir(parents=True, exist_ok=True)
         result = self.cli("mount", "--no-guard-mountpoint",
                           f"file://{self.store}", str(self.mnt), "--cache-dir", str(self.cache),
-                          "--daemon", "--upload-delay", str(self.upload_delay), *self.mount_args)
+                          "--daemon", "--upload-delay", str(self.upload_delay), "--metrics-addr", "off",
+                          *self.mount_args)
         if result.returncode != 0:
             raise BenchError(f"ckptfs mount failed: {(result.stderr or result.stdout).strip()}")
         started = time.perf_counter()
@@ -375,9 +378,10 @@ class Results:
     cli_seconds: list[float] = field(default_factory=list)
 
 
-def timed(workload: Workload, path: Path, sync: bool) -> float:
+def timed(workload: Workload, path: Path, sync: bool, pause: float) -> float:
     if sync:
         os.sync()
+        time.sleep(pause)
     started = time.perf_counter()
     workload.run(path)
     return time.perf_counter() - started
@@ -393,31 +397,37 @@ def bench(args: argparse.Namespace, work: Path, workloads: list[Workload]) -> tu
     local_dir.mkdir()
     env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(work / "run"))
     results = Results()
+
+    def local(run: int, w: Workload) -> None:
+        target = local_dir / f"{w.name}.bin"
+        seconds = timed(w, target, args.sync, args.pause)
+        remove(target)
+        results.local.setdefault(w.name, []).append(seconds)
+        print(f"run {run}/{args.runs} {w.name:<8} local   {seconds:7.2f}s", flush=True)
+
+    def ckptfs(run: int, w: Workload) -> None:
+        with fresh_mount(work, env, args.upload_delay, tuple(args.mount_arg)) as mount:
+            target = mount.mnt / f"{w.name}.bin"
+            seconds = timed(w, target, args.sync, args.pause)
+            size = target.stat().st_size
+            before_flush = time.perf_counter()
+            mount.flush(args.flush_timeout)
+            flush = time.perf_counter() - before_flush
+            durable = seconds + flush  # the quiet before the run is not part of it
+            stored = mount.store / target.name
+            if not stored.is_file() or stored.stat().st_size != size:
+                raise BenchError(f"{stored} is missing or not {size} bytes after flush")
+            results.ckptfs.setdefault(w.name, []).append(seconds)
+            results.durable.setdefault(w.name, []).append(durable)
+            results.flush.setdefault(w.name, []).append(flush)
+            results.cli_seconds.append(mount.cli_seconds)
+        print(f"run {run}/{args.runs} {w.name:<8} ckptfs  {seconds:7.2f}s  durable {durable:7.2f}s", flush=True)
+
     for run in range(1, args.runs + 1):
         for w in workloads:
-            target = local_dir / f"{w.name}.bin"
-            seconds = timed(w, target, args.sync)
-            remove(target)
-            results.local.setdefault(w.name, []).append(seconds)
-            print(f"run {run}/{args.runs} {w.name:<8} local   {seconds:7.2f}s", flush=True)
-
-            with fresh_mount(work, env, args.upload_delay, tuple(args.mount_arg)) as mount:
-                target = mount.mnt / f"{w.name}.bin"
-                seconds = timed(w, target, args.sync)
-                size = target.stat().st_size
-                before_flush = time.perf_counter()
-                mount.flush(args.flush_timeout)
-                flush = time.perf_counter() - before_flush
-                durable = seconds + flush  # the sync before the run is not part of it
-                stored = mount.store / target.name
-                if not stored.is_file() or stored.stat().st_size != size:
-                    raise BenchError(f"{stored} is missing or not {size} bytes after flush")
-                results.ckptfs.setdefault(w.name, []).append(seconds)
-                results.durable.setdefault(w.name, []).append(durable)
-                results.flush.setdefault(w.name, []).append(flush)
-                results.cli_seconds.append(mount.cli_seconds)
-            print(f"run {run}/{args.runs} {w.name:<8} ckptfs  {seconds:7.2f}s  durable {durable:7.2f}s",
-                  flush=True)
+            # the order alternates: the second way of a pair would always find the first one's leftovers
+            for way in (local, ckptfs) if run % 2 else (ckptfs, local):
+                way(run, w)
 
     profile: dict[str, Any] = {}
     if args.profile:
@@ -444,7 +454,7 @@ def run_profile(args: argparse.Namespace, work: Path, env: dict[str, str],
         spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             time.sleep(1.0)  # let py-spy attach
-            seconds = timed(seq, mount.mnt / "seq.bin", args.sync)
+            seconds = timed(seq, mount.mnt / "seq.bin", args.sync, args.pause)
         finally:
             spy.send_signal(signal.SIGINT)
             try:
@@ -509,10 +519,11 @@ def report(args: argparse.Namespace, workloads: list[Workload], results: Results
             "save_size": args.save_size,
             "small_write_size": args.small_write_size,
             "sync_before_each_run": args.sync,
+            "pause_after_sync_s": args.pause if args.sync else 0,
+            "order": "local, ckptfs in odd runs; ckptfs, local in even ones",
             "upload_delay": args.upload_delay,
             "mount_args": args.mount_arg,
             "scratch_parent": str(args.dir),
-            "order": "per run and workload: local then ckptfs (fresh mount each time)",
         },
         "results": rows,
         "cli_round_trip_median_s": round(median(results.cli_seconds), 3),
@@ -533,7 +544,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", default="seq,save", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
                    help="scratch parent; plain dir, cache dir and store go in a fresh subdir here (/tmp)")
-    p.add_argument("--no-sync", dest="sync", action="store_false", help="do not sync before each timed run")
+    p.add_argument("--no-sync", dest="sync", action="store_false",
+                   help="do not sync and pause before each timed run")
+    p.add_argument("--pause", type=float, default=3.0, help="seconds of quiet after sync before each timed run (3)")
     p.add_argument("--upload-delay", type=float, default=2.0, help="ckptfs --upload-delay (2, its default)")
     p.add_argument("--flush-timeout", type=float, default=600)
     p.add_argument("--mount-arg", action="append", default=[], metavar="ARG",

@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 # Nothing changes the namespace behind the kernel's back (until refresh), so let it cache generously.
 ATTR_TIMEOUT = 1.0
 ENTRY_TIMEOUT = 1.0
+# How long the kernel may answer a lookup of a missing name without asking (a negative entry). 0: it asks
+# every time, as after ENOENT. Another node's new file is found by listing a directory again (after
+# refresh_interval, or `ckptfs refresh`), which a cached miss would hide for up to this long.
+NEGATIVE_TIMEOUT = 0.0
 # st_blksize tells stdio how much to buffer: 1 MiB matches the largest FUSE write request, so buffered
 # small writes arrive as 1 MiB requests (bench/: buffered 16 KiB writes ran 2x faster than with 128 KiB).
 BLOCK_SIZE = 1024 * 1024
@@ -80,6 +84,16 @@ def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
     entry.st_atime_ns = attr.atime_ns
     entry.st_mtime_ns = attr.mtime_ns
     entry.st_ctime_ns = attr.ctime_ns
+    return entry
+
+
+def _negative_entry() -> pyfuse3.EntryAttributes:
+    """The answer to a lookup of a name that does not exist: inode 0, which the kernel keeps as a negative
+    entry for NEGATIVE_TIMEOUT (ENOENT, the exception it takes to raise it, costs a miss more)."""
+    entry = pyfuse3.EntryAttributes()
+    entry.st_ino = 0
+    entry.entry_timeout = NEGATIVE_TIMEOUT
+    entry.attr_timeout = 0
     return entry
 
 
@@ -230,7 +244,10 @@ class FuseOperations(pyfuse3.Operations):
 
     async def lookup(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> EntryAttributes:
         await self.fs.ensure_listed(parent_inode)
-        return _entry(self.fs.lookup(parent_inode, name))
+        attr = self.fs.find(parent_inode, name)
+        if attr is None:
+            return _negative_entry()
+        return _entry(attr)
 
     async def getattr(self, inode: InodeT, ctx: RequestContext) -> EntryAttributes:
         return _entry(self.fs.getattr(inode))
@@ -249,11 +266,10 @@ class FuseOperations(pyfuse3.Operations):
         return _entry(await self.fs.setattr(inode, changes, fh))
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        for inode, count in inode_list:
-            try:
-                self.fs.forget(inode, count)
-            except Exception:
-                log.exception("forget(%d) failed", inode)
+        try:
+            self.fs.forget_many(inode_list)
+        except Exception:
+            log.exception("forget of %d inodes failed", len(inode_list))
 
     async def readlink(self, inode: InodeT, ctx: RequestContext) -> FileNameT:
         return self.fs.readlink(inode)

@@ -25,7 +25,7 @@ from ckptfs.backends.base import SYMLINK as STORE_SYMLINK
 from ckptfs.backends.base import DirListing, ObjectInfo, ObjectStore, UploadState
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError
-from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, UPLOADING, Inode, Journal
+from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, UPLOADING, Inode, Journal, ListedEntry
 from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
@@ -217,9 +217,9 @@ class DirLister:
             apply_dir_listing(
                 self.journal, current, listing, now=time.time(), exact_mtimes=self.store.listing_has_metadata,
                 vanished=self._vanished, warned=self._warned, cache=self.cache, replaced=replaced.append,
-                stored_before=stored_before,
+                stored_before=stored_before, listed_at=started,
             )
-            self._set_listed(inode_id, started)
+            self._listed[inode_id] = started
             for replaced_id in replaced:
                 await trio.to_thread.run_sync(self.forget_kernel_data, replaced_id)
         finally:
@@ -251,12 +251,18 @@ def apply_dir_listing(
     journal: Journal, directory: Inode, listing: DirListing, *, now: float, exact_mtimes: bool,
     vanished: Callable[[Inode], None], warned: set[str], cache: CacheDir,
     replaced: Callable[[int], None] = lambda inode_id: None, stored_before: dict[int, int] | None = None,
+    listed_at: float | None = None,
 ) -> int:
     """Bring one directory of the journal up to date with the store's listing of it; return how many
     entries were imported. New objects appear (state 'remote'; subdirectories without a marker too),
     objects another node replaced are served anew, and entries whose objects someone deleted go (the
     namespace is shared: the delete wins), unless they hold local work. Imported entries belong to the
-    daemon's user (object stores keep no owner).
+    daemon's user (object stores keep no owner). `listed_at`: the directory counts as listed at that time
+    (Namespace.set_listed), in the same transaction.
+
+    One transaction, and a number of journal statements that does not grow with the listing (the new
+    entries go in by one executemany), except for subdirectories and entries that already exist: a fresh
+    node's first walk of a big tree is mostly this.
 
     `stored_before`: inode id -> uploaded_version of the entries the store held before the listing began
     (`stored_versions`). Only those can be judged by it: an upload that committed while the listing ran is
@@ -264,15 +270,16 @@ def apply_dir_listing(
     the mount) or a replacement (the journal took the old object's size) by another node."""
     uid, gid = os.getuid(), os.getgid()
     children = {c.name: c for c in journal.all_children(directory.id)}
-    deleting = journal.pending_delete_keys_under(directory.key or "")
+    prefix = directory.key or ""
+    deleting = journal.pending_delete_keys_under(prefix)
+    named = [(info, _listed_name(info.key, prefix, warned)) for info in listing.entries]
+    owned = journal.owned_keys([info.key for info, name in named if name is not None and name not in children])
     present: set[str] = set()
-    imported = 0
+    new: list[ListedEntry] = []
     with journal.transaction():
-        marker_key = directory.key
-        if listing.marker and marker_key and directory.remote_key is None and directory.state == CLEAN:
-            journal.adopt_marker(directory.id, marker_key)  # the root ('' key) has no marker
-        for info in listing.entries:
-            name = _listed_name(info.key, directory, warned)
+        if listing.marker and prefix and directory.remote_key is None and directory.state == CLEAN:
+            journal.adopt_marker(directory.id, prefix)  # the root ('' key) has no marker
+        for info, name in named:
             if name is None:
                 continue
             present.add(name)
@@ -283,18 +290,17 @@ def apply_dir_listing(
                 ):
                     replaced(existing.id)
                 continue
-            if info.key in deleting or journal.key_owner(info.key) is not None:
+            if info.key in deleting or info.key in owned:
                 continue  # we removed it (delete pending), or an old copy of a renamed file (a move pending)
-            kind = SYMLINK if info.kind == STORE_SYMLINK else FILE
-            type_bits = stat.S_IFLNK if kind == SYMLINK else stat.S_IFREG
-            journal.import_remote(
-                directory, name, kind, size=info.size, mtime_ns=info.mtime_ns, mode=type_bits | (info.mode & 0o7777),
-                key=info.key, target=info.target, checksum=info.checksum, uid=uid, gid=gid, now=now,
-            )
-            imported += 1
+            if info.kind == STORE_SYMLINK:
+                new.append(ListedEntry(name, SYMLINK, info.size, info.mtime_ns, stat.S_IFLNK | (info.mode & 0o7777),
+                                       info.key, info.target, info.checksum))
+            else:
+                new.append(ListedEntry(name, FILE, info.size, info.mtime_ns, stat.S_IFREG | (info.mode & 0o7777),
+                                       info.key, info.target, info.checksum))
         for name in listing.subdirs:
-            key = f"{directory.key or ''}{name}/"
-            if _listed_name(key, directory, warned) is None:
+            key = f"{prefix}{name}/"
+            if _listed_name(key, prefix, warned, subdir=True) is None:
                 continue
             if name in present:
                 # Both an object `x` and objects below `x/` (possible in a bucket, not in a file system):
@@ -313,16 +319,15 @@ def apply_dir_listing(
             if key in deleting or journal.key_owner(key) is not None or journal.keys_under(key):
                 # Renamed or removed here, and the drain has not moved or deleted all of it yet.
                 continue
-            journal.import_remote(
-                directory, name, DIR, size=0, mtime_ns=directory.mtime_ns, mode=stat.S_IFDIR | 0o755, key=None,
-                uid=uid, gid=gid, now=now,
-            )
-            imported += 1
+            new.append(ListedEntry(name, DIR, 0, directory.mtime_ns, stat.S_IFDIR | 0o755, None))
+        journal.import_listed(directory, new, uid=uid, gid=gid, now=now)
+        if listed_at is not None:
+            journal.set_listed(directory.id, listed_at)
     for name, child in children.items():
         if (name not in present and child.state in (CLEAN, REMOTE) and _came_from_store(child)
                 and _listed_before(child, stored_before)):
             _vanish(journal, child, vanished, now)
-    return imported
+    return len(new)
 
 
 def stored_versions(journal: Journal, directory_id: int) -> dict[int, int]:
@@ -358,15 +363,25 @@ def _vanish(journal: Journal, inode: Inode, vanished: Callable[[Inode], None], n
     vanished(inode)
 
 
-def _listed_name(key: str, directory: Inode, warned: set[str]) -> str | None:
-    """The entry name of a listed key, or None (with one warning per key) if it cannot be a path."""
-    path = _valid_path(key)
-    if path is None or len(path.encode()) > MAX_PATH_BYTES:
-        if key not in warned:
-            warned.add(key)
-            log.warning("skipping store key %r: it cannot be a path inside the mount", key)
-        return None
-    return path.rsplit("/", 1)[-1]
+def _listed_name(key: str, prefix: str, warned: set[str], *, subdir: bool = False) -> str | None:
+    """The entry name of a key listed below the directory key `prefix` (`subdir`: the key of a directory,
+    ending in '/'), or None (with one warning per key) if it cannot be a path. What _valid_path checks of
+    the whole path, checked of the name alone: the directory's own path is valid already (per entry of a
+    big listing this is most of the Python work)."""
+    end = len(key) - 1 if subdir else len(key)
+    name = key[len(prefix):end]
+    try:
+        size = len(name.encode())
+        total = len(key.encode()) - subdir
+    except UnicodeEncodeError:  # a file:// name that is not UTF-8 (os.fsdecode's surrogate escapes)
+        size = total = MAX_PATH_BYTES + 1
+    if (0 < size <= 255 and total <= MAX_PATH_BYTES and key.startswith(prefix) and "/" not in name
+            and "\0" not in name and name not in (".", "..") and (not subdir or key.endswith("/"))):
+        return name
+    if key not in warned:
+        warned.add(key)
+        log.warning("skipping store key %r: it cannot be a path inside the mount", key)
+    return None
 
 
 def _refresh_clean(

@@ -92,8 +92,10 @@ async def test_every_handler_answers_an_errno_never_an_exception(
     stack = make_stack(tmp_path)
     ops = FuseOperations(stack.fs)
     ctx = pyfuse3.RequestContext()
+    missing = await ops.lookup(pyfuse3.ROOT_INODE, b"missing", ctx)
+    assert missing.st_ino == 0 and missing.entry_timeout == 0  # a negative entry, which the kernel does not keep
     with pytest.raises(pyfuse3.FUSEError) as raised:
-        await ops.lookup(pyfuse3.ROOT_INODE, b"missing", ctx)
+        await ops.lookup(pyfuse3.InodeT(999), b"missing", ctx)  # no such directory
     assert raised.value.errno == errno.ENOENT
     with pytest.raises(pyfuse3.FUSEError) as raised:
         await ops.getxattr(pyfuse3.ROOT_INODE, b"user.other", ctx)

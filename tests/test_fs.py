@@ -15,6 +15,7 @@ import trio
 from fsharness import GID, UID, Stack, check_consistency, list_tree, make_stack
 
 from ckptfs.drain import BURST_QUIET, SMALL_BATCH, SMALL_FILE
+from ckptfs.drain.scheduler import BURST_SCAN_INTERVAL
 from ckptfs.errors import FsError, PermanentBackendError, TransientBackendError
 from ckptfs.fs import RENAME_EXCHANGE, RENAME_NOREPLACE, SetAttrs
 from ckptfs.journal import CLEAN, DIRTY, REMOTE, ROOT_ID, Journal
@@ -165,6 +166,34 @@ async def test_small_files_wait_for_a_pause_in_a_burst_of_changes(tmp_path: Path
     assert trio.current_time() - ended >= BURST_QUIET * 0.9
     assert stack.store_files()[names[-1]] == b"small %d" % (len(names) - 1)
     check_consistency(stack)
+
+
+async def test_a_burst_of_changes_does_not_rescan_at_every_change(
+    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scans a burst's own changes cause start at least BURST_SCAN_INTERVAL apart (a scan runs on the
+    thread that answers the writer's next request); before, every change rescanned after 20 ms."""
+    stack = make_stack(tmp_path, small_file_wait=60)
+    scans = 0
+    scan = stack.drain._scan
+
+    def counted() -> object:
+        nonlocal scans
+        scans += 1
+        return scan()
+
+    monkeypatch.setattr(stack.drain, "_scan", counted)
+    await nursery.start(stack.drain.run)
+    await trio.sleep(0.05)
+    scans = 0
+    started = trio.current_time()
+    for i in range(60):
+        _small_burst_step(stack, i)
+        await trio.sleep(0.01)
+    elapsed = trio.current_time() - started
+    assert scans <= elapsed / BURST_SCAN_INTERVAL + 2, (scans, elapsed)
+    await stack.flush()
+    assert len(stack.store_files()) == 60
 
 
 async def test_small_files_wait_in_a_burst_for_small_file_wait_at_most(tmp_path: Path, nursery: trio.Nursery) -> None:

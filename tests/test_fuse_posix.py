@@ -818,6 +818,13 @@ def test_invalid_names(mount: Mount) -> None:
     # multi-byte UTF-8: 128 characters = 256 bytes
     expect_errno(errno.ENAMETOOLONG, os.mkdir, mount.mnt / ("é" * 128))
 
+    # A name that cannot exist is ENAMETOOLONG for every call that looks it up (pjdfstest: ENOENT before).
+    for call in (os.stat, os.lstat, os.unlink, os.rmdir, os.listdir):
+        expect_errno(errno.ENAMETOOLONG, call, mount.mnt / long_name)
+    expect_errno(errno.ENAMETOOLONG, os.chmod, mount.mnt / long_name, 0o600)
+    expect_errno(errno.ENAMETOOLONG, os.stat, mount.mnt / long_name / "below")
+    expect_errno(errno.ENAMETOOLONG, os.open, mount.mnt / long_name, os.O_RDONLY)
+
     # the limits themselves are fine
     max_name = "m" * 255
     (mount.mnt / max_name).write_bytes(b"max")
@@ -834,9 +841,32 @@ def test_path_too_long_for_store(mount: Mount) -> None:
         d.mkdir()
     # 4 * 201 bytes of directories; a 250-byte name would pass 1000 bytes
     expect_errno(errno.ENAMETOOLONG, os.open, d / ("f" * 250), os.O_CREAT | os.O_WRONLY, 0o644)
+    # Looking the too-long path up says so too (pjdfstest: ENOENT before).
+    expect_errno(errno.ENAMETOOLONG, os.stat, d / ("f" * 250))
+    expect_errno(errno.ENAMETOOLONG, os.unlink, d / ("f" * 250))
+    expect_errno(errno.ENOENT, os.stat, d / "missing")
     (d / "short").write_bytes(b"s")
     mount.flush()
     assert list(mount.store_files().values()) == [b"s"]
+
+
+def test_directory_link_count_counts_subdirectories(mount: Mount) -> None:
+    """2 + subdirectories, as on a local filesystem (find and fts rely on it); files do not count."""
+    top = mount.mnt / "top"
+    top.mkdir()
+    (top / "file").write_bytes(b"f")
+    assert os.stat(top).st_nlink == 2
+    for name in ("a", "b", "c"):
+        (top / name).mkdir()
+    assert os.stat(top).st_nlink == 5
+    assert os.stat(top / "a").st_nlink == 2
+    (top / "c").rmdir()
+    os.rename(top / "b", mount.mnt / "moved")
+    assert os.stat(top).st_nlink == 3
+    assert os.stat(mount.mnt).st_nlink == 4  # top, moved and the root's own two
+    # readdir's attributes (readdirplus) agree with stat
+    with os.scandir(mount.mnt) as entries:
+        assert {e.name: e.stat(follow_symlinks=False).st_nlink for e in entries if e.is_dir()} == {"top": 3, "moved": 2}
 
 
 # -- ordering -----------------------------------------------------------------------------------------

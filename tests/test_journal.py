@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -145,3 +146,42 @@ def test_many_inodes_and_deletes_are_read_a_batch_at_a_time(tmp_path: Path) -> N
     assert set(found) == set(ids) - {ids[1500]}
     assert all(found[i] == journal.get(i) for i in ids[::97] if i != ids[1500])
     assert pending == set(deletes) - set(deletes[::3])
+
+
+def test_with_checkpoints_elsewhere_commits_leave_the_wal_to_checkpoint(tmp_path: Path) -> None:
+    """After checkpoints_elsewhere() no commit copies the WAL into the database file (SQLite's own
+    checkpoint, every 1000 pages, synced two files inside the commit of a FUSE request); checkpoint(), from
+    another thread, does, and what it copied reads back after a reopen."""
+    path = tmp_path / "journal.db"
+    journal = Journal(path)
+    journal.checkpoints_elsewhere()
+    root = journal.get(ROOT_ID)
+    assert root is not None
+    before = path.stat().st_size
+    for i in range(600):  # about 2,000 WAL pages
+        with journal.transaction():
+            journal.create_inode(root, f"f{i}", "file", 0o100644, 0, 0)
+    assert path.stat().st_size == before
+    worker = threading.Thread(target=journal.checkpoint)
+    worker.start()
+    worker.join()
+    assert path.stat().st_size > before
+    journal.close()
+    reopened = Journal(path)
+    assert len(reopened.all_children(ROOT_ID)) == 600
+    reopened.close()
+
+
+def test_create_inode_returns_the_row_as_stored(tmp_path: Path) -> None:
+    """create_inode builds its Inode without reading the row back: it must be what a read gives."""
+    journal = Journal(tmp_path / "journal.db")
+    root = journal.get(ROOT_ID)
+    assert root is not None
+    with journal.transaction():
+        folder = journal.create_inode(root, "d", "dir", 0o40755, 1, 2, closed_at=5.0)
+        assert journal.get(folder.id) == folder
+        made = journal.create_inode(folder, "f", "file", 0o100644, 3, 4)
+        assert journal.get(made.id) == made
+        link = journal.create_inode(folder, "l", "symlink", 0o120777, 3, 4, target="f", closed_at=6.0)
+        assert journal.get(link.id) == link
+    journal.close()

@@ -102,7 +102,7 @@ def _schema(db: sqlite3.Connection) -> dict[str, object]:
 def test_a_version_1_journal_is_migrated_with_its_data_intact(tmp_path: Path, opened: bool) -> None:
     _v1_journal(tmp_path / "journal.db", opened=opened)
     journal = Journal(tmp_path / "journal.db")
-    assert journal.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert journal.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     fresh = Journal(tmp_path / "fresh.db")
     assert _schema(journal.db) == _schema(fresh.db)
     model, optim = journal.by_path("step_1/model.pt"), journal.by_path("step_1/optim.pt")

@@ -41,6 +41,12 @@ SCAN_LIMIT = 2000
 RESCAN_INTERVAL = 0.2
 # Scans start at least this far apart, however often the filesystem notifies.
 MIN_SCAN_INTERVAL = 0.02
+# During a burst of namespace changes, scans its own notifications cause start at least this far apart: a
+# scan is six queries, some of which read every file waiting out upload_delay, and it runs on the thread
+# that answers the writer's next create (a scan every MIN_SCAN_INTERVAL took an eighth of that thread in
+# bench's small-file workload). What a burst notifies is not due at once anyway (upload_delay); a flush,
+# cache pressure and finished jobs (notify) still wake the drain at once.
+BURST_SCAN_INTERVAL = 0.25
 # While a file is open for writing and early spills are on, the drain looks this often whether it has grown
 # by a part (writes do not notify it).
 EARLY_SPILL_POLL = 0.25
@@ -79,6 +85,7 @@ class Drain:
         self._upload_slots = trio.Semaphore(transfers)
         self._other_slots = trio.Semaphore(transfers * 2)
         self._new_work = trio.Event()
+        self._urgent = trio.Event()  # notify(), not mount_changed(): scan without the burst's coalescing
         self._changed_at = -math.inf  # trio time of the mount's last namespace change (mount_changed)
         self._running: set[tuple[str, int]] = set()
         self._busy_keys: set[str] = set()
@@ -111,6 +118,7 @@ class Drain:
     def notify(self) -> None:
         """Something in the journal may have become work."""
         self._new_work.set()
+        self._urgent.set()
 
     def mount_changed(self) -> None:
         """The fs package, after each change that may be work: a file closed after writing, a name created, renamed
@@ -201,6 +209,7 @@ class Drain:
 
     async def _round(self, nursery: trio.Nursery) -> None:
         self._new_work = trio.Event()
+        self._urgent = trio.Event()
         scanned_at = trio.current_time()
         while self.cleanup.discarded:
             nursery.start_soon(self._guarded, "abort", self.cleanup.abort_discarded, self.cleanup.discarded.pop())
@@ -215,6 +224,15 @@ class Drain:
                 await self._new_work.wait()
         # Coalesce a burst of notifications (thousands of small files closing) into one scan.
         await trio.sleep_until(scanned_at + MIN_SCAN_INTERVAL)
+        if self._in_burst() and not self._urgent.is_set():
+            with trio.move_on_at(scanned_at + BURST_SCAN_INTERVAL):
+                await self._urgent.wait()
+
+    def _in_burst(self) -> bool:
+        """The mount is in a burst of namespace changes and nothing presses (no flush waits, no cache
+        pressure): the burst's own notifications need no scan of their own."""
+        return (trio.current_time() < self._changed_at + BURST_QUIET and not self.spills.pressure
+                and not self.durability.waiting)
 
     async def _guarded(self, what: str, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         """A background step whose unexpected failure is logged and counted, never the drain's end (an

@@ -36,7 +36,7 @@ class Attributes:
         self._failure_of = failure_of
 
     def getattr(self, inode_id: int) -> Attr:
-        return attr_of(self.cache, existing(self.journal, inode_id))
+        return attr_of(self.journal, self.cache, existing(self.journal, inode_id))
 
     async def setattr(self, inode_id: int, changes: SetAttrs, fh: int | None) -> Attr:
         inode = existing(self.journal, inode_id)
@@ -73,7 +73,7 @@ class Attributes:
             # A change of owner drops setuid and setgid (the kernel leaves that to us: see fuse_ops).
             columns["mode"] = inode.mode & ~(stat.S_ISUID | stat.S_ISGID)
         if changes.mtime_ns is not None or changes.atime_ns is not None:
-            current = attr_of(self.cache, existing(self.journal, inode_id))
+            current = attr_of(self.journal, self.cache, existing(self.journal, inode_id))
             mtime = changes.mtime_ns if changes.mtime_ns is not None else current.mtime_ns
             atime = changes.atime_ns if changes.atime_ns is not None else current.atime_ns
             columns["mtime_ns"] = mtime
@@ -90,7 +90,7 @@ class Attributes:
                     # Mode and mtime travel with the object: an uploaded one needs its metadata rewritten.
                     self.journal.mark_meta_dirty(inode_id)
             self._notify_drain()
-        return attr_of(self.cache, existing(self.journal, inode_id))
+        return attr_of(self.journal, self.cache, existing(self.journal, inode_id))
 
     def statfs(self) -> StatFs:
         """The cache budget as the filesystem's size: `df` on the mount shows how much more can be

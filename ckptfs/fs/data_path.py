@@ -118,7 +118,7 @@ class DataPath:
             self._changes.closed(inode.id)
         else:
             self._notify_drain()  # as Changes.begin_change: a file being written
-        return fh, attr_of(self.cache, inode)
+        return fh, attr_of(self.journal, self.cache, inode)
 
     def mknod(self, parent_id: int, raw_name: bytes, mode: int, uid: int, gid: int) -> Attr:
         """mknod(S_IFREG) makes an empty regular file, as create() + release() would leave it (the kernel

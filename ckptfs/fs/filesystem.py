@@ -4,7 +4,7 @@ every request to its owner (write and read without a hop of their own: they are 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -145,6 +145,9 @@ class Filesystem:
     def lookup(self, parent_id: int, raw_name: bytes) -> Attr:
         return self._namespace.lookup(parent_id, raw_name)
 
+    def find(self, parent_id: int, raw_name: bytes) -> Attr | None:
+        return self._namespace.find(parent_id, raw_name)
+
     def mkdir(self, parent_id: int, raw_name: bytes, mode: int, uid: int, gid: int) -> Attr:
         return self._namespace.mkdir(parent_id, raw_name, mode, uid, gid)
 
@@ -196,6 +199,10 @@ class Filesystem:
 
     def forget(self, inode_id: int, count: int) -> None:
         self._references.forget(inode_id, count)
+
+    def forget_many(self, forgotten: Sequence[tuple[int, int]]) -> None:
+        """The kernel gave back these (inode, count) references at once."""
+        self._references.forget_many(forgotten)
 
     # -- attributes.py --------------------------------------------------------------------------------------
 

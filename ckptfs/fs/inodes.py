@@ -31,7 +31,9 @@ def directory(journal: Journal, inode_id: int) -> Inode:
     return inode
 
 
-def attr_of(cache: CacheDir, inode: Inode) -> Attr:
+def attr_of(journal: Journal, cache: CacheDir, inode: Inode) -> Attr:
+    """The attributes of `inode`. A directory's link count is 2 plus its subdirectories (each one's '..'),
+    as on a local filesystem: find and fts read it to know how many subdirectories to expect."""
     if inode.kind == FILE and inode.state != REMOTE:
         try:
             st = os.stat(cache.data_path(inode.id))
@@ -42,9 +44,23 @@ def attr_of(cache: CacheDir, inode: Inode) -> Attr:
         # Writes change the cache file's ctime; namespace and attribute changes the journal's.
         ctime = max(st.st_ctime_ns, inode.ctime_ns)
     else:
-        size = len(inode.target.encode()) if inode.target is not None else inode.size
-        blocks = (size + 511) // 512
-        atime = mtime = inode.mtime_ns
-        ctime = inode.ctime_ns
-    nlink = 0 if inode.path is None else (2 if inode.kind == DIR else 1)
+        subdirectories = journal.subdirectory_count(inode.id) if inode.kind == DIR and inode.path is not None else 0
+        return journal_attr(inode.id, inode.kind, inode.mode, inode.uid, inode.gid, inode.size, inode.mtime_ns,
+                            inode.ctime_ns, inode.target, linked=inode.path is not None, subdirectories=subdirectories)
+    nlink = 0 if inode.path is None else 1
     return Attr(inode.id, inode.mode, nlink, inode.uid, inode.gid, size, blocks, atime, mtime, ctime)
+
+
+def journal_attr(
+    ino: int, kind: str, mode: int, uid: int, gid: int, size: int, mtime_ns: int, ctime_ns: int,
+    target: str | None, *, linked: bool = True, subdirectories: int = 0,
+) -> Attr:
+    """The attributes of an inode without local data (a directory, a symlink, a file only in the store):
+    all in its journal row, but a directory's `subdirectories`, which its link count counts."""
+    if target is not None:
+        size = len(target.encode())
+    nlink = (2 + subdirectories if kind == DIR else 1) if linked else 0
+    return _new_tuple(Attr, (ino, mode, nlink, uid, gid, size, (size + 511) // 512, mtime_ns, mtime_ns, ctime_ns))
+
+
+_new_tuple = tuple.__new__

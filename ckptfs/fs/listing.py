@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
-from ckptfs.fs.inodes import attr_of, directory
+from ckptfs.fs.inodes import attr_of, directory, existing, journal_attr
 from ckptfs.fs.interface import DirEntry, Lister
 from ckptfs.fs.namespace import Namespace
-from ckptfs.journal import DIR, Inode, Journal
+from ckptfs.journal import DIR, FILE, REMOTE, Inode, Journal
 
 
 class NothingToList:
@@ -82,8 +82,17 @@ class Listing:
         return inode_id
 
     def readdir(self, inode_id: int, after_id: int, limit: int = 1000) -> list[DirEntry]:
+        """From the journal's rows as they are: a walk of a big tree reads every entry here (a file with
+        local data takes its size and times from its cache file, as getattr does)."""
         entries = []
-        for child in self.journal.children(inode_id, after_id, limit):
-            assert child.name is not None
-            entries.append(DirEntry(child.name.encode(), attr_of(self.cache, child), child.id))
+        for ino, name, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target, state in self.journal.entry_rows(
+            inode_id, after_id, limit
+        ):
+            if kind == FILE and state != REMOTE:
+                attr = attr_of(self.journal, self.cache, existing(self.journal, ino))
+            else:
+                subdirectories = self.journal.subdirectory_count(ino) if kind == DIR else 0
+                attr = journal_attr(ino, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,
+                                    subdirectories=subdirectories)
+            entries.append(DirEntry(name.encode(), attr, ino))
         return entries

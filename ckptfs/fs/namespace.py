@@ -56,23 +56,47 @@ class Namespace:
         self._notify_drain = notify_drain
 
     def lookup(self, parent_id: int, raw_name: bytes) -> Attr:
+        attr = self.find(parent_id, raw_name)
+        if attr is None:
+            raise FsError(errno.ENOENT, f"no entry {raw_name!r}")
+        return attr
+
+    def find(self, parent_id: int, raw_name: bytes) -> Attr | None:
+        """lookup, with None for a name that does not exist: the kernel's LOOKUP before the create of every
+        new name misses, and an exception per miss is most of what a miss costs."""
         parent = directory(self.journal, parent_id)
         if raw_name == b".":
-            inode = parent
+            inode: Inode | None = parent
         elif raw_name == b"..":
             inode = existing(self.journal, parent.parent or ROOT_ID)
         else:
-            inode = self.existing_child(parent, raw_name)
+            if len(raw_name) > NAME_MAX:  # ENAMETOOLONG, as on a local filesystem (stat, unlink of it)
+                raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
+            try:
+                name = raw_name.decode("utf-8")
+            except UnicodeDecodeError:
+                return None  # it could not have been created
+            inode = self.journal.lookup(parent.id, name)
+            if inode is None:
+                child_path(parent, name)  # ENAMETOOLONG beyond the store's key limit
+                return None
+        if inode is None:
+            return None
         self._references.remember(inode.id)
-        return attr_of(self.cache, inode)
+        return attr_of(self.journal, self.cache, inode)
 
     def existing_child(self, parent: Inode, raw_name: bytes) -> Inode:
+        # A name or path too long to exist is ENAMETOOLONG, as on a local filesystem (stat, unlink, chmod
+        # of it), not ENOENT: the caller learns that the name can never work here.
+        if len(raw_name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
         try:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
             raise FsError(errno.ENOENT, "no such entry") from None  # it could not have been created
         inode = self.journal.lookup(parent.id, name)
         if inode is None:
+            child_path(parent, name)  # ENAMETOOLONG beyond the store's key limit
             raise FsError(errno.ENOENT, f"no entry {name!r}")
         return inode
 
@@ -100,7 +124,7 @@ class Namespace:
         self._lister.mark_listed(inode.id)
         self._references.remember(inode.id)
         self._notify_drain()
-        return attr_of(self.cache, inode)
+        return attr_of(self.journal, self.cache, inode)
 
     def symlink(self, parent_id: int, raw_name: bytes, target: bytes, uid: int, gid: int) -> Attr:
         parent, name = self.check_new_entry(parent_id, raw_name)
@@ -114,7 +138,7 @@ class Namespace:
             )
         self._references.remember(inode.id)
         self._notify_drain()
-        return attr_of(self.cache, inode)
+        return attr_of(self.journal, self.cache, inode)
 
     def readlink(self, inode_id: int) -> bytes:
         inode = existing(self.journal, inode_id)
@@ -155,8 +179,9 @@ class Namespace:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         if flags & ~RENAME_NOREPLACE:
             raise FsError(errno.EINVAL, f"unsupported rename flags {flags:#x}")
-        source = self.existing_child(directory(self.journal, old_parent_id), raw_old)
-        new_parent = directory(self.journal, new_parent_id)
+        old_parent = directory(self.journal, old_parent_id)
+        source = self.existing_child(old_parent, raw_old)
+        new_parent = old_parent if new_parent_id == old_parent_id else directory(self.journal, new_parent_id)
         new_name = decode_name(raw_new)
         child_path(new_parent, new_name)
         target = self.journal.lookup(new_parent_id, new_name)

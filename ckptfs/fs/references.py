@@ -5,7 +5,8 @@ only once the kernel forgot it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckptfs.cache import CacheDir
@@ -14,6 +15,8 @@ from ckptfs.fs.changes import Changes
 from ckptfs.fs.interface import ReadStreams
 from ckptfs.fs.open_files import OpenFiles
 from ckptfs.journal import FILE, ROOT_ID, Journal
+
+log = logging.getLogger(__name__)
 
 
 class References:
@@ -45,14 +48,28 @@ class References:
         self._lookup_count[inode_id] = self._lookup_count.get(inode_id, 0) + 1
 
     def forget(self, inode_id: int, count: int) -> None:
-        left = self._lookup_count.get(inode_id, 0) - count
-        if left > 0:
-            self._lookup_count[inode_id] = left
-        else:
-            self._lookup_count.pop(inode_id, None)
-            if self._refs_inherited:
-                self._counted.add(inode_id)
-            self.maybe_purge(inode_id)
+        self.forget_many([(inode_id, count)])
+
+    def forget_many(self, forgotten: Iterable[tuple[int, int]]) -> None:
+        """The kernel gave back references (one FORGET or BATCH_FORGET). An inode it no longer refers to is
+        purged if it is unlinked; whether any is, is one journal query for the whole batch: the kernel
+        forgets the entries of a big walk by the thousand, nearly all of them linked."""
+        unreferenced = []
+        for inode_id, count in forgotten:
+            left = self._lookup_count.get(inode_id, 0) - count
+            if left > 0:
+                self._lookup_count[inode_id] = left
+            else:
+                self._lookup_count.pop(inode_id, None)
+                if self._refs_inherited:
+                    self._counted.add(inode_id)
+                unreferenced.append(inode_id)
+        if unreferenced:
+            for inode_id in self.journal.unlinked_among(unreferenced):
+                try:
+                    self.maybe_purge(inode_id)
+                except Exception:  # one inode's failure must not keep the others of the batch
+                    log.exception("purging inode %d failed", inode_id)
 
     def maybe_purge(self, inode_id: int) -> None:
         """Drop an unlinked inode once neither the kernel nor an open handle refers to it."""

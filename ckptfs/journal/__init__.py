@@ -3,15 +3,18 @@
 It is the single source of truth. The FUSE layer changes state only through it, the drain learns its work
 only from it, and a restart rebuilds everything from it. All calls are synchronous and must be made from
 the trio thread: a run of journal calls between two awaits is therefore atomic with respect to every other
-task. It knows nothing about FUSE, trio or object stores; it stores keys as plain strings.
+task. The one exception is `checkpoint()`, which copies the WAL into the database file on a connection of
+its own, in a worker thread (the daemon's, after `checkpoints_elsewhere()`), so that no commit syncs files.
+It knows nothing about FUSE, trio or object stores; it stores keys as plain strings.
 
 Durability: WAL with synchronous=NORMAL survives a crash or kill -9 of the daemon after every commit;
 `sync()` makes everything committed so far survive power loss (fsync() on a file calls it).
 
-Modules, one concern each: records (Inode, PendingDelete, states and kinds), schema (create_tables, the
-schema version and its migrations), connection (the SQLite connection; SQLite's errors become JournalFull,
-JournalUnusable or JournalError there, and nowhere else), base (opening, transactions, sync, meta), and the
-concerns of the Journal class: namespace, deletes, work (the drain's), local (fetch, eviction, status).
+Modules, one concern each: records (Inode, PendingDelete, the rows of listings and readdir, states and kinds),
+schema (create_tables, the schema version and its migrations), connection (the SQLite connection; SQLite's
+errors become JournalFull, JournalUnusable or JournalError there, and nowhere else), base (opening,
+transactions, sync, meta), and the concerns of the Journal class: namespace, deletes, work (the drain's),
+local (fetch, eviction, status).
 """
 
 from ckptfs.journal.connection import JournalError, JournalFull, JournalUnusable, journal_unusable
@@ -25,12 +28,14 @@ from ckptfs.journal.records import (
     ROOT_ID,
     SYMLINK,
     UPLOADING,
+    EntryRow,
     Inode,
+    ListedEntry,
     PendingDelete,
 )
 from ckptfs.journal.schema import SCHEMA_VERSION
 
 __all__ = [
-    "CLEAN", "DIR", "DIRTY", "FILE", "REMOTE", "ROOT_ID", "SCHEMA_VERSION", "SYMLINK", "UPLOADING", "Inode", "Journal",
-    "JournalError", "JournalFull", "JournalUnusable", "PendingDelete", "journal_unusable",
+    "CLEAN", "DIR", "DIRTY", "FILE", "REMOTE", "ROOT_ID", "SCHEMA_VERSION", "SYMLINK", "UPLOADING", "EntryRow", "Inode",
+    "Journal", "JournalError", "JournalFull", "JournalUnusable", "ListedEntry", "PendingDelete", "journal_unusable",
 ]

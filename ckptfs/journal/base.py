@@ -8,13 +8,20 @@ import sqlite3
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from ckptfs.journal.connection import connect
 from ckptfs.journal.records import INODE_COLUMNS, Inode
 from ckptfs.journal.schema import check_version, create_tables, migrations
 
+T = TypeVar("T")
+
 # Below SQLite's smallest limit on bound parameters (999 before 3.32).
 _IDS_PER_QUERY = 900
+# With checkpoints_elsewhere(), a commit still checkpoints the WAL itself once it holds this many pages
+# (64 MiB of 4 KiB pages; SQLite's default is 1000): the backstop for writes that never pause long enough
+# for the background checkpoints to catch up (the WAL starts over only once all of it is checkpointed).
+WAL_BACKSTOP_PAGES = 16384
 
 
 def prefix_range(prefix: str) -> tuple[str, str]:
@@ -24,8 +31,8 @@ def prefix_range(prefix: str) -> tuple[str, str]:
     return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
-def id_groups(ids: Collection[int]) -> Iterator[tuple[tuple[int, ...], str]]:
-    """`ids` in groups small enough for one query each, with each group's placeholders ("?, ?, ...")."""
+def id_groups(ids: Collection[T]) -> Iterator[tuple[tuple[T, ...], str]]:
+    """`ids` (or keys) in groups small enough for one query each, with each group's placeholders ("?, ?, ...")."""
     items = list(ids)
     for start in range(0, len(items), _IDS_PER_QUERY):
         group = tuple(items[start:start + _IDS_PER_QUERY])
@@ -33,7 +40,12 @@ def id_groups(ids: Collection[int]) -> Iterator[tuple[tuple[int, ...], str]]:
 
 
 def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:
-    return Inode(*row)
+    # The row is the Inode's fields in order (INODE_COLUMNS): tuple.__new__ takes it as it is, without
+    # the keyword parsing of Inode(*row) (a walk of a big tree reads every row).
+    return _new_tuple(Inode, row)
+
+
+_new_tuple = tuple.__new__
 
 
 class JournalBase:
@@ -41,6 +53,8 @@ class JournalBase:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.commits = 0  # transactions committed since open (the daemon checkpoints only after new ones)
+        self._checkpointer: sqlite3.Connection | None = None
         fresh = not path.exists()
         self.db = connect(path)
         if fresh:
@@ -59,7 +73,24 @@ class JournalBase:
         self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
 
     def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()
         self.db.close()
+
+    def checkpoints_elsewhere(self) -> None:
+        """From now on checkpoint() copies the WAL into the database file, called from a worker thread;
+        commits no longer do (up to WAL_BACKSTOP_PAGES). A checkpoint syncs the WAL and the database file:
+        on a busy disk the FUSE request whose commit ran it waited tens of milliseconds (SQLite runs one
+        every 1000 pages: every few hundred small files)."""
+        self.db.execute(f"PRAGMA wal_autocheckpoint = {WAL_BACKSTOP_PAGES}")
+
+    def checkpoint(self) -> None:
+        """Copy what the WAL holds into the database file (PASSIVE: it never waits for the writer, who never
+        waits for it). The one call that may, and should, run outside the trio thread: it uses a
+        connection of its own, made at its first call."""
+        if self._checkpointer is None:
+            self._checkpointer = connect(self.path)
+        self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
@@ -69,6 +100,7 @@ class JournalBase:
             # A COMMIT that fails (SQLITE_FULL: the cache filesystem is full) leaves the transaction open;
             # roll it back too, or every later BEGIN fails as well.
             self.db.execute("COMMIT")
+            self.commits += 1
         except BaseException:
             if self.db.in_transaction:
                 self.db.execute("ROLLBACK")

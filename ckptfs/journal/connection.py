@@ -91,6 +91,14 @@ class _Connection(sqlite3.Connection):
             raise from_sqlite(exc) from exc
         return cursor.execute(sql, parameters)
 
+    def executemany(self, sql: str, seq_of_parameters: Any, /) -> _Cursor:
+        try:
+            cursor = self.cursor(_Cursor)
+            cursor.executemany(sql, seq_of_parameters)
+        except sqlite3.Error as exc:
+            raise from_sqlite(exc) from exc
+        return cursor
+
     def executescript(self, script: str, /) -> sqlite3.Cursor:
         try:
             return super().executescript(script)

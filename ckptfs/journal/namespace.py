@@ -5,10 +5,11 @@ store, and when each directory was last listed from the store (recovery.DirListe
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
-from ckptfs.journal.base import prefix_range
+from ckptfs.journal.base import id_groups, prefix_range
 from ckptfs.journal.deletes import PendingDeletes
-from ckptfs.journal.records import CLEAN, DIR, FILE, INODE_COLUMNS, REMOTE, ROOT_ID, Inode
+from ckptfs.journal.records import CLEAN, DIR, DIRTY, FILE, INODE_COLUMNS, REMOTE, ROOT_ID, EntryRow, Inode, ListedEntry
 
 
 class Namespace(PendingDeletes):
@@ -26,12 +27,33 @@ class Namespace(PendingDeletes):
             (parent, after_id, limit),
         )
 
+    def entry_rows(self, parent: int, after_id: int, limit: int) -> list[EntryRow]:
+        """What readdir answers of a directory's entries, in `children`'s order: plain rows of the few
+        columns it needs, not an Inode of every column each (a walk reads every entry of the tree)."""
+        return self.db.execute(
+            "SELECT id, name, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target, state FROM inodes"
+            " WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
+            (parent, after_id, limit),
+        ).fetchall()
+
     def all_children(self, parent: int) -> list[Inode]:
         return self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ?", (parent,))
 
     def descendants(self, path: str) -> list[Inode]:
         """Every linked inode below the directory `path`."""
         return self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE path >= ? AND path < ?", prefix_range(path + "/"))
+
+    def unlinked_among(self, inode_ids: Collection[int]) -> list[int]:
+        """The inodes among `inode_ids` that are unlinked (kept by open handles or kernel references)."""
+        found: list[int] = []
+        for chunk, marks in id_groups(inode_ids):
+            rows = self.db.execute(f"SELECT id FROM inodes WHERE id IN ({marks}) AND parent IS NULL", chunk)
+            found.extend(row[0] for row in rows)
+        return found
+
+    def subdirectory_count(self, parent: int) -> int:
+        row = self.db.execute("SELECT COUNT(*) FROM inodes WHERE parent = ? AND kind = 'dir'", (parent,)).fetchone()
+        return int(row[0])
 
     def has_children(self, parent: int) -> bool:
         return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
@@ -74,15 +96,18 @@ class Namespace(PendingDeletes):
     ) -> Inode:
         now = now_ns if now_ns is not None else time.time_ns()
         path = f"{parent.path}/{name}" if parent.path else name
+        seq = self.next_seq()
         cur = self.db.execute(
             "INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, mtime_ns, ctime_ns, target, state,"
             " closed_at, seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'dirty', ?, ?)",
-            (parent.id, name, path, kind, mode, uid, gid, now, now, target, closed_at, self.next_seq()),
+            (parent.id, name, path, kind, mode, uid, gid, now, now, target, closed_at, seq),
         )
         self.touch_dir(parent.id, now)
-        inode = self.get(cur.lastrowid)  # type: ignore[arg-type]
-        assert inode is not None
-        return inode
+        # The row as inserted, with the schema's defaults, without reading it back (one query less per create).
+        assert cur.lastrowid is not None
+        return Inode(cur.lastrowid, parent.id, name, path, kind, mode, uid, gid, size=0, mtime_ns=now, ctime_ns=now,
+                     target=target, state=DIRTY, version=1, uploaded_version=0, remote_key=None, checksum=None,
+                     meta_dirty=0, upload_state=None, closed_at=closed_at, seq=seq)
 
     def import_remote(
         self, parent: Inode, name: str, kind: str, *, size: int, mtime_ns: int, mode: int, key: str | None,
@@ -102,6 +127,19 @@ class Namespace(PendingDeletes):
         inode = self.get(cur.lastrowid)  # type: ignore[arg-type]
         assert inode is not None
         return inode
+
+    def import_listed(self, parent: Inode, entries: list[ListedEntry], *, uid: int, gid: int, now: float) -> None:
+        """Many imports at once (a directory's listing), as import_remote makes each: one statement for all
+        of them, not a round trip per entry, and no rows read back (a listing of 1,000 files took 3,000
+        statements and most of a first walk's time)."""
+        base = f"{parent.path}/" if parent.path else ""
+        self.db.executemany(
+            "INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,"
+            " state, version, uploaded_version, remote_key, checksum, closed_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, 1, ?, ?, ?)",
+            [(parent.id, e.name, base + e.name, e.kind, e.mode, uid, gid, e.size, e.mtime_ns, e.mtime_ns, e.target,
+              REMOTE if e.kind == FILE else CLEAN, e.key, e.checksum, now) for e in entries],
+        )
 
     def touch_dir(self, inode_id: int, now_ns: int | None = None) -> None:
         now = now_ns if now_ns is not None else time.time_ns()
@@ -190,7 +228,7 @@ class Namespace(PendingDeletes):
             lo, hi = prefix_range(new_path + "/")
             moved_max = self.db.execute("SELECT MAX(seq) FROM inodes WHERE path >= ? AND path < ?", (lo, hi))
             self._seq = max(self._seq, moved_max.fetchone()[0] or 0)
-        if inode.parent is not None:
+        if inode.parent is not None and inode.parent != new_parent.id:
             self.touch_dir(inode.parent, now)
         self.touch_dir(new_parent.id, now)
 

@@ -54,6 +54,23 @@ class Inode(NamedTuple):
         return self.kind == FILE and self.state != REMOTE
 
 
+# (id, name, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target, state): Namespace.entry_rows.
+EntryRow = tuple[int, str, str, int, int, int, int, int, int, "str | None", str]
+
+
+class ListedEntry(NamedTuple):
+    """An entry a store listing shows and the journal does not have yet (Namespace.import_listed)."""
+
+    name: str
+    kind: str
+    size: int
+    mtime_ns: int
+    mode: int  # st_mode including the type bits
+    key: str | None  # None: a directory implied by deeper keys, with no marker object of its own
+    target: str | None = None
+    checksum: str | None = None
+
+
 class PendingDelete(NamedTuple):
     """One row of pending_deletes."""
 

@@ -5,7 +5,9 @@ its start to the store holding it."""
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
+from ckptfs.journal.base import id_groups
 from ckptfs.journal.deletes import PendingDeletes
 from ckptfs.journal.records import INODE_COLUMNS, Inode
 
@@ -102,6 +104,15 @@ class DrainWork(PendingDeletes):
     def key_owner(self, key: str) -> Inode | None:
         """The inode whose store copy is at `key`, if any."""
         return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE remote_key = ?", (key,))
+
+    def owned_keys(self, keys: Collection[str]) -> set[str]:
+        """The keys among `keys` whose store copy an inode holds (key_owner for many keys: one query per
+        _IDS_PER_QUERY keys)."""
+        owned: set[str] = set()
+        for chunk, marks in id_groups(keys):
+            rows = self.db.execute(f"SELECT remote_key FROM inodes WHERE remote_key IN ({marks})", chunk)
+            owned.update(row[0] for row in rows)
+        return owned
 
     def key_claimant(self, key: str) -> Inode | None:
         """A linked inode that belongs at `key` but is not there yet (it will overwrite it)."""

@@ -1,0 +1,166 @@
+"""What a fresh node's walk of a big tree costs, counted instead of timed: listing a directory is one store
+call and one journal transaction whose statements do not grow with the number of entries, and readdir and
+lookup after it are answered from the journal without another store call. The fast check of listed names
+agrees with the full one (_valid_path) on every kind of bad key."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fsharness import Stack, check_consistency, make_stack
+
+from ckptfs.journal import REMOTE, ROOT_ID
+from ckptfs.recovery import MAX_PATH_BYTES, _listed_name, _valid_path
+
+
+class Counts:
+    def __init__(self) -> None:
+        self.statements = 0
+        self.transactions = 0
+        self.list_dir = 0
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> Callable[[Stack], Counts]:
+    """Count the journal's statements (execute, executemany) and transactions and the store's list_dir."""
+
+    def install(stack: Stack) -> Counts:
+        counts = Counts()
+        db, journal, store = stack.journal.db, stack.journal, stack.store
+
+        def counting(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                setattr(counts, what, getattr(counts, what) + 1)
+                return fn(*args, **kwargs)
+            return call
+
+        monkeypatch.setattr(db, "execute", counting(db.execute, "statements"))
+        monkeypatch.setattr(db, "executemany", counting(db.executemany, "statements"))
+        monkeypatch.setattr(store, "list_dir", counting(store.list_dir, "list_dir"))
+        transaction = journal.transaction
+
+        @contextmanager
+        def counted_transaction() -> Iterator[None]:
+            counts.transactions += 1
+            with transaction():
+                yield
+
+        monkeypatch.setattr(journal, "transaction", counted_transaction)
+        return counts
+
+    return install
+
+
+def _tree(store: Path, files: int) -> None:
+    (store / "big" / "sub").mkdir(parents=True)
+    for i in range(files):
+        (store / "big" / f"f{i:05d}.bin").write_bytes(b"x" * (i % 7))
+    os.symlink("f00000.bin", store / "big" / "link")
+
+
+async def _listing_cost(tmp_path: Path, counted: Callable[[Stack], Counts], files: int) -> tuple[int, int, int]:
+    _tree(tmp_path / "store", files)
+    stack = make_stack(tmp_path)
+    await stack.fs.ensure_listed(ROOT_ID)
+    big = stack.journal.by_path("big")
+    assert big is not None
+    counts = counted(stack)
+    await stack.fs.ensure_listed(big.id)
+    children = {c.name: c for c in stack.journal.all_children(big.id)}
+    assert len(children) == files + 2  # the files, the symlink, the subdirectory
+    assert children["f00003.bin"].size == 3 and children["f00003.bin"].state == REMOTE
+    assert children["link"].target == "f00000.bin" and children["sub"].kind == "dir"
+    assert big.id in stack.journal.listed_dirs()
+    check_consistency(stack)
+    return counts.statements, counts.transactions, counts.list_dir
+
+
+async def test_listing_a_directory_costs_the_same_journal_work_for_10_or_800_entries(
+    tmp_path: Path, counted: Callable[[Stack], Counts]
+) -> None:
+    """Before: three statements per listed entry (is the key owned, insert, read the row back), and the
+    time of its listing in a transaction of its own."""
+    small = await _listing_cost(tmp_path / "small", counted, 10)
+    big = await _listing_cost(tmp_path / "big", counted, 800)  # (keys are checked 900 to a query)
+    assert small == big, (small, big)
+    statements, transactions, list_calls = big
+    assert transactions == 1
+    assert list_calls == 1
+    assert statements < 20, statements
+
+
+async def test_readdir_and_lookup_after_a_listing_ask_the_store_nothing(
+    tmp_path: Path, counted: Callable[[Stack], Counts]
+) -> None:
+    _tree(tmp_path / "store", 300)
+    stack = make_stack(tmp_path)
+    stack.fs.lister.refresh_interval = 60.0  # type: ignore[attr-defined]
+    counts = counted(stack)
+    for _walk in range(2):  # the first walk lists each directory once, the second nothing
+        await stack.fs.ensure_listed(ROOT_ID)
+        big = stack.fs.lookup(ROOT_ID, b"big")
+        await stack.fs.ensure_listed(big.ino)
+        entries = stack.fs.readdir(stack.fs.opendir(big.ino), 0)
+        assert len(entries) == 302
+        for entry in entries:
+            await stack.fs.ensure_listed(big.ino)
+            assert stack.fs.lookup(big.ino, entry.name) == entry.attr
+        assert counts.list_dir == 2  # the root and big/
+    check_consistency(stack)
+
+
+async def test_the_kernel_forgetting_a_walked_tree_is_one_query_per_batch(
+    tmp_path: Path, counted: Callable[[Stack], Counts]
+) -> None:
+    """After a walk the kernel forgets its entries by the thousand (BATCH_FORGET). Before: a journal read
+    per forgotten inode, to see whether it was unlinked and must be purged."""
+    _tree(tmp_path / "store", 600)
+    stack = make_stack(tmp_path)
+    await stack.fs.ensure_listed(ROOT_ID)
+    big = stack.fs.lookup(ROOT_ID, b"big")
+    await stack.fs.ensure_listed(big.ino)
+    walked = stack.fs.readdir(stack.fs.opendir(big.ino), 0)
+    for entry in walked:
+        stack.fs.remember(entry.attr.ino)  # what readdirplus does for each entry it reports
+    victim = stack.write_file("victim", b"gone soon")
+    stack.fs.unlink(ROOT_ID, b"victim")  # the kernel still holds the reference of its create
+    counts = counted(stack)
+    stack.fs.forget_many([(entry.attr.ino, 1) for entry in walked] + [(victim, 1)])
+    assert counts.statements <= 5, counts.statements  # which are unlinked; the victim's purge (4)
+    assert stack.journal.get(victim) is None and not stack.cache.has_data(victim)
+    assert len(stack.journal.all_children(big.ino)) == 602  # forgetting is no unlink
+    check_consistency(stack)
+
+
+GOOD = ["a", "a.b", "é" * 127, "x" * 255, "..." , ". a", "a b"]
+BAD = ["", ".", "..", "x" * 256, "é" * 128, "a\0b", "a/b", "/a", "\udcff", "a\udcffb"]
+
+
+@pytest.mark.parametrize("prefix", ["", "d/", "dir/" + "p" * 200 + "/"])
+@pytest.mark.parametrize("name", GOOD + BAD)
+def test_the_name_check_of_a_listing_agrees_with_the_path_check(prefix: str, name: str) -> None:
+    # (An empty name as a file is the directory's own key: its marker, never an entry of its listing.)
+    keys = [(prefix + name, False)] if name else []
+    for key, subdir in [*keys, (prefix + name + "/", True)]:
+        got = _listed_name(key, prefix, set(), subdir=subdir)
+        if "/" in name:  # a deeper key is no entry of this directory (a listing by delimiter has none)
+            assert got is None
+            continue
+        expected = _valid_path(key)
+        assert (got is None) == (expected is None), (key, got, expected)
+        if got is not None:
+            assert prefix + got == expected
+
+
+def test_a_path_one_byte_too_long_is_refused_by_the_name_check() -> None:
+    prefix = ("p" * 200 + "/") * 4  # 804 bytes
+    fits = "n" * (MAX_PATH_BYTES - len(prefix))
+    assert _listed_name(prefix + fits, prefix, set()) == fits
+    assert _listed_name(prefix + fits + "n", prefix, set()) is None
+    assert _listed_name(prefix + fits + "/", prefix, set(), subdir=True) == fits
+    assert _listed_name(prefix + fits + "n/", prefix, set(), subdir=True) is None
