@@ -39,7 +39,7 @@ from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import FuseOperations, forget_kernel_data, forget_kernel_entry, probe_passthrough
 from ckptfs.handles import HandleTable, OpenHandle
-from ckptfs.journal import Inode, Journal, JournalError, journal_unusable
+from ckptfs.journal import Inode, Journal, JournalError, JournalFull, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
 from ckptfs.mountpoint import check_mountpoint, set_read_ahead
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
@@ -90,6 +90,28 @@ class _StartedOnce:
         if not self.done:
             self.done = True
             self.inner.started(value)
+
+
+async def checkpoint_journal(journal: Journal) -> None:
+    """Checkpoint `journal` in a worker thread, for ever: while it keeps changing, once per
+    JOURNAL_CHECKPOINT_COMMITS commits (as often as SQLite's own checkpoints: each syncs two files); once it
+    is quiet, whatever is left. A checkpoint the full cache filesystem refuses is tried again later: the
+    WAL keeps every commit meanwhile (found by the crash harness's full-cache rounds)."""
+    seen = checkpointed = journal.commits
+    full = False
+    while True:
+        await trio.sleep(JOURNAL_CHECKPOINT_INTERVAL)
+        commits = journal.commits
+        if commits - checkpointed >= JOURNAL_CHECKPOINT_COMMITS or (commits == seen != checkpointed):
+            try:
+                await trio.to_thread.run_sync(journal.checkpoint)
+            except JournalFull:
+                if not full:
+                    log.warning("the journal's checkpoint waits for room: the cache filesystem is full")
+                full = True
+            else:
+                checkpointed, full = commits, False
+        seen = commits
 
 
 class Daemon:
@@ -317,16 +339,7 @@ class Daemon:
         one (Journal.checkpoints_elsewhere)."""
         self.journal.checkpoints_elsewhere()
         task_status.started()
-        seen = checkpointed = self.journal.commits
-        while True:
-            await trio.sleep(JOURNAL_CHECKPOINT_INTERVAL)
-            commits = self.journal.commits
-            # While the journal keeps changing, once per JOURNAL_CHECKPOINT_COMMITS (as often as SQLite's
-            # own checkpoints: each syncs two files); once it is quiet, whatever is left.
-            if commits - checkpointed >= JOURNAL_CHECKPOINT_COMMITS or (commits == seen != checkpointed):
-                checkpointed = commits
-                await trio.to_thread.run_sync(self.journal.checkpoint)
-            seen = commits
+        await checkpoint_journal(self.journal)
 
     def _on_journal_failure(self, exc: BaseException) -> None:
         """A FUSE request met an unusable journal (it was answered EIO): end the daemon (run)."""

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from fsharness import GID, UID, check_consistency, make_stack
 
+from ckptfs.daemon import checkpoint_journal
 from ckptfs.errors import Faults
 from ckptfs.fuse_ops import _fuse_error
 from ckptfs.journal import CLEAN, REMOTE, ROOT_ID, Journal, JournalError, JournalFull
@@ -174,3 +176,35 @@ async def test_a_fetched_file_the_full_journal_cannot_adopt_stays_remote_and_rea
     stack.fs.release(fh)
     assert got == content and stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
     check_consistency(stack)
+
+
+class _CheckpointsRefusedOnce:
+    """A journal whose first checkpoint the full cache filesystem refuses, as the crash harness met it."""
+
+    def __init__(self) -> None:
+        self.commits = 0
+        self.checkpoints: list[bool] = []  # one entry per attempt: did it get through
+
+    def checkpoint(self) -> None:
+        refused = not self.checkpoints
+        self.checkpoints.append(not refused)
+        if refused:
+            raise _full()
+
+
+async def test_a_checkpoint_the_full_cache_filesystem_refuses_is_tried_again_later(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by the crash harness (full-cache rounds): the background checkpoint's JournalFull ended the
+    task with a traceback; it waits for room instead, and the next checkpoint copies the WAL."""
+    journal = _CheckpointsRefusedOnce()
+    with trio.move_on_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(checkpoint_journal, journal)  # type: ignore[arg-type]
+            journal.commits = 10
+            while len(journal.checkpoints) < 2:
+                await trio.sleep(1)
+                journal.commits += 1  # the journal keeps changing only a little: the quiet rule checkpoints
+            nursery.cancel_scope.cancel()
+    assert journal.checkpoints[:2] == [False, True]
+    assert [r.levelname for r in caplog.records if "checkpoint" in r.getMessage()] == ["WARNING"]
