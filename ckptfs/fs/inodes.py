@@ -34,21 +34,26 @@ def directory(journal: Journal, inode_id: int) -> Inode:
 def attr_of(journal: Journal, cache: CacheDir, inode: Inode) -> Attr:
     """The attributes of `inode`. A directory's link count is 2 plus its subdirectories (each one's '..'),
     as on a local filesystem: find and fts read it to know how many subdirectories to expect."""
+    linked = inode.path is not None
     if inode.kind == FILE and inode.state != REMOTE:
-        try:
-            st = os.stat(cache.data_path(inode.id))
-        except FileNotFoundError:
-            log.error("cache file of %s (inode %d) is missing", inode.path, inode.id)
-            raise FsError(errno.EIO, "cache file missing") from None
-        size, blocks, atime, mtime = st.st_size, st.st_blocks, st.st_atime_ns, st.st_mtime_ns
-        # Writes change the cache file's ctime; namespace and attribute changes the journal's.
-        ctime = max(st.st_ctime_ns, inode.ctime_ns)
-    else:
-        subdirectories = journal.subdirectory_count(inode.id) if inode.kind == DIR and inode.path is not None else 0
-        return journal_attr(inode.id, inode.kind, inode.mode, inode.uid, inode.gid, inode.size, inode.mtime_ns,
-                            inode.ctime_ns, inode.target, linked=inode.path is not None, subdirectories=subdirectories)
-    nlink = 0 if inode.path is None else 1
-    return Attr(inode.id, inode.mode, nlink, inode.uid, inode.gid, size, blocks, atime, mtime, ctime)
+        return local_attr(cache, inode.id, inode.mode, inode.uid, inode.gid, inode.ctime_ns, linked=linked)
+    subdirectories = journal.subdirectory_count(inode.id) if inode.kind == DIR and linked else 0
+    return journal_attr(inode.id, inode.kind, inode.mode, inode.uid, inode.gid, inode.size, inode.mtime_ns,
+                        inode.ctime_ns, inode.target, linked=linked, subdirectories=subdirectories)
+
+
+def local_attr(cache: CacheDir, ino: int, mode: int, uid: int, gid: int, ctime_ns: int, *, linked: bool = True
+               ) -> Attr:
+    """The attributes of a file with local data: size and times from its cache file."""
+    try:
+        st = os.stat(cache.data_path(ino))
+    except FileNotFoundError:
+        log.error("cache file of inode %d is missing", ino)
+        raise FsError(errno.EIO, "cache file missing") from None
+    # Writes change the cache file's ctime; namespace and attribute changes the journal's.
+    ctime = max(st.st_ctime_ns, ctime_ns)
+    return Attr(ino, mode, 1 if linked else 0, uid, gid, st.st_size, st.st_blocks, st.st_atime_ns, st.st_mtime_ns,
+                ctime)
 
 
 def journal_attr(

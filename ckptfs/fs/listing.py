@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
-from ckptfs.fs.inodes import attr_of, directory, existing, journal_attr
+from ckptfs.fs.inodes import directory, journal_attr, local_attr
 from ckptfs.fs.interface import DirEntry, Lister
 from ckptfs.fs.namespace import Namespace
 from ckptfs.journal import DIR, FILE, REMOTE, Inode, Journal
@@ -89,7 +89,7 @@ class Listing:
             inode_id, after_id, limit
         ):
             if kind == FILE and state != REMOTE:
-                attr = attr_of(self.journal, self.cache, existing(self.journal, ino))
+                attr = local_attr(self.cache, ino, mode, uid, gid, ctime_ns)
             else:
                 subdirectories = self.journal.subdirectory_count(ino) if kind == DIR else 0
                 attr = journal_attr(ino, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,

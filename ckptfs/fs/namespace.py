@@ -70,34 +70,31 @@ class Namespace:
         elif raw_name == b"..":
             inode = existing(self.journal, parent.parent or ROOT_ID)
         else:
-            if len(raw_name) > NAME_MAX:  # ENAMETOOLONG, as on a local filesystem (stat, unlink of it)
-                raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
-            try:
-                name = raw_name.decode("utf-8")
-            except UnicodeDecodeError:
-                return None  # it could not have been created
-            inode = self.journal.lookup(parent.id, name)
-            if inode is None:
-                child_path(parent, name)  # ENAMETOOLONG beyond the store's key limit
-                return None
+            inode = self.child(parent, raw_name)
         if inode is None:
             return None
         self._references.remember(inode.id)
         return attr_of(self.journal, self.cache, inode)
 
-    def existing_child(self, parent: Inode, raw_name: bytes) -> Inode:
-        # A name or path too long to exist is ENAMETOOLONG, as on a local filesystem (stat, unlink, chmod
-        # of it), not ENOENT: the caller learns that the name can never work here.
+    def child(self, parent: Inode, raw_name: bytes) -> Inode | None:
+        """The entry `raw_name` of `parent`, None if there is none. A name or path too long to exist is
+        ENAMETOOLONG, as on a local filesystem (stat, unlink, chmod of it), not a miss: the caller learns
+        that the name can never work here."""
         if len(raw_name) > NAME_MAX:
             raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
         try:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
-            raise FsError(errno.ENOENT, "no such entry") from None  # it could not have been created
+            return None  # it could not have been created
         inode = self.journal.lookup(parent.id, name)
         if inode is None:
             child_path(parent, name)  # ENAMETOOLONG beyond the store's key limit
-            raise FsError(errno.ENOENT, f"no entry {name!r}")
+        return inode
+
+    def existing_child(self, parent: Inode, raw_name: bytes) -> Inode:
+        inode = self.child(parent, raw_name)
+        if inode is None:
+            raise FsError(errno.ENOENT, f"no entry {raw_name!r}")
         return inode
 
     def check_new_entry(self, parent_id: int, raw_name: bytes) -> tuple[Inode, str]:
