@@ -19,10 +19,25 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 [ -e /dev/fuse ] || { echo "error: /dev/fuse is missing; load the fuse module (modprobe fuse)" >&2; exit 1; }
 
+# The az:// tests run Azurite (Microsoft's Blob emulator, from npm) from .azurite/ (tests/emulators.py).
+# 3.35.0: later releases need node >= 21. npm installs it beside the Python steps below (it is independent
+# of them and waits mostly on the registry); its output goes to .azurite/npm.log, shown if it fails.
+npm_pid=
+if [[ ",$extras," == *",test,"* ]] && [ ! -e .azurite/node_modules/azurite/dist/src/blob/main.js ]; then
+  command -v npm >/dev/null || { echo "error: the tests need node and npm for Azurite (apt-get install nodejs npm)" >&2; exit 1; }
+  echo "installing Azurite 3.35.0 into .azurite/ (in the background)"
+  mkdir -p .azurite
+  (cd .azurite && exec npm install --no-audit --no-fund azurite@3.35.0) >.azurite/npm.log 2>&1 &
+  npm_pid=$!
+fi
+
 python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
-  .venv/bin/pip install -q --upgrade pip
+  # uv (from PyPI) resolves and installs the requirements in seconds where pip takes minutes; without it
+  # (it could not be installed, or it fails below) pip does the same install.
+  .venv/bin/pip install -q --upgrade pip uv > >(grep -v "^WARNING: Location" || true) 2>&1 ||
+    .venv/bin/pip install -q --upgrade pip > >(grep -v "^WARNING: Location" || true) 2>&1
 fi
 # Kernel FUSE passthrough: libfuse 3.17 in /opt/ckptfs-fuse and a patched pyfuse3 built against it, which the
 # pip install below keeps. When that can't be built it warns once and the stock pyfuse3 is installed instead.
@@ -40,21 +55,28 @@ if [ "$(cat "$deps_stamp" 2>/dev/null)" = "$deps_line" ] &&
   echo "the venv's packages match pyproject.toml: pip install skipped"
 else
   rm -f "$deps_stamp"
-  # torch==2.13.0 (in the test extra) resolves to the CPU wheel on this machine's disk.
-  if .venv/bin/pip install -q -e "$spec" > >(grep -v "^WARNING: Location" || true) 2>&1; then
+  # torch==2.13.0 (in the test extra) resolves to the CPU wheel on this machine's disk: uv gets the indexes,
+  # find-links and constraints that pip is configured with (scripts/uv-options.py), and like pip picks the
+  # best match over all of them (uv's default takes a package from the first index that has it).
+  deps_ok=0
+  if [ -x .venv/bin/uv ] && uv_lines=$(.venv/bin/python scripts/uv-options.py); then
+    mapfile -t uv_options < <(printf "%s" "$uv_lines")
+    if .venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match \
+         "${uv_options[@]}" -e "$spec"; then
+      deps_ok=1
+    else
+      echo "warning: uv could not install the requirements; pip installs them" >&2
+    fi
+  fi
+  if [ "$deps_ok" = 0 ] && .venv/bin/pip install -q -e "$spec" > >(grep -v "^WARNING: Location" || true) 2>&1; then
     deps_ok=1
-  else
-    deps_ok=0
   fi
 fi
 .venv/bin/python -c "import ckptfs, pyfuse3, trio" || { echo "error: install failed" >&2; exit 1; }
 if [ "${deps_ok:-1}" = 1 ]; then echo "$deps_line" >"$deps_stamp"; fi
 
-# The az:// tests run Azurite (Microsoft's Blob emulator, from npm) from .azurite/ (tests/emulators.py).
-# 3.35.0: later releases need node >= 21.
-if [[ ",$extras," == *",test,"* ]] && [ ! -e .azurite/node_modules/azurite/dist/src/blob/main.js ]; then
-  command -v npm >/dev/null || { echo "error: the tests need node and npm for Azurite (apt-get install nodejs npm)" >&2; exit 1; }
-  echo "installing Azurite 3.35.0 into .azurite/"
-  mkdir -p .azurite
-  (cd .azurite && npm install --silent --no-audit --no-fund azurite@3.35.0 >/dev/null)
+if [ -n "$npm_pid" ] && ! wait "$npm_pid"; then
+  cat .azurite/npm.log >&2
+  echo "error: npm could not install Azurite" >&2
+  exit 1
 fi
