@@ -101,9 +101,11 @@ class S3Server:
             for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=name):
                 for upload in page.get("Uploads", []):
                     client.abort_multipart_upload(Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"])
+            # a page (up to 1000 keys) per request: one request per object took 4 minutes for 10,000 under load
             for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
-                for obj in page.get("Contents", []):
-                    client.delete_object(Bucket=name, Key=obj["Key"])
+                keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+                if keys:
+                    client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
             client.delete_bucket(Bucket=name)
 
     def stop(self) -> None:

@@ -125,7 +125,7 @@ def _object_digest(server: S3Server, bucket: str, key: str) -> str:
 # name in the archive) and prints the latter's SHA-256.
 SAVER = """
 import hashlib, os, sys, torch
-state = {f"layer{i}.weight": torch.full((64 << 20,), float(i), dtype=torch.float32) for i in range(8)}  # 2 GiB
+state = {f"layer{i}.weight": torch.full((16 << 20,), float(i), dtype=torch.float32) for i in range(8)}  # 512 MiB
 torch.save(state, sys.argv[1])
 torch.save(state, sys.argv[2])
 digest = hashlib.sha256()
@@ -137,13 +137,16 @@ print(digest.hexdigest())
 """
 
 
-def test_torch_save_of_2gib_through_a_256mib_cache_into_a_throttled_bucket(
+def test_torch_save_of_512mib_through_a_64mib_cache_into_a_throttled_bucket(
     mount_factory: Any, proxy: FaultProxy, bucket: str, seaweedfs_s3: S3Server
 ) -> None:
     mount: Mount = mount_factory(
         source=f"s3://{bucket}/{PREFIX}",
-        extra_args=("--endpoint-url", proxy.endpoint, "--cache-size", "256M", "--min-free", "0", "--part-size", "16M"),
+        extra_args=("--endpoint-url", proxy.endpoint, "--cache-size", "64M", "--min-free", "0", "--part-size", "8M"),
     )
+    # A file 8 times the cache, made of parts an eighth of the cache: what this checks (the cache stays within
+    # its budget, writers wait for the drain, the file is spilled part by part) holds at any such scale; at
+    # 2 GiB through 256 MiB it was the suite's longest test (5.6 minutes under load).
     mount.allowed_log_words.append("retrying in")
     # SlowDown on a third of the requests, all the way through.
     proxy.set_rules(Rule("slowdown", fraction=0.3))
@@ -159,12 +162,12 @@ def test_torch_save_of_2gib_through_a_256mib_cache_into_a_throttled_bucket(
         expected = saved.stdout.strip()
         mount.flush(timeout=600)
     proxy.heal()
-    assert sampler.peak <= 256 * MiB + 8 * MiB, sampler.peak
+    assert sampler.peak <= 64 * MiB + 8 * MiB, sampler.peak
     status = mount.status()
     assert status["cache"]["waits"] >= 1 and status["cache"]["enospc"] == 0
     assert _object_digest(seaweedfs_s3, bucket, "step_1000.pt") == expected
     listing = seaweedfs_s3.client().list_objects_v2(Bucket=bucket, Prefix=PREFIX).get("Contents", [])
     assert [o["Key"] for o in listing if ".ckptfs-tmp." not in o["Key"]] == [PREFIX + "step_1000.pt"]
     assert not [o["Key"] for o in listing if ".ckptfs-tmp.spill" in o["Key"]], "staging object left behind"
-    assert status["uploaded"]["spilled_bytes"] >= 1 << 30
+    assert status["uploaded"]["spilled_bytes"] >= 256 * MiB  # half the file or more
     assert not seaweedfs_s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")

@@ -1,4 +1,4 @@
-"""Streaming reads through real mounts: a 1 GiB checkpoint through a 256 MiB cache, read back through the
+"""Streaming reads through real mounts: a 512 MiB checkpoint through a 256 MiB cache, read back through the
 same mount and a fresh one (and with torch.load(mmap=True)) on file:// and SeaweedFS, and a kill -9 of
 the daemon in the middle of a streaming read."""
 
@@ -22,11 +22,13 @@ MiB = 1 << 20
 PREFIX = "run-1/"
 CACHE_ARGS = ("--cache-size", "256M", "--min-free", "0")
 
-# A 1 GiB checkpoint, saved in a process of its own as a trainer would (torch.save holds the GIL through
-# writes that wait for the drain).
+# A 512 MiB checkpoint, saved in a process of its own as a trainer would (torch.save holds the GIL through
+# writes that wait for the drain). Twice the cache is enough for what these tests check (it cannot be whole
+# in the cache at once, so reads go through the budget, with the fetcher's read-ahead at its widest, 128 MiB,
+# as with any bigger file); at 1 GiB the two tests took 3 minutes each under load.
 SAVER = """
 import sys, torch
-state = {f"layer{i}.weight": torch.full((64 << 20,), float(i), dtype=torch.float32) for i in range(4)}
+state = {f"layer{i}.weight": torch.full((32 << 20,), float(i), dtype=torch.float32) for i in range(4)}
 torch.save(state, sys.argv[1])
 """
 # Loads it with mmap=True (every page through FUSE reads) and checks every tensor.
@@ -36,7 +38,7 @@ state = torch.load(sys.argv[1], mmap=True)
 assert sorted(state) == [f"layer{i}.weight" for i in range(4)], sorted(state)
 for i in range(4):
     t = state[f"layer{i}.weight"]
-    assert t.shape == (64 << 20,) and bool((t == float(i)).all()), i
+    assert t.shape == (32 << 20,) and bool((t == float(i)).all()), i
 print("ok")
 """
 
@@ -95,10 +97,10 @@ def read_back_through_the_cache(mount: Mount, expected: str) -> None:
         assert sha256_of(mount.mnt / "big.pt") == expected
     assert sampler.peak <= 256 * MiB + 16 * MiB, sampler.peak
     reads = mount.status()["reads"]
-    assert reads["bytes_downloaded"] >= 1 << 30 and reads["checksum_failures"] == 0, reads
+    assert reads["bytes_downloaded"] >= 512 * MiB and reads["checksum_failures"] == 0, reads
 
 
-def one_gib_through_a_small_cache(make_mount: Callable[[str], Mount], store_digest: Callable[[], str]) -> None:
+def twice_the_cache_through_it(make_mount: Callable[[str], Mount], store_digest: Callable[[], str]) -> None:
     pytest.importorskip("torch")
     mount = make_mount("m")
     save_checkpoint(mount.mnt / "big.pt")
@@ -114,10 +116,10 @@ def one_gib_through_a_small_cache(make_mount: Callable[[str], Mount], store_dige
     assert os.getxattr(fresh.mnt / "big.pt", "user.ckptfs.state") == b"remote"  # never whole in the cache
 
 
-def test_a_1gib_checkpoint_through_a_256mib_cache_on_file(mount_factory: Any, tmp_path: Path) -> None:
+def test_a_512mib_checkpoint_through_a_256mib_cache_on_file(mount_factory: Any, tmp_path: Path) -> None:
     store = tmp_path / "shared-store"
     store.mkdir()
-    one_gib_through_a_small_cache(
+    twice_the_cache_through_it(
         lambda name: mount_factory(name, source=f"file://{store}", extra_args=CACHE_ARGS),  # type: ignore[no-any-return]
         lambda: sha256_of(store / "big.pt"),
     )
@@ -137,10 +139,10 @@ def _object_digest(server: S3Server, bucket: str, key: str) -> str:
     return digest.hexdigest()
 
 
-def test_a_1gib_checkpoint_through_a_256mib_cache_on_seaweedfs(
+def test_a_512mib_checkpoint_through_a_256mib_cache_on_seaweedfs(
     mount_factory: Any, seaweedfs_s3: S3Server, bucket: str
 ) -> None:
-    one_gib_through_a_small_cache(
+    twice_the_cache_through_it(
         lambda name: mount_factory(  # type: ignore[no-any-return]
             name, source=f"s3://{bucket}/{PREFIX}",
             extra_args=("--endpoint-url", seaweedfs_s3.endpoint, *CACHE_ARGS, "--part-size", "16M"),
