@@ -193,6 +193,44 @@ def pytest_configure(config: pytest.Config) -> None:
         "it asserts a time bound, which the load of other tests would make it miss")
 
 
+def _expected_seconds() -> dict[str, float]:
+    expected = {}
+    for line in (Path(__file__).parent / "durations.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            seconds, nodeid = line.split(maxsplit=1)
+            expected[nodeid] = float(seconds)
+    return expected
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the longest tests (tests/durations.txt) first on every worker. xdist's worksteal
+    hands each worker a contiguous share of the collection and later moves tests from the longest queue (by
+    count) to an idle worker: a long test late in a share kept its worker busy minutes after the others were
+    done. So each share starts with its part of the long tests (longest first, each to the share with the
+    least expected time so far), then quick ones in their usual order; the stealing evens out the quick ones.
+    Every worker computes the same order (xdist checks that they collected the same)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2 or len(items) < workers:
+        return
+    expected = _expected_seconds()
+    long_tests = sorted((item for item in items if item.nodeid in expected), key=lambda i: -expected[i.nodeid])
+    quick = iter([item for item in items if item.nodeid not in expected])
+    sizes = []  # the shares as worksteal deals them out: each idle worker len(pending) // workers left
+    left = len(items)
+    for worker in range(workers):
+        sizes.append(left // (workers - worker))
+        left -= sizes[-1]
+    shares: list[list[pytest.Item]] = [[] for _ in sizes]
+    loads = [0.0] * workers
+    for item in long_tests:
+        share = min((w for w in range(workers) if len(shares[w]) < sizes[w]), key=lambda w: loads[w])
+        shares[share].append(item)
+        loads[share] += expected[item.nodeid]
+    for share, size in zip(shares, sizes, strict=True):
+        share.extend(next(quick) for _ in range(size - len(share)))
+    items[:] = [item for share in shares for item in share]
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
     """Under pytest-xdist (scripts/test.sh), a test marked serial runs alone: it waits until the tests running

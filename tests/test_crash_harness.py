@@ -36,15 +36,25 @@ from crash_harness import (
 )
 
 # Fixed seeds: CI replays the same rounds; a failure prints the command that replays it alone.
-CI_RUNS = [
-    pytest.param(["--store", "file", "--rounds", "8", "--seed", "1201"], id="file"),
-    pytest.param(["--store", "seaweedfs", "--rounds", "4", "--seed", "1202"], id="seaweedfs"),
-    pytest.param(["--store", "seaweedfs", "--faults", "--rounds", "4", "--seed", "1203"], id="seaweedfs-faults"),
-    pytest.param(["--store", "file", "--full-cache", "--rounds", "4", "--seed", "1204"], id="full-cache"),
-    pytest.param(["--store", "file", "--nodes", "2", "--rounds", "4", "--seed", "1205"], id="two-nodes"),
+RUNS = [
+    ("file", ["--store", "file", "--seed", "1201"], 8),
+    ("seaweedfs", ["--store", "seaweedfs", "--seed", "1202"], 4),
+    ("seaweedfs-faults", ["--store", "seaweedfs", "--faults", "--seed", "1203"], 4),
+    ("full-cache", ["--store", "file", "--full-cache", "--seed", "1204"], 4),
+    ("two-nodes", ["--store", "file", "--nodes", "2", "--seed", "1205"], 4),
     # keep_mount: kills the holder's next daemon takes over, the workload going on (one round killed
     # mid-workload, one with a fresh node mid-fetch, one mid-drain)
-    pytest.param(["--store", "file", "--keep-mount", "--rounds", "3", "--seed", "1338"], id="keep-mount"),
+    ("keep-mount", ["--store", "file", "--keep-mount", "--seed", "1338"], 3),
+]
+# Each run in tests of at most two rounds (--round, --rounds): the same rounds as one test per run, since a
+# round's choices depend only on the seed and its index, but the suite's workers share a run's rounds (one
+# test of 8 rounds took 3.5 minutes under load, the suite's longest).
+ROUNDS_PER_TEST = 2
+CI_RUNS = [
+    pytest.param([*argv, "--round", str(first), "--rounds", str(min(ROUNDS_PER_TEST, rounds - first))],
+                 id=f"{name}-{first}")
+    for name, argv, rounds in RUNS
+    for first in range(0, rounds, ROUNDS_PER_TEST)
 ]
 
 
