@@ -102,6 +102,11 @@ def fsdp_load(checkpoint_dir: str, reference: str) -> None:
 def _deepspeed_engine(seed: int):  # type: ignore[no-untyped-def]
     import deepspeed
 
+    # Its shared-memory all-reduce for CPU ranks is C++ that DeepSpeed compiles at its first init in a venv
+    # (1-2 minutes of 2 cores, and a lock in ~/.cache/torch_extensions that every venv's tests queue on); these
+    # one-rank jobs reduce nothing. Marked incompatible, init takes DeepSpeed's own fallback (gloo), as on a
+    # platform without it; the checkpoint files are the same.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     config = {
