@@ -145,7 +145,7 @@ class Daemon:
             journal, cache, engine,
             transfers=config.transfers, upload_delay=config.upload_delay, small_file_wait=config.small_file_wait,
             commit_markers=config.commit_markers, upload_while_writing=config.upload_while_writing,
-            faults=self.faults,
+            open_upload_idle=config.open_upload_idle, faults=self.faults,
         )
         self.evictor = Evictor(
             journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure
@@ -156,6 +156,7 @@ class Daemon:
                              streams=self.fetcher, wait_uploaded=lambda path: self.drain.wait_durable([path]),
                              discard_upload=self.drain.discard_upload, failure_of=self.drain.failure_of)
         self.lister.vanished = self.fs.vanished
+        self.fs.on_fsync = self.drain.fsynced
         self.drain.on_marker_uploaded = self._marker_uploaded
         # Cross-node ordering of commit markers (nodes.py): only markers need it.
         self.node_id = node_id_of(journal, lambda: secrets.token_hex(4))

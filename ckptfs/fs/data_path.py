@@ -81,6 +81,8 @@ class DataPath:
         self._takeover = takeover
         self._announcements = announcements
         self.writes_allowed = True
+        # Called with the inode id after an fsync (the drain: in gateway mode the file is due for upload).
+        self.on_fsync: Callable[[int], None] = lambda inode_id: None
         self.cache_hits = 0  # opens served from local data
         self.cache_misses = 0  # opens that downloaded the file
 
@@ -337,6 +339,7 @@ class DataPath:
             with self.journal.transaction():
                 self.journal.set_attrs(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns)
         self.journal.sync()
+        self.on_fsync(handle.inode_id)
 
     def close_all(self) -> None:
         """After unmount: close every handle (the kernel will send no more releases). A close the journal

@@ -45,6 +45,14 @@ class LocalCopies(JournalBase):
             " AND closed_at IS NULL AND path IS NOT NULL"
         )]
 
+    def open_pending_files(self) -> list[int]:
+        """Ids of linked files open for writing not yet in the store as the journal says (dirty, or being
+        uploaded while open in gateway mode)."""
+        return [row[0] for row in self.db.execute(
+            "SELECT id FROM inodes WHERE state IN ('dirty', 'uploading') AND kind = 'file'"
+            " AND closed_at IS NULL AND path IS NOT NULL"
+        )]
+
     def clean_bytes(self) -> int:
         row = self.db.execute(
             "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE state = 'clean' AND kind = 'file' AND path IS NOT NULL"
