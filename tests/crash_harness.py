@@ -1529,6 +1529,10 @@ class Harness:
             args.append("--no-keep-mount")
         if cfg.full_cache:
             args += ["--dirty-wait", "3"]
+        if self.args.gateway:
+            # Files open for writing are uploaded once idle for 0.3 s: shards mid-write reach the store
+            # while the kills land.
+            args += ["--gateway", "--idle-upload", "0.3"]
         delay = cfg.upload_delay if upload_delay is None else upload_delay
         m = Mount(root, upload_delay=delay, source=store.source, extra_args=tuple(args))
         m.runtime = self.runtime
@@ -2120,6 +2124,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[R
                 flags += f" --passthrough {args.passthrough}" if args.passthrough else ""
                 flags += " --no-cross-node-ordering" if args.no_cross_node_ordering else ""
                 flags += " --keep-mount" if args.keep_mount else ""
+                flags += " --gateway" if args.gateway else ""
                 emit(f"  first difference: {r.message}")
                 emit(f"  replay: python -m tests.crash_harness --seed {args.seed} --store {args.store}{flags} "
                      f"--round {index} --rounds 1 --keep   (kept: {harness.workdir / f'round-{index}'})")
@@ -2163,6 +2168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "markers (a marker never lands before the files closed on any node before the barrier)")
     parser.add_argument("--no-cross-node-ordering", action="store_true",
                         help="with --nodes: run the daemons without cross-node ordering, to see the check fail")
+    parser.add_argument("--gateway", action="store_true",
+                        help="the daemons run in gateway mode (--gateway --idle-upload 0.3): files still open for "
+                        "writing are uploaded once idle, and again when they change")
     parser.add_argument("--keep-mount", action="store_true",
                         help="the daemons run with keep_mount: each kill (1 to 3 a round) leaves the mount to the "
                         "daemon the holder starts next, the workload goes on and must see no error (without it, "

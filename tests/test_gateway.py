@@ -80,8 +80,7 @@ async def test_a_change_while_uploading_never_commits_a_torn_object(tmp_path: Pa
     first = b"1" * 300_000
     stack.fs.write(fh, 0, first)
     stack.store.stage_gate = threading.Event()
-    with trio.fail_after(10):
-        await trio.to_thread.run_sync(stack.store.staging.wait)
+    assert await trio.to_thread.run_sync(stack.store.staging.wait, 10), "never uploaded while open"
     second = b"2" * 100_000
     stack.fs.write(fh, 0, second)  # overwrites in place: same size
     final = second + first[len(second):]

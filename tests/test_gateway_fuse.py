@@ -4,6 +4,7 @@ torn; without the option a file open for writing stays out of the store until it
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -163,3 +164,23 @@ def test_the_option_is_in_the_status_and_a_config_file(mount_factory, tmp_path: 
         f.write(b"x")
         f.flush()
         wait_for_object(mount, "x", b"x")
+
+
+@pytest.mark.parametrize("passthrough", PASSTHROUGH)
+def test_kill9_after_an_upload_while_open_loses_nothing_written_later(mount_factory, passthrough: str) -> None:  # type: ignore[no-untyped-def]
+    """The store got the file while it was open; then it grew, and the daemon died with the file still open.
+    The journal never called it clean: the next daemon uploads it as it was last written."""
+    mount = gateway(mount_factory, passthrough, 0.3)
+    fd = os.open(mount.mnt / "shard.pt", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"1" * 200_000)
+        wait_for_object(mount, "shard.pt", b"1" * 200_000)
+        os.write(fd, b"2" * 100_000)
+        mount.kill9()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    assert mount.store_files()["shard.pt"] in (b"1" * 200_000, b"1" * 200_000 + b"2" * 100_000)  # never torn
+    mount.start()
+    mount.flush(timeout=60)
+    assert mount.store_files() == {"shard.pt": b"1" * 200_000 + b"2" * 100_000}

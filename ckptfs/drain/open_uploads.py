@@ -39,6 +39,8 @@ COARSE_QUIET = 1.05
 # After a snapshot that a change spoilt, a file due at once (fsync, flush) waits this long after its last
 # change, doubling per spoilt snapshot up to `idle`: a writer that keeps writing is not staged over and over.
 RETRY_QUIET = 0.1
+# Writes never tell the drain: it looks at the files open for writing every idle/4 seconds, within these.
+POLL_BOUNDS = (0.05, 1.0)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,10 @@ class OpenUploads:
         # Snapshots a change spoilt, per file, since its last upload (RETRY_QUIET).
         self._spoilt: dict[int, int] = {}
 
+    @property
+    def poll_interval(self) -> float:
+        return min(max(self.idle / 4, POLL_BOUNDS[0]), POLL_BOUNDS[1])
+
     def path(self, inode_id: int) -> str:
         return str(self.cache.data_path(inode_id))
 
@@ -120,7 +126,7 @@ class OpenUploads:
 
     def due_at(self, inode_id: int, urgent: bool) -> float | None:
         """The wall time at which this open file's upload is due; None: the store holds it as it is (or
-        it is gone). `urgent`: a flush waits or the cache is full, so the idle time does not count."""
+        it is gone). `urgent`: a flush waits, so the idle time does not count."""
         snap = self.current(inode_id)
         if snap is None or snap == self._stored.get(inode_id) or snap == self._staging.get(inode_id):
             self._fsynced.discard(inode_id)
@@ -182,6 +188,8 @@ class OpenUploads:
         """Before a flush takes what is pending: an open file whose content changed since the store's copy
         (or since the snapshot being staged) gets a new content version, so that the flush waits for an
         upload of its content as it is now, not for the older one."""
+        if not self.enabled:
+            return
         for inode_id in inode_ids:
             snap = self.current(inode_id)
             if snap is None or snap in (self._stored.get(inode_id), self._staging.get(inode_id)):

@@ -51,10 +51,6 @@ BURST_SCAN_INTERVAL = 0.25
 # While a file is open for writing and early spills are on, the drain looks this often whether it has grown
 # by a part (writes do not notify it).
 EARLY_SPILL_POLL = 0.25
-# Gateway mode: while files are open for writing, the drain looks whether they changed or became idle every
-# idle/4 seconds, within these bounds.
-OPEN_POLL = 1.0
-MIN_OPEN_POLL = 0.05
 # A burst of namespace changes (a save writing many small files) has ended once the mount has seen none for
 # this long: small files wait for that (see Drain.mount_changed), at most small_file_wait seconds.
 BURST_QUIET = 0.5
@@ -108,7 +104,7 @@ class Drain:
         self.cleanup = Cleanup(engine, notify=self.notify)
         self.durability = Durability(journal, self.cleanup, self.retries, self.markers, notify=self.notify,
                                      why_marker_waits=lambda inode: self.why_marker_waits(inode),
-                                     note_open_changes=self._note_open_changes)
+                                     note_open_changes=self.open_uploads.note_changes)
         self.cleanup.progressed = self.durability.progressed
         self.spills = Spills(
             journal, cache, engine, self.records, self.markers, self.stats, discard_upload=self.discard_upload,
@@ -368,11 +364,11 @@ class Drain:
         waiting: Callable[[tuple[str, int]], bool], now: float, now_wall: float,
     ) -> float:
         """Gateway mode: add the uploads of files open for writing that are due (idle, fsynced, or any
-        while a flush waits or the cache is full); the trio time at which the next one becomes due."""
-        # Writes never notify the drain (the write path stays free of it; with passthrough the daemon does
-        # not even see them): while files are open for writing, look at their cache files now and then.
-        next_due = now + min(OPEN_POLL, max(self.open_uploads.idle / 4, MIN_OPEN_POLL)) if open_ids else math.inf
-        urgent = self.spills.pressure or bool(self.durability.waiting)
+        while a flush waits); the trio time at which the next one becomes due."""
+        # Writes never notify the drain (with passthrough the daemon does not even see them): look again soon.
+        next_due = now + self.open_uploads.poll_interval if open_ids else math.inf
+        # A full cache does not hurry them: a file open for writing stays in the cache whether uploaded or not.
+        urgent = bool(self.durability.waiting)
         self.open_uploads.forget_gone(open_ids)
         for inode_id in open_ids:
             if waiting(("upload", inode_id)) or ("spill", inode_id) in self._running:
@@ -393,10 +389,6 @@ class Drain:
                     continue
                 jobs.append(Job("upload", inode.id, (inode.key,), False, inode.size))
         return next_due
-
-    def _note_open_changes(self, inode_ids: list[int]) -> None:
-        if self.open_uploads.enabled:
-            self.open_uploads.note_changes(inode_ids)
 
     def _path(self, inode_id: int) -> str:
         inode = self.journal.get(inode_id)
