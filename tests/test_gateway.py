@@ -168,3 +168,22 @@ async def test_a_marker_goes_after_open_files_changed_before_it(tmp_path: Path, 
     assert order.index("shard.pt") < order.index("latest")
     stack.fs.release(fh)
     await stack.flush()
+
+
+async def test_an_open_file_renamed_after_its_upload_goes_to_its_new_name(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """A client's temp + rename while the server still holds the temp file open: the store's copy was made
+    under the temp name, unchanged since; the flush puts it under the new name and removes the old one."""
+    stack = make_stack(tmp_path, idle_upload=0.2)
+    await nursery.start(stack.drain.run)
+    fh, _ = open_writer(stack, "shard.tmp")
+    stack.fs.write(fh, 0, b"T" * 3000)
+    await store_has(stack, "shard.tmp", b"T" * 3000)
+    stack.fs.rename(ROOT_ID, b"shard.tmp", ROOT_ID, b"shard.pt", 0)
+    await stack.flush(10)
+    assert stack.store_files() == {"shard.pt": b"T" * 3000}
+    stack.fs.release(fh)
+    await stack.flush()
+    assert stack.store_files() == {"shard.pt": b"T" * 3000}
+    check_consistency(stack)

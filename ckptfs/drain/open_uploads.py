@@ -124,11 +124,16 @@ class OpenUploads:
     def fsynced(self, inode_id: int) -> None:
         self._fsynced.add(inode_id)
 
-    def due_at(self, inode_id: int, urgent: bool) -> float | None:
+    def in_store(self, inode: Inode, snap: Snapshot) -> bool:
+        """Does the store hold this snapshot of the file, at its current key (not renamed since)?"""
+        return snap == self._stored.get(inode.id) and inode.remote_key == inode.key
+
+    def due_at(self, inode: Inode, urgent: bool) -> float | None:
         """The wall time at which this open file's upload is due; None: the store holds it as it is (or
         it is gone). `urgent`: a flush waits, so the idle time does not count."""
+        inode_id = inode.id
         snap = self.current(inode_id)
-        if snap is None or snap == self._stored.get(inode_id) or snap == self._staging.get(inode_id):
+        if snap is None or self.in_store(inode, snap) or snap == self._staging.get(inode_id):
             self._fsynced.discard(inode_id)
             return None
         changed = snap.changed_ns / 1e9
@@ -143,9 +148,6 @@ class OpenUploads:
     def holds(self, began: float, snap: Snapshot) -> bool:
         """Is `snap`, taken by settle() from `began` on, one that any later change would alter?"""
         return snap.changed_ns < (began - snap.quiet()) * 1e9
-
-    def stored(self, inode_id: int) -> Snapshot | None:
-        return self._stored.get(inode_id)
 
     def staging(self, inode_id: int, snap: Snapshot) -> None:
         self._staging[inode_id] = snap
@@ -205,11 +207,9 @@ class OpenUploads:
         mine = self.current(marker.id)
         if mine is None:
             return False
-        for inode_id in open_ids:
-            if inode_id == marker.id:
-                continue
-            snap = self.current(inode_id)
-            if snap is not None and snap.changed_ns <= mine.changed_ns and snap != self._stored.get(inode_id):
+        for inode in self.journal.get_many([i for i in open_ids if i != marker.id]).values():
+            snap = self.current(inode.id)
+            if snap is not None and snap.changed_ns <= mine.changed_ns and not self.in_store(inode, snap):
                 return True
         for inode in self.journal.closed_pending_after(marker.seq):
             if inode.id == marker.id or inode.kind != FILE:

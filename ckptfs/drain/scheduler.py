@@ -370,17 +370,15 @@ class Drain:
         # A full cache does not hurry them: a file open for writing stays in the cache whether uploaded or not.
         urgent = bool(self.durability.waiting)
         self.open_uploads.forget_gone(open_ids)
-        for inode_id in open_ids:
-            if waiting(("upload", inode_id)) or ("spill", inode_id) in self._running:
+        for inode in self.journal.get_many(open_ids).values():
+            if (inode.key is None or waiting(("upload", inode.id))
+                    or ("spill", inode.id) in self._running):
                 continue
-            due_at = self.open_uploads.due_at(inode_id, urgent)
+            due_at = self.open_uploads.due_at(inode, urgent)
             if due_at is None:
                 continue
             if due_at > now_wall:
                 next_due = min(next_due, now + (due_at - now_wall))
-                continue
-            inode = self.journal.get(inode_id)
-            if inode is None or inode.key is None:
                 continue
             with self._isolated("upload", inode):
                 if self._marker_blocked(inode) or (unmarked and below(inode.key, unmarked)):

@@ -144,7 +144,7 @@ class Uploads:
             began, snap = await trio.to_thread.run_sync(settle, path)
         except FileNotFoundError:
             return  # removed meanwhile
-        if snap == self.open_uploads.stored(inode_id) or not self.open_uploads.holds(began, snap):
+        if self.open_uploads.in_store(inode, snap) or not self.open_uploads.holds(began, snap):
             return  # in the store as it is; or written just now: the scan looks again once it is idle
         with self.journal.transaction():
             current = self.journal.get(inode_id)
