@@ -1,0 +1,172 @@
+"""A ckptfs mount exported over NFSv4 by a real server (nfs-ganesha, VFS backend) to a real client (libnfs):
+what a gateway needs from the mount (uploads of files the server holds open are another module's). One
+ckptfs daemon (file:// store) and one ganesha per module; each test works in a directory of its own. Skipped
+only where ganesha or libnfs is not installed (CI installs both with scripts/install.sh test)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Mount
+from nfs import Ganesha, missing
+from nfsclient import Client, NfsError
+
+pytestmark = pytest.mark.skipif(missing() is not None, reason=missing() or "")
+
+# libnfs 4.0 (Debian bookworm) cannot encode an NFSv4 WRITE of more than about 3.9 KiB in one call ("ZDR
+# error: Failed to encode COMPOUND4args"): its nfs-cp fails so on any larger file, over any server.
+CHUNK = 2048
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mount, Ganesha]]:
+    root = tmp_path_factory.mktemp("nfs")
+    mount = Mount(root / "m")
+    mount.start()
+    server = Ganesha(root / "ganesha", mount.mnt)
+    try:
+        server.start()
+        yield mount, server
+    finally:
+        # ganesha first: it holds files of the mount open, which an unmount would wait for.
+        server.stop()
+        mount.cleanup()
+    problems = mount.unexpected_log_lines()
+    assert not problems, "daemon logged unexpected warnings/errors:\n" + "\n".join(problems)
+
+
+@pytest.fixture
+def client(served: tuple[Mount, Ganesha]) -> Iterator[Client]:
+    with served[1].client() as c:
+        yield c
+
+
+@pytest.fixture
+def folder(client: Client, request: pytest.FixtureRequest) -> str:
+    name = request.node.name.replace("[", "-").replace("]", "")
+    client.mkdir(name)
+    return name
+
+
+def write(client: Client, path: str, data: bytes, *, fsync: bool = False) -> None:
+    with client.create(path) as f:
+        for offset in range(0, len(data), CHUNK):
+            f.pwrite(data[offset:offset + CHUNK], offset)
+        if fsync:
+            f.fsync()
+
+
+def test_create_write_read_back(served: tuple[Mount, Ganesha], client: Client, folder: str) -> None:
+    mount, _ = served
+    data = os.urandom(300_000)
+    write(client, f"{folder}/shard.bin", data)
+    assert client.read_file(f"{folder}/shard.bin") == data
+    assert (mount.mnt / folder / "shard.bin").read_bytes() == data
+    assert client.stat(f"{folder}/shard.bin").size == len(data)
+
+
+def test_temp_fsync_rename_over_an_existing_name(served: tuple[Mount, Ganesha], client: Client, folder: str) -> None:
+    mount, _ = served
+    write(client, f"{folder}/latest", b"step-1")
+    write(client, f"{folder}/latest.tmp", b"step-2", fsync=True)
+    client.rename(f"{folder}/latest.tmp", f"{folder}/latest")
+    assert client.read_file(f"{folder}/latest") == b"step-2"
+    assert sorted(client.listdir(folder)) == ["latest"]
+    assert (mount.mnt / folder / "latest").read_bytes() == b"step-2"
+
+
+def test_mkdir_readdir_stat_show_sane_times(client: Client, folder: str) -> None:
+    before = time.time() - 5
+    client.mkdir(f"{folder}/step-1")
+    write(client, f"{folder}/step-1/a.bin", b"a" * 5000)
+    write(client, f"{folder}/b.bin", b"")
+    for path in (folder, f"{folder}/step-1", f"{folder}/step-1/a.bin", f"{folder}/b.bin"):
+        assert before < client.stat(path).mtime < time.time() + 5, path
+    entries = client.listdir(folder)
+    assert sorted(entries) == ["b.bin", "step-1"]
+    assert all(before < e.mtime < time.time() + 5 for e in entries.values()), entries
+    assert client.listdir(f"{folder}/step-1")["a.bin"].size == 5000
+
+
+def forget_kernel_inodes() -> None:
+    """The kernel drops its unused dentries and inodes and sends FORGET for them: an NFS server's handles of
+    them then reach ckptfs as lookups of "." (and of ".." for a directory's parent) by inode number."""
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+
+
+def test_handles_of_inodes_the_kernel_forgot(served: tuple[Mount, Ganesha], client: Client, folder: str) -> None:
+    """A client's handle of a file outlives the kernel's inode of it. ganesha holds the files it serves I/O
+    for open, which pins their inodes, until it restarts: then a client's handle is all that is left, and
+    ganesha opens it with open_by_handle_at on the mount (the kernel asks ckptfs for "." of the inode)."""
+    mount, server = served
+    (mount.mnt / folder / "sub").mkdir()
+    (mount.mnt / folder / "sub" / "f.bin").write_bytes(b"local")
+    (mount.mnt / folder / "other.bin").write_bytes(b"other")
+    with client.open(f"{folder}/sub/f.bin") as held:
+        assert held.pread(100, 0) == b"local"
+        handle = held.handle()
+    server.restart()
+    forget_kernel_inodes()
+    with server.client() as again, again.open(f"{folder}/other.bin") as f:
+        f.send_handle(handle)
+        assert f.fstat().size == 5
+        assert again.stat(f"{folder}/sub").nlink == 2
+        assert sorted(again.listdir(f"{folder}/sub")) == ["f.bin"]
+
+
+def test_restart_under_a_connected_client_keeps_its_handles(served: tuple[Mount, Ganesha], client: Client,
+                                                             folder: str) -> None:
+    """`ckptfs restart` (keep_mount): the FUSE connection, and with it every file ganesha holds open and every
+    handle a client holds, goes to the new daemon. The client writes on through the handle it had."""
+    mount, _ = served
+    with client.create(f"{folder}/shard.bin") as f:
+        f.pwrite(b"a" * CHUNK, 0)
+        result = mount.cli("restart", str(mount.mnt))
+        assert result.returncode == 0, result.stderr
+        f.pwrite(b"b" * CHUNK, CHUNK)
+        f.fsync()
+        assert f.fstat().size == 2 * CHUNK
+        assert f.pread(2 * CHUNK, 0) == b"a" * CHUNK + b"b" * CHUNK
+    write(client, f"{folder}/after.bin", b"after")
+    assert sorted(client.listdir(folder)) == ["after.bin", "shard.bin"]
+    assert (mount.mnt / folder / "shard.bin").read_bytes() == b"a" * CHUNK + b"b" * CHUNK
+    assert mount.status()["keep_mount"]["took_over"] is True
+
+
+def test_a_new_mount_under_a_running_ganesha_needs_a_ganesha_restart(tmp_path: Path) -> None:
+    """What a client sees when the daemon ends without keep_mount's holder (the mount goes) and a new daemon
+    mounts again under a running ganesha: ganesha keeps its file descriptors of the old mount, whose FUSE
+    connection is gone (ENOTCONN), and answers every request, a new client's mount too, with
+    NFS4ERR_SERVERFAULT ("Default case mapping Transport endpoint is not connected" in its log). A restart of
+    ganesha serves the new mount; handles from before it are stale (they name the old mount's device)."""
+    mount = Mount(tmp_path / "m")
+    mount.start()
+    server = Ganesha(tmp_path / "ganesha", mount.mnt)
+    try:
+        server.start()
+        with server.client() as c:
+            write(c, "kept.bin", b"kept")
+            with c.open("kept.bin") as f:
+                handle = f.handle()
+            mount.kill9()
+            mount.start()
+            with pytest.raises(NfsError, match="NFS4ERR_SERVERFAULT"):
+                c.stat("kept.bin")
+        with pytest.raises(NfsError, match="NFS4ERR_SERVERFAULT"):
+            server.client()
+        assert "Transport endpoint is not connected" in server.log_text()
+        server.restart()
+        with server.client() as c:
+            assert c.read_file("kept.bin") == b"kept"
+            write(c, "new.bin", b"new")
+            with c.open("new.bin") as f:
+                f.send_handle(handle)
+                with pytest.raises(NfsError, match="NFS4ERR_STALE"):
+                    f.fstat()
+    finally:
+        server.stop()
+        mount.cleanup()
