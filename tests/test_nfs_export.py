@@ -6,6 +6,7 @@ only where ganesha or libnfs is not installed (CI installs both with scripts/ins
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,3 +171,20 @@ def test_a_new_mount_under_a_running_ganesha_needs_a_ganesha_restart(tmp_path: P
     finally:
         server.stop()
         mount.cleanup()
+
+
+def test_a_daemon_killed_under_a_connected_client_is_taken_over(served: tuple[Mount, Ganesha], client: Client,
+                                                                 folder: str) -> None:
+    """kill -9 of the daemon with keep_mount: the holder starts the next one, which takes the connection over;
+    ganesha's requests wait meanwhile, and the client writes on through its handle."""
+    mount, _ = served
+    mount.allowed_log_words += ["died; the mount stays"]
+    with client.create(f"{folder}/shard.bin") as f:
+        f.pwrite(b"a" * CHUNK, 0)
+        os.kill(mount.status()["pid"], signal.SIGKILL)
+        f.pwrite(b"b" * CHUNK, CHUNK)
+        f.fsync()
+        assert f.pread(2 * CHUNK, 0) == b"a" * CHUNK + b"b" * CHUNK
+    write(client, f"{folder}/after.bin", b"after")
+    assert client.read_file(f"{folder}/after.bin") == b"after"
+    assert (mount.mnt / folder / "shard.bin").read_bytes() == b"a" * CHUNK + b"b" * CHUNK
