@@ -143,7 +143,8 @@ def test_a_new_mount_under_a_running_ganesha_needs_a_ganesha_restart(tmp_path: P
     mounts again under a running ganesha: ganesha keeps its file descriptors of the old mount, whose FUSE
     connection is gone (ENOTCONN), and answers every request, a new client's mount too, with
     NFS4ERR_SERVERFAULT ("Default case mapping Transport endpoint is not connected" in its log). A restart of
-    ganesha serves the new mount; handles from before it are stale (they name the old mount's device)."""
+    ganesha serves the new mount; handles from before it are stale: ganesha 4.3 puts the mount's device number
+    in them (FUSE reports no f_fsid), and a new mount has another one."""
     mount = Mount(tmp_path / "m")
     mount.start()
     server = Ganesha(tmp_path / "ganesha", mount.mnt)
