@@ -1,7 +1,17 @@
 """A real NFSv4 client for the tests: libnfs (Debian's libnfs13, the library behind libnfs-utils' nfs-cp and
 nfs-ls) through ctypes, with the calls libnfs-utils has no tool for (fsync, rename, mkdir, stat of a handle
 held open). Synchronous: each call is one or more NFS compounds, answered before it returns. No kernel NFS
-client is needed: libnfs speaks the protocol over its own TCP connection."""
+client is needed: libnfs speaks the protocol over its own TCP connection.
+
+What libnfs 4.0 does over NFSv4, on any server (a plain directory exported by ganesha too):
+- a WRITE of more than about 3.9 KiB cannot be encoded ("ZDR error: Failed to encode COMPOUND4args"), so
+  pwrite() here sends MAX_WRITE bytes a call, and nfs-cp fails on any file larger than that ("Failed to
+  write to dest file");
+- open() with O_CREAT and without O_TRUNC is an EXCLUSIVE4 create: the server keeps the verifier in the
+  new file's times (a year near 2104) until a write or SETATTR sets them; with O_TRUNC it is a GUARDED4
+  create, which fails with NFS4ERR_EXIST on a name that exists (open it without O_CREAT instead);
+- it does not reconnect to a restarted server (File.send_handle stands in for a client that kept its
+  handle)."""
 
 from __future__ import annotations
 
@@ -12,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 LIBRARY = "libnfs.so.13"
+MAX_WRITE = 2048  # bytes a WRITE: more than about 3.9 KiB fails in libnfs 4.0 (see above)
 
 
 class _Url(ctypes.Structure):
@@ -215,7 +226,7 @@ class File:
         c = self._client
         done = 0
         while done < len(data):
-            chunk = data[done:done + (1 << 20)]
+            chunk = data[done:done + MAX_WRITE]
             done += c._check(c._lib.nfs_pwrite(c._ctx, self._fh, offset + done, len(chunk), chunk),
                              f"write {self.path}")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +19,7 @@ from nfsclient import Client, NfsError
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=missing() or "")
 
-# libnfs 4.0 (Debian bookworm) cannot encode an NFSv4 WRITE of more than about 3.9 KiB in one call ("ZDR
-# error: Failed to encode COMPOUND4args"): its nfs-cp fails so on any larger file, over any server.
-CHUNK = 2048
+CHUNK = 2048  # bytes a write in the tests that write through a handle piece by piece
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +53,7 @@ def folder(client: Client, request: pytest.FixtureRequest) -> str:
 
 
 def write(client: Client, path: str, data: bytes, *, fsync: bool = False) -> None:
-    with client.create(path) as f:
-        for offset in range(0, len(data), CHUNK):
-            f.pwrite(data[offset:offset + CHUNK], offset)
-        if fsync:
-            f.fsync()
+    client.write_file(path, data, fsync=fsync)
 
 
 def test_create_write_read_back(served: tuple[Mount, Ganesha], client: Client, folder: str) -> None:
@@ -91,6 +86,16 @@ def test_mkdir_readdir_stat_show_sane_times(client: Client, folder: str) -> None
     assert sorted(entries) == ["b.bin", "step-1"]
     assert all(before < e.mtime < time.time() + 5 for e in entries.values()), entries
     assert client.listdir(f"{folder}/step-1")["a.bin"].size == 5000
+
+
+def test_an_exclusive_create_shows_its_verifier_as_times_until_the_first_write(client: Client, folder: str) -> None:
+    """The issue's "mtime in the year 2105": an NFSv4 EXCLUSIVE4 create (libnfs: O_CREAT without O_TRUNC)
+    stores the client's verifier in the new file's times, on any filesystem. The first write sets mtime."""
+    with client.create(f"{folder}/exclusive.bin", flags=os.O_WRONLY | os.O_CREAT) as f:
+        assert abs(f.fstat().mtime - time.time()) > 3600  # the verifier, not a time
+        f.pwrite(b"x", 0)
+        assert abs(f.fstat().mtime - time.time()) < 60
+    assert abs(client.stat(f"{folder}/exclusive.bin").mtime - time.time()) < 60
 
 
 def forget_kernel_inodes() -> None:
@@ -189,3 +194,25 @@ def test_a_daemon_killed_under_a_connected_client_is_taken_over(served: tuple[Mo
     write(client, f"{folder}/after.bin", b"after")
     assert client.read_file(f"{folder}/after.bin") == b"after"
     assert (mount.mnt / folder / "shard.bin").read_bytes() == b"a" * CHUNK + b"b" * CHUNK
+
+
+def test_libnfs_utils_copy_list_and_read(served: tuple[Mount, Ganesha], folder: str) -> None:
+    """The command-line client of the issue (nfs-cp, nfs-ls, nfs-cat from libnfs-utils) on a file it can copy
+    (libnfs 4.0's WRITE limit: see tests/nfsclient.py)."""
+    mount, server = served
+    source = mount.root / "source.bin"
+    source.write_bytes(os.urandom(3000))
+
+    def url(path: str) -> str:
+        return f"nfs://127.0.0.1/export/{path}?version=4&nfsport={server.port}"
+
+    def run(*argv: str) -> str:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    run("nfs-cp", str(source), url(f"{folder}/copied.bin"))
+    assert (mount.mnt / folder / "copied.bin").read_bytes() == source.read_bytes()
+    assert "copied.bin" in run("nfs-ls", url(folder))
+    done = subprocess.run(["nfs-cat", url(f"{folder}/copied.bin")], capture_output=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == source.read_bytes()
