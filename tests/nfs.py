@@ -7,6 +7,7 @@ and is killed at stop(). The client side is tests/nfsclient.py (libnfs)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import shutil
 import signal
 import socket
@@ -17,8 +18,10 @@ from pathlib import Path
 import nfsclient
 
 GANESHA = "ganesha.nfsd"
-# Debian's package puts the FSAL plugins here; ganesha looks in its build's default dir otherwise.
-PLUGINS = Path("/usr/lib/x86_64-linux-gnu/ganesha")
+# Debian's package puts the FSAL plugins in /usr/lib/<arch triplet>/ganesha.
+PLUGINS = next((p.parent for p in sorted(Path("/usr/lib").glob("*/ganesha/libfsalvfs.so"))),
+               Path("/usr/lib/ganesha"))
+PR_SET_PDEATHSIG = 1
 EXPORT = "/export"
 
 
@@ -28,6 +31,12 @@ def missing() -> str | None:
         return ("nfs-ganesha with its VFS backend is not installed (scripts/install.sh test installs"
                 " nfs-ganesha nfs-ganesha-vfs libnfs-utils)")
     return nfsclient.available()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel kills ganesha when the test process ends, however it ends (a test
+    run killed or crashed never leaves a server holding a mount open)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -101,7 +110,8 @@ class Ganesha:
         with open(self.root / "ganesha.out", "ab") as out:
             self.proc = subprocess.Popen(
                 [GANESHA, "-F", "-f", str(self.config), "-L", str(self.log), "-p", str(self.root / "ganesha.pid"),
-                 "-N", f"NIV_{self.level}"], stdout=out, stderr=out, start_new_session=True)
+                 "-N", f"NIV_{self.level}"], stdout=out, stderr=out, start_new_session=True,
+                preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
