@@ -1,10 +1,12 @@
-"""What an NFS server needs from the mount, without a kernel: the lookups of "." and ".." by inode number
-that the kernel sends for file handles of inodes it forgot (FUSE_CAP_EXPORT_SUPPORT), ESTALE for handles of
-inodes that are gone, inode numbers never used twice, and one generation per journal (fuse_ops). The same
-through a real NFS server and client: tests/test_nfs_export.py."""
+"""What an NFS server needs from the mount: the lookups of "." and ".." by inode number that the kernel sends
+for file handles of inodes it forgot (FUSE_CAP_EXPORT_SUPPORT), ESTALE for handles of inodes that are gone,
+inode numbers never used twice, and one generation per journal (fuse_ops); without a kernel, then through
+the kernel's name_to_handle_at and open_by_handle_at on a mount (what an NFS server calls). Through a real
+NFS server and client: tests/test_nfs_export.py."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 from collections.abc import AsyncIterator
@@ -13,6 +15,7 @@ from pathlib import Path
 import pyfuse3
 import pytest
 import trio
+from conftest import Mount
 from fsharness import GID, UID, Stack, make_stack
 
 from ckptfs.errors import FsError
@@ -105,3 +108,62 @@ async def test_every_entry_carries_the_journals_generation(tmp_path: Path) -> No
     by_number = await ops.lookup(pyfuse3.InodeT(found.st_ino), b".", ctx)
     attrs = await ops.getattr(pyfuse3.InodeT(found.st_ino), ctx)
     assert {e.generation for e in (created, found, by_number, attrs)} == {generation}
+
+
+class _FileHandle(ctypes.Structure):
+    _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int), ("f_handle", ctypes.c_ubyte * 128)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD = -100
+
+
+def name_to_handle(path: Path) -> _FileHandle:
+    handle, mount_id = _FileHandle(handle_bytes=128), ctypes.c_int()
+    if _libc.name_to_handle_at(AT_FDCWD, os.fsencode(path), ctypes.byref(handle), ctypes.byref(mount_id), 0):
+        raise OSError(ctypes.get_errno(), f"name_to_handle_at {path}")
+    return handle
+
+
+def open_by_handle(mount_fd: int, handle: _FileHandle) -> os.stat_result:
+    fd = _libc.open_by_handle_at(mount_fd, ctypes.byref(handle), os.O_RDONLY)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "open_by_handle_at")
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def forget_kernel_inodes() -> None:
+    """The kernel drops unused dentries and inodes, and sends FORGET for them to the daemon."""
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+
+
+def test_kernel_file_handles_of_forgotten_inodes(mount: Mount) -> None:
+    """An NFS server's view of the mount: handles taken with name_to_handle_at open with open_by_handle_at
+    after the kernel forgot the inodes (a file, a directory, one two levels down, which the kernel connects
+    to the tree with ".." lookups), after a rename (a handle names the inode, not the path), and are ESTALE
+    once the file is deleted. The file's handle failed before (ENOTDIR from the lookup of "." made it
+    ESTALE)."""
+    (mount.mnt / "a" / "b").mkdir(parents=True)
+    (mount.mnt / "a" / "b" / "f").write_bytes(b"12345")
+    (mount.mnt / "a" / "r").write_bytes(b"renamed")
+    (mount.mnt / "gone").write_bytes(b"x")
+    paths = ["a", "a/b", "a/b/f", "a/r", "gone"]
+    handles = {p: name_to_handle(mount.mnt / p) for p in paths}
+    inodes = {p: (mount.mnt / p).stat().st_ino for p in paths}
+    (mount.mnt / "a" / "r").rename(mount.mnt / "a" / "b" / "r2")
+    (mount.mnt / "gone").unlink()
+    forget_kernel_inodes()
+    mount_fd = os.open(mount.mnt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for p in ("a", "a/b", "a/b/f", "a/r"):
+            assert open_by_handle(mount_fd, handles[p]).st_ino == inodes[p], p
+        assert open_by_handle(mount_fd, handles["a/b/f"]).st_size == 5
+        assert open_by_handle(mount_fd, handles["a/r"]).st_size == 7
+        with pytest.raises(OSError) as raised:
+            open_by_handle(mount_fd, handles["gone"])
+        assert raised.value.errno == errno.ESTALE
+    finally:
+        os.close(mount_fd)
