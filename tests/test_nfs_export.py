@@ -216,3 +216,22 @@ def test_libnfs_utils_copy_list_and_read(served: tuple[Mount, Ganesha], folder: 
     assert "copied.bin" in run("nfs-ls", url(folder))
     done = subprocess.run(["nfs-cat", url(f"{folder}/copied.bin")], capture_output=True, timeout=60)
     assert done.returncode == 0 and done.stdout == source.read_bytes()
+
+
+def test_the_bench_over_a_plain_directory(tmp_path: Path) -> None:
+    """The same server and client over a plain directory: what the tests above expect of ckptfs is what a
+    local filesystem gives (the bench itself is sound)."""
+    (tmp_path / "plain").mkdir()
+    server = Ganesha(tmp_path / "ganesha", tmp_path / "plain")
+    try:
+        server.start()
+        with server.client() as c:
+            c.mkdir("d")
+            write(c, "d/latest.tmp", b"x" * 10_000, fsync=True)
+            c.rename("d/latest.tmp", "d/latest")
+            assert c.read_file("d/latest") == b"x" * 10_000
+            assert sorted(c.listdir("d")) == ["latest"]
+            assert abs(c.stat("d").mtime - time.time()) < 60
+        assert (tmp_path / "plain" / "d" / "latest").read_bytes() == b"x" * 10_000
+    finally:
+        server.stop()
