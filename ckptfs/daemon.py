@@ -154,7 +154,8 @@ class Daemon:
             faults=self.faults,
         )
         self.evictor = Evictor(
-            journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure
+            journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure,
+            on_changed=self.drain.mount_changed,
         )
         self.fetcher = Fetcher(journal, cache, engine, evictor=self.evictor)
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval, call=engine.call)
