@@ -167,6 +167,13 @@ class Evictor:
         elif not squeezed:
             log.debug("the cache filesystem has room again: the cache budget is %s", _size(int(self.cache.limit)))
 
+    def watch(self, inode_ids: set[int], now: float) -> None:
+        """Watch these files from now on (and the next daemons, through the journal): a writer the kernel
+        keeps may write them without the daemon."""
+        self.stale.update(dict.fromkeys(inode_ids, now))
+        with contextlib.suppress(JournalFull), self.journal.transaction():
+            self.journal.set_stale_writers(self.stale)
+
     def watch_stale_writers(self, now: float) -> None:
         """One round of the watch: a watched file written since the journal's record becomes dirty (a new
         version: an upload in flight does not count it clean); one unchanged for STALE_QUIET, or gone, is
@@ -202,8 +209,8 @@ class Evictor:
             return False
         # Once per file: such a writer may go on writing for a while.
         (log.debug if inode.id in self._warned_stale else log.warning)(
-            "%s changed without the daemon (a writer the kernel kept after an earlier daemon died): uploading it"
-            " again", inode.path,
+            "%s changed without the daemon (a writer the kernel kept after a daemon died, or a shared mmap"
+            " written after its close): uploading it again", inode.path,
         )
         self._warned_stale.add(inode.id)
         with self.journal.transaction():
@@ -265,9 +272,7 @@ class Evictor:
             return 0
         if not (entry is not None and (entry.sealed or entry.freed)) and self._rewritten_behind(inode, st, time.time()):
             # Only the cache file holds those bytes: upload them, and watch the file for more.
-            self.stale[inode_id] = time.time()
-            with contextlib.suppress(JournalFull), self.journal.transaction():
-                self.journal.set_stale_writers(self.stale)
+            self.watch({inode_id}, time.time())
             return 0
         # Evicting frees room, but the journal must record it first: when the cache filesystem is too full
         # for that (others filled it), JournalFull leaves the file until something else makes room.

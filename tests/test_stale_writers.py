@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -171,27 +172,40 @@ def _open_stale_writer(m: Mount, name: str, data: bytes) -> int:
 
 
 @needs_passthrough
-@pytest.mark.parametrize("when", ["before the new daemon", "after the new daemon started", "after a second crash"])
+@pytest.mark.parametrize(
+    "when", ["before the new daemon", "after the new daemon started", "after a second crash", "after a stop"]
+)
 def test_a_write_through_a_handle_the_dead_daemon_left_is_uploaded(mount_factory, when: str) -> None:  # type: ignore[no-untyped-def]
-    m: Mount = mount_factory()
-    m.allowed_log_words.append("changed without the daemon")
+    m: Mount = mount_factory(extra_args=("--drain-timeout", "2"))
+    m.allowed_log_words += ["changed without the daemon", "not yet durable"]
     data = b"a" * 100_000
     fd = _open_stale_writer(m, "f", data)
     try:
-        m.kill9()  # holder and daemon: the connection is aborted, the kernel keeps the backing file
+        if when == "after a stop":
+            # A stop with the file still open for writing: the connection goes, the kernel's handle stays.
+            assert m.proc is not None
+            m.proc.send_signal(signal.SIGTERM)
+            assert m.proc.wait(timeout=60) == 3  # the file open for writing is pending: not drained
+            m.proc = None
+        else:
+            m.kill9()  # holder and daemon: the connection is aborted, the kernel keeps the backing file
         if when == "before the new daemon":
             assert os.pwrite(fd, b"B" * 10, 5) == 10
             m.start()
         elif when == "after the new daemon started":
             m.start()
             assert os.pwrite(fd, b"B" * 10, 5) == 10
-        else:
+        elif when == "after a second crash":
             # The next daemon uploads the file as it is (clean again); it dies too; then the handle writes.
             m.start()
             _wait_store(m, "f", data)
             m.kill9()
             assert os.pwrite(fd, b"B" * 10, 5) == 10
             m.start()
+        else:
+            m.start()
+            _wait_store(m, "f", data)
+            assert os.pwrite(fd, b"B" * 10, 5) == 10
         expected = data[:5] + b"B" * 10 + data[15:]
         assert (m.mnt / "f").read_bytes() == expected
         _wait_store(m, "f", expected)
