@@ -108,7 +108,6 @@ class Evictor:
         # inode id -> since when (time.time()) its cache file has been seen unchanged: files a writer the
         # kernel kept after a daemon died may still change (journal.stale_writers, set by recovery.py).
         self.stale: dict[int, float] = {}
-        self.stale_rewrites = 0  # files found written behind the daemon (uploaded again)
         self._warned_stale: set[int] = set()
 
     def start(self, atimes: dict[int, float]) -> None:
@@ -216,7 +215,6 @@ class Evictor:
         with self.journal.transaction():
             self.journal.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
         self.cache.observe(inode.id, st)
-        self.stale_rewrites += 1
         self.on_changed()
         return True
 
