@@ -193,7 +193,11 @@ class Evictor:
                 except FileNotFoundError:
                     del self.stale[inode_id]
                     continue
-                if self._rewritten_behind(inode, st, now):
+                try:
+                    changed = self._rewritten_behind(inode, st, now)
+                except JournalFull:
+                    continue  # the next round tries again: this task must not die of a full cache filesystem
+                if changed:
                     self.stale[inode_id] = now
                 elif now - quiet_since >= STALE_QUIET:
                     del self.stale[inode_id]

@@ -22,7 +22,7 @@ from fsharness import Stack, check_consistency, make_stack
 from test_passthrough import needs_passthrough
 
 from ckptfs.evict import STALE_QUIET
-from ckptfs.journal import CLEAN, DIRTY, REMOTE
+from ckptfs.journal import CLEAN, DIRTY, REMOTE, JournalFull
 from ckptfs.recovery import repair_journal
 
 KIB = 1024
@@ -212,3 +212,26 @@ def test_a_write_through_a_handle_the_dead_daemon_left_is_uploaded(mount_factory
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+async def test_a_full_journal_leaves_the_watch_running_and_it_tries_again(
+    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watch runs in the evictor's task: a journal the full cache filesystem refuses must not end it."""
+    stack = make_stack(tmp_path)
+    data = b"a" * KIB
+    ino = await _uploaded_clean_file(stack, nursery, data)
+    stack.fs.evictor.watch({ino}, time.time())
+    _write_behind(stack, ino, 0, b"F")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise JournalFull("database or disk is full")
+
+    with monkeypatch.context() as m:
+        m.setattr(stack.journal, "rewritten_behind", refuse)
+        stack.fs.evictor.watch_stale_writers(time.time())
+    assert stack.journal.get(ino).state == CLEAN and ino in stack.fs.evictor.stale  # type: ignore[union-attr]
+    stack.fs.evictor.watch_stale_writers(time.time())  # room again
+    assert stack.journal.get(ino).state == DIRTY  # type: ignore[union-attr]
+    await stack.flush()
+    assert _stored(stack, "f") == b"F" + data[1:]
