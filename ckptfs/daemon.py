@@ -37,7 +37,13 @@ from ckptfs.errors import CkptfsError, Faults
 from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
-from ckptfs.fuse_ops import FuseOperations, forget_kernel_data, forget_kernel_entry, probe_passthrough
+from ckptfs.fuse_ops import (
+    FuseOperations,
+    forget_kernel_data,
+    forget_kernel_entry,
+    inode_generation,
+    probe_passthrough,
+)
 from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import Inode, Journal, JournalError, JournalFull, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
@@ -148,7 +154,8 @@ class Daemon:
             open_upload_idle=config.open_upload_idle, faults=self.faults,
         )
         self.evictor = Evictor(
-            journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure
+            journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure,
+            on_changed=self.drain.mount_changed,
         )
         self.fetcher = Fetcher(journal, cache, engine, evictor=self.evictor)
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval, call=engine.call)
@@ -234,7 +241,8 @@ class Daemon:
         # attributes again before the next lookup.
         if self.config.allow_other or os.geteuid() != 0:
             options.add("default_permissions")
-        self.fuse_ops = FuseOperations(self.fs, faults=self.faults, on_journal_failure=self._on_journal_failure)
+        self.fuse_ops = FuseOperations(self.fs, faults=self.faults, on_journal_failure=self._on_journal_failure,
+                                       generation=inode_generation(self.store.owner))
         self.fuse_ops.enable_passthrough = self.config.passthrough != "off"
         self.fs.handle_table = self.handle_table
         if self.held is not None:

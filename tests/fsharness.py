@@ -345,7 +345,8 @@ def make_stack(
                   open_upload_idle=idle_upload)
     in_use: list[Filesystem] = []
     evictor = Evictor(
-        journal, cache, in_use=lambda i: in_use[0].in_use(i), dirty_wait=dirty_wait, on_pressure=drain.set_pressure
+        journal, cache, in_use=lambda i: in_use[0].in_use(i), dirty_wait=dirty_wait, on_pressure=drain.set_pressure,
+        on_changed=drain.mount_changed,
     )
     fetcher = Fetcher(journal, cache, engine, evictor=evictor)
     lister = DirLister(journal, cache, store, refresh_interval=0.0)  # type: ignore[arg-type]

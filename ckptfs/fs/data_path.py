@@ -344,9 +344,13 @@ class DataPath:
     def close_all(self) -> None:
         """After unmount: close every handle (the kernel will send no more releases). A close the journal
         cannot record (cache filesystem full) is left to the recovery at the next start, which takes
-        every file for closed."""
+        every file for closed. The kernel keeps the backing file of a passthrough writer after the
+        connection went, and its writes go on into the cache file: such files are watched (evict.py)."""
+        kept = {h.inode_id for h in self.handles.values() if h.writable and h.backing}
         for fh in list(self.handles):
             try:
                 self.release(fh)
             except JournalFull:
                 pass
+        if kept:
+            self.evictor.watch(kept, time.time())
