@@ -81,8 +81,8 @@ class Config:
     gateway: bool = False
     """Gateway mode, for a mount exported by an NFS server (nfs-ganesha, kernel nfsd), which keeps files open
     long after its clients closed them: files still open for writing are uploaded once idle (see
-    idle_upload, 5 s unless set), at once after an fsync (an NFS COMMIT), and again when they change;
-    `ckptfs flush` uploads them as they are instead of waiting for their close (docs/GATEWAY.md)."""
+    idle_upload, 5 s unless set), 1 s after their last write once fsynced (an NFS COMMIT), and again when
+    they change; `ckptfs flush` uploads them as they are instead of waiting for their close (docs/GATEWAY.md)."""
 
     idle_upload: float = 0.0
     """Seconds without a write after which a file still open for writing is uploaded as it is (and again

@@ -106,7 +106,28 @@ async def test_a_change_after_the_upload_is_uploaded_again(tmp_path: Path, nurse
     assert commits(stack, "a.bin") == [b"one", b"onetwo"]
 
 
-async def test_fsync_makes_an_open_file_due_at_once(tmp_path: Path, nursery: trio.Nursery) -> None:
+async def test_fsyncs_in_the_middle_of_a_write_upload_nothing_until_it_pauses(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """The Linux NFS client COMMITs whenever its writeback caught up, also in the middle of a long save:
+    those fsyncs must not stage the start of a file still being written (the writer here pauses 0.2 s
+    between writes, far more than a snapshot's 50 ms of quiet)."""
+    stack = make_stack(tmp_path, idle_upload=60)
+    await nursery.start(stack.drain.run)
+    fh, _ = open_writer(stack, "big.pt")
+    for i in range(10):
+        stack.fs.write(fh, i * 4096, bytes([i]) * 4096)
+        await stack.fs.fsync(fh, False)
+        await trio.sleep(0.2)
+        assert "big.pt" not in stack.store_files(), f"uploaded during write {i}"
+    await store_has(stack, "big.pt", b"".join(bytes([i]) * 4096 for i in range(10)), 5)
+    assert len(commits(stack, "big.pt")) == 1
+    stack.fs.release(fh)
+
+
+async def test_fsync_makes_an_open_file_due_once_its_last_write_is_a_second_old(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
     stack = make_stack(tmp_path, idle_upload=60)
     await nursery.start(stack.drain.run)
     fh, _ = open_writer(stack, "commit.bin")

@@ -1,7 +1,7 @@
 """Uploads of files still open for writing (gateway mode: `idle_upload`, `gateway`), for a mount that an NFS
 server exports: the server keeps files open long after its clients closed them, and never closes some.
 
-Owns: when such a file is due (idle for `idle` seconds, at once after an fsync or while a flush waits), the
+Owns: when such a file is due (idle for `idle` seconds, FSYNC_QUIET after an fsync, at once while a flush waits), the
 snapshot an upload of it commits (the cache file's identity, size, mtime and ctime, taken once every write in
 flight has ended and the file's pages are written back, and again after staging: a difference throws the
 staged copy away), which snapshot the store holds (in memory: a restart uploads such files again at their
@@ -36,6 +36,10 @@ from ckptfs.journal import FILE, Inode, Journal
 QUIET = 0.05
 # The same on a filesystem whose timestamps are whole seconds (ext4 with 128-byte inodes, some FUSE ones).
 COARSE_QUIET = 1.05
+# An fsync (an NFS COMMIT) makes an open file due once its last write is this old (at most `idle`): the
+# Linux NFS client also COMMITs in the middle of a long write, whenever its writeback has caught up, and a
+# snapshot taken in such a gap would stage the start of a file still being saved, for nothing.
+FSYNC_QUIET = 1.0
 # After a snapshot that a change spoilt, a file due at once (fsync, flush) waits this long after its last
 # change, doubling per spoilt snapshot up to `idle`: a writer that keeps writing is not staged over and over.
 RETRY_QUIET = 0.1
@@ -138,8 +142,9 @@ class OpenUploads:
             return None
         changed = snap.changed_ns / 1e9
         if urgent or inode_id in self._fsynced:
-            wait = min(self.idle, RETRY_QUIET * 2 ** self._spoilt.get(inode_id, 0) if inode_id in self._spoilt
-                       else 0.0)
+            wait = 0.0 if urgent else min(self.idle, FSYNC_QUIET)
+            if inode_id in self._spoilt:
+                wait = max(wait, min(self.idle, RETRY_QUIET * 2 ** self._spoilt[inode_id]))
             return changed + max(wait, snap.quiet())
         return changed + max(self.idle, snap.quiet())
 
