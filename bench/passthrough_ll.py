@@ -81,16 +81,23 @@ def find_anchor(binary: Path | None = None) -> Anchor:
 @contextmanager
 def mounted(anchor: Anchor, source: Path, mnt: Path, log: Path) -> Iterator[int]:
     """passthrough_ll mirroring `source` at `mnt` until the block ends; yields the daemon's pid."""
+    with daemon_mounted([str(anchor.binary), "-f", "-o", f"source={source}", str(mnt)], mnt, log,
+                        "passthrough_ll") as pid:
+        yield pid
+
+
+@contextmanager
+def daemon_mounted(argv: list[str], mnt: Path, log: Path, what: str) -> Iterator[int]:
+    """A FUSE daemon (`argv`, in the foreground) serving `mnt` until the block ends; yields its pid."""
     with open(log, "ab") as out:
-        proc = subprocess.Popen([str(anchor.binary), "-f", "-o", f"source={source}", str(mnt)], stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd="/")
     try:
         deadline = time.monotonic() + 30
         while not os.path.ismount(mnt):
             if proc.poll() is not None:
-                raise AnchorError(f"passthrough_ll exited with {proc.returncode}: {log.read_text()[-400:]}")
+                raise AnchorError(f"{what} exited with {proc.returncode}: {log.read_text()[-400:]}")
             if time.monotonic() > deadline:
-                raise AnchorError(f"passthrough_ll did not mount {mnt} within 30 s")
+                raise AnchorError(f"{what} did not mount {mnt} within 30 s")
             time.sleep(0.05)
         yield proc.pid
     finally:

@@ -15,6 +15,10 @@ times, in an order that rotates each run, each timed run starting with the disk 
   passthrough_ll  a fresh directory on that disk mirrored by a fresh passthrough_ll mount (bench/
                   passthrough_ll.py: built from the Debian examples of libfuse3-dev into .build/ on first
                   use, or --passthrough-ll PATH), default options
+  pyfuse3-floor   bench/pyfuse3_floor.py over a fresh directory: a minimal pyfuse3 + trio filesystem with
+                  ckptfs's FUSE setup (passthrough, noflush, 1 s timeouts) and nothing else (a dict for a
+                  namespace, no journal): what Python, trio and pyfuse3 cost per request, the floor of any
+                  daemon built like ckptfs
   ckptfs          a fresh mount of file://STORE (fresh cache dir, default options); reported: the workload
                   (what a training job waits for) and durable (the workload plus `ckptfs flush`)
   ckptfs-1node    the same with --no-cross-node-ordering (no pending records): what cross-node ordering of
@@ -47,12 +51,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from passthrough_ll import Anchor, AnchorError, find_anchor, mounted  # noqa: E402
+from passthrough_ll import Anchor, AnchorError, daemon_mounted, find_anchor, mounted  # noqa: E402
 from s3_drain_bench import QUIET_PAUSE, ckptfs, quiet_disk, rotated, write_report  # noqa: E402
 
 KIB = 1 << 10
 DEFAULT_JSON = REPO / "bench" / "results" / "small_files_bench.json"
-WAYS = ("local", "passthrough_ll", "ckptfs", "ckptfs-1node")
+WAYS = ("local", "passthrough_ll", "pyfuse3-floor", "ckptfs", "ckptfs-1node")
+FLOOR = REPO / "bench" / "pyfuse3_floor.py"
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,20 @@ def run_passthrough_ll(root: Path, tag: str, work: Work, anchor: Anchor) -> dict
         shutil.rmtree(source, ignore_errors=True)
 
 
+def run_floor(root: Path, tag: str, work: Work) -> dict[str, float]:
+    source, mnt = root / f"floor-source-{tag}", root / f"floor-mnt-{tag}"
+    source.mkdir()
+    mnt.mkdir()
+    try:
+        with daemon_mounted([sys.executable, str(FLOOR), str(source), str(mnt)], mnt, root / "floor.log",
+                            "pyfuse3_floor"):
+            seconds = timed(work, mnt)
+            check_tree(mnt, work, "the pyfuse3-floor mount")
+        return {"workload": seconds}
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+
+
 def run_ckptfs(root: Path, tag: str, work: Work, extra: tuple[str, ...] = (),
                checkout: Path | None = None) -> dict[str, float]:
     store, mnt, cache = root / f"store-{tag}", root / f"mnt-{tag}", root / f"cache-{tag}"
@@ -168,6 +187,7 @@ def ratios_of(medians: dict[str, float]) -> dict[str, float]:
         ("ckptfs workload", "local workload"), ("ckptfs durable", "local workload"),
         ("ckptfs workload", "passthrough_ll workload"), ("ckptfs durable", "passthrough_ll workload"),
         ("passthrough_ll workload", "local workload"),
+        ("pyfuse3-floor workload", "passthrough_ll workload"), ("ckptfs workload", "pyfuse3-floor workload"),
         ("ckptfs workload", "ckptfs-1node workload"), ("ckptfs durable", "ckptfs-1node durable"),
         ("ckptfs workload", "before workload"), ("ckptfs durable", "before durable"),
     ]
@@ -211,6 +231,8 @@ def main() -> None:
             anchor_origin = anchor.origin
             print(f"anchor: {anchor.origin}", flush=True)
             ways.append((way, functools.partial(run_passthrough_ll, anchor=anchor)))
+        elif way == "pyfuse3-floor":
+            ways.append((way, run_floor))
         elif way == "ckptfs":
             ways.append((way, run_ckptfs))
         else:

@@ -58,6 +58,13 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--upload-while-writing", choices=["auto", "on", "off"],
                        help="upload a large file part by part while it is still open: auto where the store needs"
                             " no copy at close for it (file://, gs://), on (also s3://, az://), off (the default)")
+    mount.add_argument("--gateway", action="store_true", default=None,
+                       help="gateway mode, for a mount an NFS server exports: files still open for writing are"
+                            " uploaded once idle (--idle-upload, 5 s), after an fsync (NFS COMMIT), and again when"
+                            " they change; flush does not wait for their close")
+    mount.add_argument("--idle-upload", type=float, metavar="SECS",
+                       help="upload a file still open for writing after SECS without a write (0: only with"
+                            " --gateway, 5 s)")
     mount.add_argument("--passthrough", choices=["auto", "off"],
                        help="let the kernel read and write cached files itself (FUSE passthrough, Linux >= 6.9):"
                             " auto (the default: on where the kernel and the pyfuse3 build allow it), off")
@@ -147,6 +154,8 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "upload_delay": args.upload_delay,
         "small_file_wait": args.small_file_wait,
         "upload_while_writing": args.upload_while_writing,
+        "gateway": args.gateway,
+        "idle_upload": args.idle_upload,
         "passthrough": args.passthrough,
         "cross_node_ordering": args.cross_node_ordering,
         "keep_mount": args.keep_mount,

@@ -19,6 +19,9 @@ from typing import Any
 from ckptfs.errors import UsageError
 
 DEFAULT_CACHE_ROOT = Path("/var/cache/ckptfs")
+# Gateway mode without idle_upload: a file open for writing is uploaded after this many seconds without a
+# write (rclone's --vfs-write-back default is 5 s too).
+GATEWAY_IDLE = 5.0
 
 DEFAULT_COMMIT_MARKERS: tuple[str, ...] = (
     "latest",
@@ -74,6 +77,16 @@ class Config:
     metadata (file://, gs://); "on" also on s3:// and az://, where it costs a server-side copy of the whole
     file at close; "off" (the default): only a full cache does it. It shortens the time from close to
     durable, and lengthens the save when the writer is as fast as the disk (they share it and the CPU)."""
+
+    gateway: bool = False
+    """Gateway mode, for a mount exported by an NFS server (nfs-ganesha, kernel nfsd), which keeps files open
+    long after its clients closed them: files still open for writing are uploaded once idle (see
+    idle_upload, 5 s unless set), 1 s after their last write once fsynced (an NFS COMMIT), and again when
+    they change; `ckptfs flush` uploads them as they are instead of waiting for their close (docs/GATEWAY.md)."""
+
+    idle_upload: float = 0.0
+    """Seconds without a write after which a file still open for writing is uploaded as it is (and again
+    after each later change); 0: only in gateway mode, after 5 s."""
 
     passthrough: str = "auto"
     """Kernel FUSE passthrough (Linux >= 6.9, a libfuse >= 3.17 build of pyfuse3, a root daemon): "auto"
@@ -146,6 +159,13 @@ class Config:
         fields["keep"] = ",".join(self.keep)
         return ", ".join(f"{key} {value}" for key, value in fields.items())
 
+    @property
+    def open_upload_idle(self) -> float | None:
+        """Seconds of idleness after which a file open for writing is uploaded; None: never (not a gateway)."""
+        if self.idle_upload > 0:
+            return self.idle_upload
+        return GATEWAY_IDLE if self.gateway else None
+
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else default_cache_dir(self.source)
 
@@ -187,7 +207,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 def _coerce(name: str, value: Any) -> Any:
     if name in ("mountpoint", "cache_dir") and value is not None:
         return Path(value)
-    if name in ("upload_delay", "small_file_wait", "drain_timeout", "dirty_wait", "refresh_interval"):
+    if name in ("upload_delay", "small_file_wait", "drain_timeout", "dirty_wait", "refresh_interval", "idle_upload"):
         try:
             value = float(value)
         except (TypeError, ValueError):
@@ -221,7 +241,7 @@ def _coerce(name: str, value: Any) -> Any:
         if mode not in ("auto", "off"):
             raise UsageError(f"passthrough must be auto or off, not {value!r}")
         return mode
-    if name in ("allow_other", "daemon", "cross_node_ordering", "keep_mount", "guard_mountpoint"):
+    if name in ("allow_other", "daemon", "cross_node_ordering", "keep_mount", "guard_mountpoint", "gateway"):
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value

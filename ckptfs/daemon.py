@@ -37,7 +37,13 @@ from ckptfs.errors import CkptfsError, Faults
 from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
-from ckptfs.fuse_ops import FuseOperations, forget_kernel_data, forget_kernel_entry, probe_passthrough
+from ckptfs.fuse_ops import (
+    FuseOperations,
+    forget_kernel_data,
+    forget_kernel_entry,
+    inode_generation,
+    probe_passthrough,
+)
 from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import Inode, Journal, JournalError, JournalFull, journal_unusable
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
@@ -145,10 +151,11 @@ class Daemon:
             journal, cache, engine,
             transfers=config.transfers, upload_delay=config.upload_delay, small_file_wait=config.small_file_wait,
             commit_markers=config.commit_markers, upload_while_writing=config.upload_while_writing,
-            faults=self.faults,
+            open_upload_idle=config.open_upload_idle, faults=self.faults,
         )
         self.evictor = Evictor(
-            journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure
+            journal, cache, in_use=self._in_use, dirty_wait=config.dirty_wait, on_pressure=self.drain.set_pressure,
+            on_changed=self.drain.mount_changed,
         )
         self.fetcher = Fetcher(journal, cache, engine, evictor=self.evictor)
         self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval, call=engine.call)
@@ -156,6 +163,7 @@ class Daemon:
                              streams=self.fetcher, wait_uploaded=lambda path: self.drain.wait_durable([path]),
                              discard_upload=self.drain.discard_upload, failure_of=self.drain.failure_of)
         self.lister.vanished = self.fs.vanished
+        self.fs.on_fsync = self.drain.fsynced
         self.drain.on_marker_uploaded = self._marker_uploaded
         # Cross-node ordering of commit markers (nodes.py): only markers need it.
         self.node_id = node_id_of(journal, lambda: secrets.token_hex(4))
@@ -233,7 +241,8 @@ class Daemon:
         # attributes again before the next lookup.
         if self.config.allow_other or os.geteuid() != 0:
             options.add("default_permissions")
-        self.fuse_ops = FuseOperations(self.fs, faults=self.faults, on_journal_failure=self._on_journal_failure)
+        self.fuse_ops = FuseOperations(self.fs, faults=self.faults, on_journal_failure=self._on_journal_failure,
+                                       generation=inode_generation(self.store.owner))
         self.fuse_ops.enable_passthrough = self.config.passthrough != "off"
         self.fs.handle_table = self.handle_table
         if self.held is not None:

@@ -6,7 +6,11 @@ back-pressure: a write that finds the cache over its budget waits here until evi
 room, up to `dirty_wait`, then fails with ENOSPC. While writers wait it asks the drain (through
 `on_pressure`) to upload at once, ignoring upload_delay, and to spill files still open for writing.
 
-An evicted file keeps its inode and becomes 'remote': the next read fetches what it needs (fetch/).
+An evicted file keeps its inode and becomes 'remote': the next read fetches what it needs (fetch/). A clean
+file whose cache file no longer matches the journal's record (written through a handle the kernel kept
+after an earlier daemon died without a takeover) is never evicted: it becomes dirty and is uploaded again.
+The files that were open for writing at such a death are watched (a stat a round) until they have been
+unchanged for STALE_QUIET, so that what such handles write later is uploaded too.
 Partial files of remote objects (fetch/) count against the budget too: those no handle has open are
 dropped like clean files, and chunks of open ones that no reader is near are punched out.
 Everything here runs in the trio thread; eviction itself is a journal update and an unlink.
@@ -27,7 +31,7 @@ import trio
 
 from ckptfs.cache import CacheDir
 from ckptfs.errors import FsError
-from ckptfs.journal import Journal, JournalFull
+from ckptfs.journal import CLEAN, FILE, REMOTE, Inode, Journal, JournalFull, rewritten
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,9 @@ WAIT_POLL = 0.05
 LOG_INTERVAL = 30.0
 # A cache filesystem short of min_free is warned about at most this often.
 SQUEEZE_LOG_INTERVAL = 600.0
+# A file left open for writing by a daemon that died without a takeover is watched until its cache file has
+# been unchanged this long (seconds): a job whose mount went away stops writing soon after.
+STALE_QUIET = 600.0
 
 
 @dataclass
@@ -78,12 +85,14 @@ class Evictor:
         in_use: Callable[[int], bool],
         dirty_wait: float = 600.0,
         on_pressure: Callable[[bool], None] = lambda on: None,
+        on_changed: Callable[[], None] = lambda: None,
     ) -> None:
         self.journal = journal
         self.cache = cache
         self.in_use = in_use
         self.dirty_wait = dirty_wait
         self.on_pressure = on_pressure
+        self.on_changed = on_changed  # a file became dirty here (written behind the daemon): the drain's work
         self.stats = EvictStats()
         # inode id -> when it was last opened or closed (monotonic seconds, or the data file's atime
         # for files not touched since start-up: both only order files, never compared to a clock).
@@ -96,11 +105,16 @@ class Evictor:
         self._squeezed = False
         self._squeeze_logged_at = -SQUEEZE_LOG_INTERVAL
         self.partials: PartialFiles | None = None  # set by the fetcher
+        # inode id -> since when (time.time()) its cache file has been seen unchanged: files a writer the
+        # kernel kept after a daemon died may still change (journal.stale_writers, set by recovery.py).
+        self.stale: dict[int, float] = {}
+        self._warned_stale: set[int] = set()
 
     def start(self, atimes: dict[int, float]) -> None:
         """Seed the LRU order with the data files' access times (from CacheDir.scan at start-up)."""
         offset = time.monotonic() - time.time()
         self.last_used = {inode_id: atime + offset for inode_id, atime in atimes.items()}
+        self.stale = self.journal.stale_writers()
 
     def touch(self, inode_id: int) -> None:
         self.last_used[inode_id] = time.monotonic()
@@ -122,6 +136,8 @@ class Evictor:
             self._kick = trio.Event()
             self.cache.measure()
             self.cache.remeasure_all()
+            if self.stale:
+                self.watch_stale_writers(time.time())
             self._note_squeeze()
             self.evict_if_needed()
             self._set_pressure(self._waiters > 0 or self.cache.used > self.cache.limit)
@@ -150,6 +166,62 @@ class Evictor:
         elif not squeezed:
             log.debug("the cache filesystem has room again: the cache budget is %s", _size(int(self.cache.limit)))
 
+    def watch(self, inode_ids: set[int], now: float) -> None:
+        """Watch these files from now on (and the next daemons, through the journal): a writer the kernel
+        keeps may write them without the daemon."""
+        self.stale.update(dict.fromkeys(inode_ids, now))
+        with contextlib.suppress(JournalFull), self.journal.transaction():
+            self.journal.set_stale_writers(self.stale)
+
+    def watch_stale_writers(self, now: float) -> None:
+        """One round of the watch: a watched file written since the journal's record becomes dirty (a new
+        version: an upload in flight does not count it clean); one unchanged for STALE_QUIET, or gone, is
+        no longer watched."""
+        before = dict(self.stale)
+        try:
+            for inode_id, quiet_since in before.items():
+                inode = self.journal.get(inode_id)
+                if inode is None or inode.kind != FILE or inode.path is None or inode.state == REMOTE:
+                    del self.stale[inode_id]
+                    continue
+                entry = self.cache.files.get(inode_id)
+                if inode.closed_at is None or (entry is not None and (entry.sealed or entry.freed)):
+                    # A writer of this daemon records its close; a spill punches its own cache file.
+                    continue
+                try:
+                    st = os.stat(self.cache.data_path(inode_id))
+                except FileNotFoundError:
+                    del self.stale[inode_id]
+                    continue
+                try:
+                    changed = self._rewritten_behind(inode, st, now)
+                except JournalFull:
+                    continue  # the next round tries again: this task must not die of a full cache filesystem
+                if changed:
+                    self.stale[inode_id] = now
+                elif now - quiet_since >= STALE_QUIET:
+                    del self.stale[inode_id]
+        finally:
+            if self.stale != before:
+                with contextlib.suppress(JournalFull), self.journal.transaction():
+                    self.journal.set_stale_writers(self.stale)
+
+    def _rewritten_behind(self, inode: Inode, st: os.stat_result, now: float) -> bool:
+        """If the cache file changed behind the journal's record, journal a new dirty version of it."""
+        if not rewritten(inode, st):
+            return False
+        # Once per file: such a writer may go on writing for a while.
+        (log.debug if inode.id in self._warned_stale else log.warning)(
+            "%s changed without the daemon (a writer the kernel kept after a daemon died, or a shared mmap"
+            " written after its close): uploading it again", inode.path,
+        )
+        self._warned_stale.add(inode.id)
+        with self.journal.transaction():
+            self.journal.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
+        self.cache.observe(inode.id, st)
+        self.on_changed()
+        return True
+
     def evict_if_needed(self) -> int:
         """Evict least recently used clean files while the cache is above its high-water mark."""
         limit = self.cache.limit
@@ -174,7 +246,7 @@ class Evictor:
             if inode_id in partial and self.partials is not None:
                 freed += self.partials.drop(inode_id)
                 continue
-            if self.in_use(inode_id):
+            if self.in_use(inode_id) or inode_id in self.stale:
                 continue
             try:
                 freed += self._evict_one(inode_id)
@@ -196,6 +268,13 @@ class Evictor:
         try:
             st = os.stat(self.cache.data_path(inode_id))
         except FileNotFoundError:
+            return 0
+        inode = self.journal.get(inode_id)
+        if inode is None or inode.state != CLEAN:
+            return 0
+        if not (entry is not None and (entry.sealed or entry.freed)) and self._rewritten_behind(inode, st, time.time()):
+            # Only the cache file holds those bytes: upload them, and watch the file for more.
+            self.watch({inode_id}, time.time())
             return 0
         # Evicting frees room, but the journal must record it first: when the cache filesystem is too full
         # for that (others filled it), JournalFull leaves the file until something else makes room.

@@ -67,10 +67,19 @@ def _sent_again(ctx: RequestContext) -> bool:
     return bool(getattr(ctx, "unique", 0) & RESENT)
 
 
-def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
+def inode_generation(owner_tag: str) -> int:
+    """The generation of every inode of the journal whose owner tag (a random hex id, made with the journal)
+    this is. Inode numbers are never used twice in a journal (AUTOINCREMENT), so one generation a journal
+    suffices: a file handle (an NFS client's, name_to_handle_at's) is stale only once its inode is gone or
+    when it comes from another journal, whose numbers mean other files (the cache dir made anew). 32 bits:
+    what the kernel keeps of it in a handle."""
+    return int(owner_tag[:8], 16) & 0xFFFFFFFF
+
+
+def _entry(attr: Attr, generation: int) -> pyfuse3.EntryAttributes:
     entry = pyfuse3.EntryAttributes()
     entry.st_ino = attr.ino
-    entry.generation = 0
+    entry.generation = generation
     entry.entry_timeout = ENTRY_TIMEOUT
     entry.attr_timeout = ATTR_TIMEOUT
     entry.st_mode = attr.mode
@@ -213,10 +222,11 @@ class FuseOperations(pyfuse3.Operations):
 
     def __init__(
         self, fs: Filesystem, *, faults: Faults | None = None,
-        on_journal_failure: Callable[[BaseException], None] = lambda exc: None,
+        on_journal_failure: Callable[[BaseException], None] = lambda exc: None, generation: int = 0,
     ) -> None:
         super().__init__()
         self.fs = fs
+        self.generation = generation  # of every inode: inode_generation() of the journal's owner tag
         self.faults = faults if faults is not None else Faults()
         self.on_journal_failure = on_journal_failure
         # Count, errors and time of every request, per operation (ckptfs_fuse_* metrics). read and write
@@ -247,10 +257,10 @@ class FuseOperations(pyfuse3.Operations):
         attr = self.fs.find(parent_inode, name)
         if attr is None:
             return _negative_entry()
-        return _entry(attr)
+        return _entry(attr, self.generation)
 
     async def getattr(self, inode: InodeT, ctx: RequestContext) -> EntryAttributes:
-        return _entry(self.fs.getattr(inode))
+        return _entry(self.fs.getattr(inode), self.generation)
 
     async def setattr(
         self, inode: InodeT, attr: EntryAttributes, fields: SetattrFields, fh: FileHandleT | None, ctx: RequestContext
@@ -263,7 +273,7 @@ class FuseOperations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
-        return _entry(await self.fs.setattr(inode, changes, fh))
+        return _entry(await self.fs.setattr(inode, changes, fh), self.generation)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         try:
@@ -277,7 +287,7 @@ class FuseOperations(pyfuse3.Operations):
     async def mknod(
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, rdev: int, ctx: RequestContext
     ) -> EntryAttributes:
-        return _entry(self.fs.mknod(parent_inode, name, mode, ctx.uid, ctx.gid))
+        return _entry(self.fs.mknod(parent_inode, name, mode, ctx.uid, ctx.gid), self.generation)
 
     async def link(
         self, inode: InodeT, new_parent_inode: InodeT, new_name: FileNameT, ctx: RequestContext
@@ -291,7 +301,7 @@ class FuseOperations(pyfuse3.Operations):
         except FsError as exc:
             attr = self._done_before(exc, errno.EEXIST, ctx, parent_inode, name, stat.S_IFDIR)
         await self.fs.announce(attr.ino)
-        return _entry(attr)
+        return _entry(attr, self.generation)
 
     def _done_before(self, exc: FsError, found: int, ctx: RequestContext, parent_inode: InodeT, name: FileNameT,
                      kind: int) -> Attr:
@@ -312,7 +322,7 @@ class FuseOperations(pyfuse3.Operations):
         except FsError as exc:
             attr = self._done_before(exc, errno.EEXIST, ctx, parent_inode, name, stat.S_IFLNK)
         await self.fs.announce(attr.ino)
-        return _entry(attr)
+        return _entry(attr, self.generation)
 
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         try:
@@ -360,7 +370,7 @@ class FuseOperations(pyfuse3.Operations):
         if fh is not None:  # made by the daemon before, which died before its answer went out
             ino = self.fs.inode_of(fh)
             self.fs.remember(ino)
-            return self._file_info(fh, ctx), _entry(self.fs.getattr(ino))
+            return self._file_info(fh, ctx), _entry(self.fs.getattr(ino), self.generation)
         try:
             fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         except FsError as exc:
@@ -373,7 +383,7 @@ class FuseOperations(pyfuse3.Operations):
             fh = await self.fs.open(attr.ino, flags)
             attr = self.fs.getattr(attr.ino)
         await self._announced(fh)
-        return self._file_info(fh, ctx), _entry(attr)
+        return self._file_info(fh, ctx), _entry(attr, self.generation)
 
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         fh = self.fs.unanswered(ctx.unique) if _sent_again(ctx) else None
@@ -455,7 +465,7 @@ class FuseOperations(pyfuse3.Operations):
             if not entries:
                 return
             for entry in entries:
-                if not pyfuse3.readdir_reply(token, entry.name, _entry(entry.attr), entry.next_id):
+                if not pyfuse3.readdir_reply(token, entry.name, _entry(entry.attr, self.generation), entry.next_id):
                     return
                 self.fs.remember(entry.attr.ino)
                 after = entry.next_id

@@ -26,6 +26,7 @@ from ckptfs.backends.base import DirListing, ObjectInfo, ObjectStore, UploadStat
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError
 from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, UPLOADING, Inode, Journal, ListedEntry
+from ckptfs.journal.local import rewritten
 from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ def repair_journal(
     report = RecoveryReport()
     cache.clear_tmp()
     data_ids = cache.data_ids()
+    # Files an earlier daemon's death left open for writing: the kernel may have written them since.
+    watched = journal.stale_writers()
+    still_watched: dict[int, float] = {}
     with journal.transaction():
         for inode in journal.all_inodes():
             if inode.id == ROOT_ID:
@@ -82,13 +86,31 @@ def repair_journal(
             if inode.state in ("dirty", UPLOADING):
                 report.resumed_uploads += 1
             if inode.id in still_writing:
+                if inode.id in watched:
+                    still_watched[inode.id] = watched[inode.id]
                 continue
-            if inode.closed_at is None or inode.state in ("dirty", UPLOADING):
+            suspect = inode.closed_at is None or inode.id in watched
+            if suspect or inode.state in ("dirty", UPLOADING):
                 # It may have been written after the journal last saw its size: the cache file is truth.
                 st = os.stat(cache.data_path(inode.id))
-                changed = inode.closed_at is None and inode.state != CLEAN
+                changed_behind = False
+                if suspect:
+                    # Open for writing when a daemon died: unless that daemon's connection was taken over
+                    # (still_writing), the kernel kept its passthrough handles, which write on.
+                    changed_behind = rewritten(inode, st)
+                    quiet = inode.closed_at is not None and not changed_behind
+                    still_watched[inode.id] = watched.get(inode.id, now) if quiet else now
+                    if inode.state == CLEAN and changed_behind:
+                        # Written behind the journal, which says clean: a new version, uploaded again.
+                        log.warning("%s changed without the daemon (a writer the kernel kept after an earlier"
+                                    " daemon died): uploading it again", inode.path)
+                        journal.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
+                        continue
+                changed = (inode.closed_at is None and inode.state != CLEAN) or changed_behind
                 journal.mark_closed(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=now)
         known = {i.id for i in journal.all_inodes()}
+        if still_watched or watched:
+            journal.set_stale_writers(still_watched)
     for orphan in data_ids - known:
         cache.remove_data(orphan)
         report.orphan_cache_files += 1

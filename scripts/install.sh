@@ -7,8 +7,9 @@ extras="${1:-}"
 
 need=()
 packages=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev)
-# The tests hold a daemon's answers back with strace to kill it between its work and its answer.
-[[ ",$extras," == *",test,"* ]] && packages+=(strace)
+# The tests hold a daemon's answers back with strace to kill it between its work and its answer, and export
+# a mount over NFSv4 with nfs-ganesha (userspace, VFS backend) to libnfs (tests/nfs.py, tests/nfsclient.py).
+[[ ",$extras," == *",test,"* ]] && packages+=(strace nfs-ganesha nfs-ganesha-vfs libnfs-utils)
 for pkg in "${packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done

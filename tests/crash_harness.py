@@ -126,6 +126,9 @@ class PlanBuilder:
         self.size_scale = size_scale
         self.ops: list[Op] = []
         self.markers = 0
+        # Gateway rounds: half the files stay open a moment after their last write, as an NFS server keeps
+        # them, so that the drain uploads them while open (drawn only then: other rounds replay unchanged).
+        self.hold_open = False
 
     # sizes: mostly small so rounds are fast; now and then a large one
     def size(self) -> int:
@@ -172,6 +175,8 @@ class PlanBuilder:
         self.write_chunks(target, 0, size)
         if style != "direct":
             self.add({"op": "fsync", "path": target})
+        if self.hold_open and self.ops and self.rng.random() < 0.5:
+            self.ops[-1]["pause"] = self.rng.uniform(0.1, 0.4)
         self.add({"op": "close", "path": target})
         if style == "temp_rename":
             self.add({"op": "rename", "src": target, "dst": path})
@@ -1529,6 +1534,10 @@ class Harness:
             args.append("--no-keep-mount")
         if cfg.full_cache:
             args += ["--dirty-wait", "3"]
+        if self.args.gateway:
+            # Files open for writing are uploaded once idle for 0.1 s: shards mid-write reach the store
+            # while the kills land.
+            args += ["--gateway", "--idle-upload", "0.1"]
         delay = cfg.upload_delay if upload_delay is None else upload_delay
         m = Mount(root, upload_delay=delay, source=store.source, extra_args=tuple(args))
         m.runtime = self.runtime
@@ -1705,6 +1714,7 @@ class Harness:
 
         if cfg.prephase != "none":  # an earlier life of the job: the store already holds checkpoints
             pre = PlanBuilder(rng, f"{index}a", names, dirs, scale, cfg.unlisted_dir_ops)
+            pre.hold_open = self.args.gateway
             for _ in range(rng.randint(1, 2)):
                 step_no += 1
                 pre.checkpoint(step_no)
@@ -1721,6 +1731,7 @@ class Harness:
 
         pre_ops = len(model.applied)
         plan_builder = PlanBuilder(rng, f"{index}b", names, dirs, scale, cfg.unlisted_dir_ops)
+        plan_builder.hold_open = self.args.gateway
         if cfg.prephase != "none":  # renames, deletes and changes of files already in the store
             for _ in range(rng.randint(1, 3)):
                 plan_builder.mutate()
@@ -2120,6 +2131,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[R
                 flags += f" --passthrough {args.passthrough}" if args.passthrough else ""
                 flags += " --no-cross-node-ordering" if args.no_cross_node_ordering else ""
                 flags += " --keep-mount" if args.keep_mount else ""
+                flags += " --gateway" if args.gateway else ""
                 emit(f"  first difference: {r.message}")
                 emit(f"  replay: python -m tests.crash_harness --seed {args.seed} --store {args.store}{flags} "
                      f"--round {index} --rounds 1 --keep   (kept: {harness.workdir / f'round-{index}'})")
@@ -2163,6 +2175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "markers (a marker never lands before the files closed on any node before the barrier)")
     parser.add_argument("--no-cross-node-ordering", action="store_true",
                         help="with --nodes: run the daemons without cross-node ordering, to see the check fail")
+    parser.add_argument("--gateway", action="store_true",
+                        help="the daemons run in gateway mode (--gateway --idle-upload 0.1): files still open for "
+                        "writing are uploaded once idle, and again when they change")
     parser.add_argument("--keep-mount", action="store_true",
                         help="the daemons run with keep_mount: each kill (1 to 3 a round) leaves the mount to the "
                         "daemon the holder starts next, the workload goes on and must see no error (without it, "

@@ -329,7 +329,7 @@ class Stack:
 def make_stack(
     root: Path, *, upload_delay: float = 0.0, markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS,
     cache_size: int | None = None, dirty_wait: float = 600.0, small_file_wait: float = 0.0,
-    upload_while_writing: bool = False, store_dir: Path | None = None,
+    upload_while_writing: bool = False, store_dir: Path | None = None, idle_upload: float | None = None,
 ) -> Stack:
     """Wired like daemon.py. `cache_size` (bytes) sets a budget (min_free 0); the evictor's background
     task runs only if a test starts it (stack.fs.evictor.run)."""
@@ -341,10 +341,12 @@ def make_stack(
     store = RecordingStore(LocalStore(store_dir))
     engine = GatedTransfers(store, parts_in_flight=4)  # type: ignore[arg-type]
     drain = Drain(journal, cache, engine, transfers=2, upload_delay=upload_delay, small_file_wait=small_file_wait,
-                  commit_markers=markers, upload_while_writing="auto" if upload_while_writing else "off")
+                  commit_markers=markers, upload_while_writing="auto" if upload_while_writing else "off",
+                  open_upload_idle=idle_upload)
     in_use: list[Filesystem] = []
     evictor = Evictor(
-        journal, cache, in_use=lambda i: in_use[0].in_use(i), dirty_wait=dirty_wait, on_pressure=drain.set_pressure
+        journal, cache, in_use=lambda i: in_use[0].in_use(i), dirty_wait=dirty_wait, on_pressure=drain.set_pressure,
+        on_changed=drain.mount_changed,
     )
     fetcher = Fetcher(journal, cache, engine, evictor=evictor)
     lister = DirLister(journal, cache, store, refresh_interval=0.0)  # type: ignore[arg-type]
@@ -352,6 +354,7 @@ def make_stack(
                     wait_uploaded=lambda path: drain.wait_durable([path]), discard_upload=drain.discard_upload,
                     failure_of=drain.failure_of)
     lister.vanished = fs.vanished
+    fs.on_fsync = drain.fsynced
     in_use.append(fs)
     drain.on_spilled = evictor.evict_if_clean
     if cache_size is not None:

@@ -43,6 +43,7 @@ class Durability:
         *,
         notify: Callable[[], None],
         why_marker_waits: Callable[[Inode], str | None],
+        note_open_changes: Callable[[list[int]], None] = lambda inode_ids: None,
     ) -> None:
         self.journal = journal
         self.cleanup = cleanup
@@ -50,6 +51,9 @@ class Durability:
         self.markers = markers
         self.notify = notify
         self.why_marker_waits = why_marker_waits
+        # Gateway mode: files open for writing that changed since the store's copy get a new content
+        # version before a flush takes what is pending, so that it waits for their content as it is.
+        self.note_open_changes = note_open_changes
         self.waiting = 0  # flushes waiting now
         self._progress = trio.Event()
         # Per waiting flush: the jobs that finished since it last looked (("inode" | "delete", id)).
@@ -68,8 +72,10 @@ class Durability:
 
     async def wait_durable(self, paths: list[str] | None) -> None:
         """Return once everything under `paths` (None: everything) that is pending now is durable in the
-        store, ignoring upload_delay meanwhile. Files open for writing count as pending. The caller owns
-        the timeout (trio.move_on_after); `pending(paths)` then says what is left."""
+        store, ignoring upload_delay meanwhile. Files open for writing count as pending (in gateway mode:
+        until their content as it is now is in the store). The caller owns the timeout
+        (trio.move_on_after); `pending(paths)` then says what is left."""
+        self.note_open_changes(self.journal.open_pending_files())
         items = self._outstanding(paths)
         deletes = {d.id: d.key for d in self.journal.pending_deletes() if in_scope(d.key, paths)}
         # Jobs that finish while we wait, so that each check looks only at what may have changed; a full

@@ -27,6 +27,7 @@ class Uploaded(NamedTuple):
     checksum: str | None
     size: int
     write_ahead: int  # the id of the delete queued before the object appeared
+    still_open: bool = False  # a file still open for writing (gateway mode): it stays dirty
 
 
 class Records:
@@ -51,9 +52,19 @@ class Records:
         return delete_id
 
     def record_upload(
-        self, inode_id: int, key: str, version: int, checksum: str | None, size: int, write_ahead: int
+        self, inode_id: int, key: str, version: int, checksum: str | None, size: int, write_ahead: int,
+        *, still_open: bool = False,
     ) -> None:
-        self.record_uploads([Uploaded(inode_id, key, version, checksum, size, write_ahead)])
+        self.record_uploads([Uploaded(inode_id, key, version, checksum, size, write_ahead, still_open)])
+
+    def record_kept(self, inode: Inode, key: str) -> None:
+        """A closed file whose content the store got while it was open (gateway mode), unchanged since: it
+        is clean without another upload."""
+        with self.journal.transaction():
+            self.journal.finish_upload(inode, key=key, version=inode.version, checksum=inode.checksum,
+                                       size=inode.size, clean=True)
+        if self.markers.match(inode.name):
+            self.on_marker_uploaded(inode)
 
     def record_uploads(self, done: list[Uploaded]) -> None:
         """The store holds these objects now: record each for its inode, in one transaction."""
@@ -69,7 +80,9 @@ class Records:
                     continue  # removed while the object was committed: the write-ahead delete removes the object
                 self.journal.finish_upload(
                     current, key=item.key, version=item.version, checksum=item.checksum, size=item.size,
-                    clean=current.version == item.version,
+                    # A file still open for writing stays dirty: the daemon does not see its writes (FUSE
+                    # passthrough), so only its close or a later snapshot can say it is unchanged.
+                    clean=current.version == item.version and not item.still_open,
                 )
                 self.journal.delete_done(item.write_ahead)  # the inode owns the key now
                 if self.markers.match(current.name):

@@ -24,6 +24,7 @@ from ckptfs.drain import ordering
 from ckptfs.drain.cleanup import Cleanup
 from ckptfs.drain.durability import Durability, FlushResult
 from ckptfs.drain.namespace import Namespace
+from ckptfs.drain.open_uploads import OpenUploads
 from ckptfs.drain.ordering import CommitMarkers, Job, below, keyed
 from ckptfs.drain.records import Records
 from ckptfs.drain.retries import Parked, Retries
@@ -70,6 +71,7 @@ class Drain:
         small_file_wait: float = 10.0,
         commit_markers: tuple[str, ...] = (),
         upload_while_writing: str = "off",
+        open_upload_idle: float | None = None,
         clock: Callable[[], float] = time.time,
         faults: Faults | None = None,
     ) -> None:
@@ -97,9 +99,12 @@ class Drain:
 
         self.retries = Retries(journal, self.stats, self.faults, engine.store.url)
         self.records = Records(journal, self.markers)
+        # Gateway mode: files still open for writing are uploaded once idle (None: only after their close).
+        self.open_uploads = OpenUploads(journal, cache, open_upload_idle)
         self.cleanup = Cleanup(engine, notify=self.notify)
         self.durability = Durability(journal, self.cleanup, self.retries, self.markers, notify=self.notify,
-                                     why_marker_waits=lambda inode: self.why_marker_waits(inode))
+                                     why_marker_waits=lambda inode: self.why_marker_waits(inode),
+                                     note_open_changes=self.open_uploads.note_changes)
         self.cleanup.progressed = self.durability.progressed
         self.spills = Spills(
             journal, cache, engine, self.records, self.markers, self.stats, discard_upload=self.discard_upload,
@@ -109,7 +114,7 @@ class Drain:
                 upload_while_writing == "auto" and engine.store.limits.completes_anywhere),
         )
         self.uploads = Uploads(journal, cache, engine, self.records, self.spills, self.retries, self.markers,
-                               self.stats, marker_blocked=self._marker_blocked)
+                               self.stats, self.open_uploads, marker_blocked=self._marker_blocked)
         self.namespace = Namespace(journal, engine, self.records, self.retries, self.stats, clock=clock,
                                    marker_blocked=self._marker_blocked)
 
@@ -129,6 +134,13 @@ class Drain:
         files and everything else go on as before; a flush, cache pressure and shutdown do not wait."""
         self._changed_at = trio.current_time()
         self._new_work.set()
+
+    def fsynced(self, inode_id: int) -> None:
+        """A file was fsynced (an NFS server's COMMIT arrives so): in gateway mode, a file open for writing
+        is due for upload now."""
+        if self.open_uploads.enabled:
+            self.open_uploads.fsynced(inode_id)
+            self.notify()
 
     def set_pressure(self, on: bool) -> None:
         """The cache is full (evict.py calls this every round while it is): upload closed files at once,
@@ -313,8 +325,11 @@ class Drain:
                 small = (inode.kind == FILE and inode.size <= SMALL_FILE and inode.upload_state is None
                          and not self.markers.match(inode.name))
                 jobs.append(Job("upload", inode.id, (key,), small, inode.size))
+        open_ids = self.journal.open_dirty_files() if pressure or self.spills.early or self.open_uploads.enabled else []
+        if self.open_uploads.enabled:
+            next_due = min(next_due, self._scan_open(open_ids, jobs, unmarked, waiting, now, now_wall))
         if pressure or self.spills.early:
-            for inode_id in self.journal.open_dirty_files():
+            for inode_id in open_ids:
                 if waiting(("spill", inode_id)) or ("upload", inode_id) in self._running:
                     continue
                 if self.spills.spillable(inode_id) >= self.spills.part_size:
@@ -344,6 +359,35 @@ class Drain:
             jobs.append(Job("delete", delete.id, (delete.key,)))
         return jobs, next_due
 
+    def _scan_open(
+        self, open_ids: list[int], jobs: list[Job], unmarked: set[str],
+        waiting: Callable[[tuple[str, int]], bool], now: float, now_wall: float,
+    ) -> float:
+        """Gateway mode: add the uploads of files open for writing that are due (idle, fsynced, or any
+        while a flush waits); the trio time at which the next one becomes due."""
+        # Writes never notify the drain (with passthrough the daemon does not even see them): look again soon.
+        next_due = now + self.open_uploads.poll_interval if open_ids else math.inf
+        # A full cache does not hurry them: a file open for writing stays in the cache whether uploaded or not.
+        urgent = bool(self.durability.waiting)
+        self.open_uploads.forget_gone(open_ids)
+        for inode in self.journal.get_many(open_ids).values():
+            if (inode.key is None or waiting(("upload", inode.id))
+                    or ("spill", inode.id) in self._running):
+                continue
+            due_at = self.open_uploads.due_at(inode, urgent)
+            if due_at is None:
+                continue
+            if due_at > now_wall:
+                next_due = min(next_due, now + (due_at - now_wall))
+                continue
+            with self._isolated("upload", inode):
+                if self._marker_blocked(inode) or (unmarked and below(inode.key, unmarked)):
+                    continue
+                if self._target_taken(inode, inode.key):
+                    continue
+                jobs.append(Job("upload", inode.id, (inode.key,), False, inode.size))
+        return next_due
+
     def _path(self, inode_id: int) -> str:
         inode = self.journal.get(inode_id)
         return inode.path if inode is not None and inode.path is not None else ""
@@ -351,8 +395,12 @@ class Drain:
     def _marker_blocked(self, inode: Inode) -> bool:
         """ordering.marker_blocked, with the journal's work and the other nodes as they are now. Its
         completion rescans."""
+        if not self.markers.match(inode.name):
+            return False
         return ordering.marker_blocked(inode, self.markers, self.waits_for_nodes,
-                                       lambda seq: bool(self.journal.work_before(seq, 1)))
+                                       lambda seq: bool(self.journal.work_before(seq, 1))) or (
+            # Gateway mode: also the files whose last change is older than the marker's, open or not.
+            self.open_uploads.enabled and self.open_uploads.holds_back(inode, self.journal.open_pending_files()))
 
     def _target_taken(self, inode: Inode, key: str) -> bool:
         """ordering.target_taken, with the journal's owner of `key` now."""

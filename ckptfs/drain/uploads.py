@@ -5,7 +5,8 @@ Owns: re-checking that an upload the scan chose is still due, staging a file's u
 earlier attempt left, journaling each part), committing it and recording it (records.py), abandoning it
 when the file changed, moved or went away meanwhile; and the batch path for files up to SMALL_FILE (one
 transaction and one worker-thread hop for many files). A file whose start was spilled while it was written
-is finished by spills.py instead.
+is finished by spills.py instead. A file still open for writing (gateway mode) is uploaded here too, from
+a snapshot of its cache file that must still hold after staging (open_uploads.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import trio
 
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir, CacheFile
+from ckptfs.drain.open_uploads import OpenUploads, Snapshot, settle, stat_snapshot
 from ckptfs.drain.ordering import CommitMarkers, Job, changed_since_scan
-from ckptfs.drain.records import Records, Uploaded, journal_holds, object_meta, upload_priority
+from ckptfs.drain.records import Records, Uploaded, journal_holds, journaled_state, object_meta, upload_priority
 from ckptfs.drain.retries import Retries
 from ckptfs.drain.spills import Spills
 from ckptfs.drain.stats import DrainStats
@@ -47,6 +49,7 @@ class Uploads:
         retries: Retries,
         markers: CommitMarkers,
         stats: DrainStats,
+        open_uploads: OpenUploads,
         *,
         marker_blocked: Callable[[Inode], bool],
     ) -> None:
@@ -60,20 +63,26 @@ class Uploads:
         self.markers = markers
         self.stats = stats
         self.marker_blocked = marker_blocked
+        self.open_uploads = open_uploads
 
-    def _still_due(self, inode_id: int, scanned_key: str) -> Inode | None:
+    def _still_due(self, inode_id: int, scanned_key: str, *, still_open: bool = False) -> Inode | None:
         """The inode, if the upload the scan chose is still to be done now: pending, under the key it was
-        chosen for, not a blocked marker, and for a file not open for writing."""
+        chosen for, not a blocked marker, and for a file not open for writing (`still_open`: one that is)."""
         inode = self.journal.get(inode_id)
         if inode is None or inode.key is None or inode.state not in ("dirty", UPLOADING):
             return None
         if changed_since_scan(inode, (scanned_key,), (inode.key,), self.marker_blocked):
             return None
-        if inode.kind == FILE and inode.closed_at is None:
+        if inode.kind == FILE and (inode.closed_at is None) != still_open:
             return None
         return inode
 
     async def upload(self, inode_id: int, scanned_key: str) -> None:
+        current = self.journal.get(inode_id)
+        if (self.open_uploads.enabled and current is not None and current.kind == FILE
+                and current.closed_at is None):
+            await self._upload_open(inode_id, scanned_key)
+            return
         inode = self._still_due(inode_id, scanned_key)
         if inode is None:
             return
@@ -94,6 +103,8 @@ class Uploads:
                 # Part of the file was spilled and its spill is gone: the cache file has holes, and
                 # uploading it would put zeros in the store. Never do that; keep it pending and say so.
                 raise RuntimeError(f"{current.path}: spilled part of the file is no longer staged")
+            if self._kept_since_open_upload(current, key):
+                return
             await self._upload_file(current, key)
         elif inode.kind == DIR:
             write_ahead = self.records.write_ahead(key)
@@ -105,8 +116,60 @@ class Uploads:
             await self.engine.call(self.store.put_symlink, key, inode.target, object_meta(inode))
             self.records.record_upload(inode_id, key, version, None, 0, write_ahead)
 
-    async def _upload_file(self, inode: Inode, key: str) -> None:
-        """Stage a closed file's upload (resuming an earlier one), then commit and record it."""
+    def _kept_since_open_upload(self, inode: Inode, key: str) -> bool:
+        """A closed file the store got while it was open, unchanged since (gateway mode): recorded clean
+        without another upload. True if so."""
+        if not (self.open_uploads.enabled and inode.upload_state is None
+                and self.open_uploads.unchanged_since_upload(inode, key)):
+            return False
+        self.records.record_kept(inode, key)
+        log.debug("%s closed unchanged since its upload while open", key)
+        return True
+
+    async def _upload_open(self, inode_id: int, scanned_key: str) -> None:
+        """Upload a file still open for writing as it is now (gateway mode): a snapshot of its cache file
+        once every write in flight ended, staged, committed only if the snapshot still holds after staging
+        (else thrown away: the file changed, the scan tries again once it is idle). Its content version
+        goes up first if the store already holds the current one (then this is a newer content)."""
+        inode = self._still_due(inode_id, scanned_key, still_open=True)
+        if inode is None:
+            return
+        state = journaled_state(inode)
+        if state is not None and state.spilled:
+            return  # a spill (a full cache, or upload while writing) owns it until its close
+        key = inode.key
+        assert key is not None  # _still_due checked
+        path = str(self.cache.data_path(inode_id))
+        try:
+            began, snap = await trio.to_thread.run_sync(settle, path)
+        except FileNotFoundError:
+            return  # removed meanwhile
+        if self.open_uploads.in_store(inode, snap) or not self.open_uploads.holds(began, snap):
+            return  # in the store as it is; or written just now: the scan looks again once it is idle
+        with self.journal.transaction():
+            current = self.journal.get(inode_id)
+            if current is None or current.key != key or current.closed_at is not None:
+                return
+            if current.uploaded_version >= current.version:
+                self.journal.new_content_version(inode_id)
+            self.journal.set_attrs(inode_id, size=snap.size, mtime_ns=snap.mtime_ns)
+            current = self.journal.get(inode_id)
+        assert current is not None
+        self.open_uploads.staging(inode_id, snap)
+        committed = False
+        try:
+            committed = await self._upload_file(current, key, snap)
+        except SourceChangedError:
+            # Written while its parts were read: expected of a file still open, not a failure. The scan
+            # takes it again once it is idle.
+            log.debug("upload of %s (still open) abandoned: written while staged", key)
+        finally:
+            self.open_uploads.staged(inode_id, snap, committed=committed)
+
+    async def _upload_file(self, inode: Inode, key: str, snapshot: Snapshot | None = None) -> bool:
+        """Stage a closed file's upload (resuming an earlier one), then commit and record it; `snapshot`:
+        the file is still open for writing, and the upload commits only if its cache file still has that
+        snapshot after staging. True if committed."""
         inode_id, version = inode.id, inode.version
         with self.journal.transaction():
             self.journal.begin_upload(inode_id)
@@ -138,18 +201,21 @@ class Uploads:
             with self.journal.transaction():
                 self.journal.abort_upload(inode_id)
             if removed and isinstance(exc, NotFoundBackendError):
-                return  # its cache file went with it: nothing to upload
+                return False  # its cache file went with it: nothing to upload
             raise
-        # Re-check after the awaits: abandon the upload if the file changed, moved or went away.
+        # Re-check after the awaits: abandon the upload if the file changed, moved or went away (a file
+        # still open: if its cache file is not the snapshot staged any more).
+        changed = snapshot is not None and await trio.to_thread.run_sync(
+            stat_snapshot, str(self.cache.data_path(inode_id))) != snapshot
         current = self.journal.get(inode_id)
-        if current is None or current.key != key or current.version != version:
+        if changed or current is None or current.key != key or current.version != version:
             await self.engine.abandon(staged.state)
             if current is not None:
                 with self.journal.transaction():
                     self.journal.abort_upload(inode_id)
                     self.journal.save_upload_state(inode_id, None)
                 log.debug("upload of %s abandoned: changed or renamed during upload", key)
-            return
+            return False
         write_ahead = self.records.write_ahead(key)
         try:
             await self.engine.commit_upload(staged, priority=priority)
@@ -160,8 +226,11 @@ class Uploads:
         self.stats.uploaded_files += 1
         self.stats.uploaded_bytes += staged.size
         self.stats.upload_seconds += trio.current_time() - started
-        self.records.record_upload(inode_id, key, version, staged.checksum, staged.size, write_ahead)
-        log.debug("uploaded %s (%d bytes, %s)", key, staged.size, staged.checksum)
+        self.records.record_upload(inode_id, key, version, staged.checksum, staged.size, write_ahead,
+                                   still_open=snapshot is not None)
+        log.debug("uploaded %s (%d bytes, %s%s)", key, staged.size, staged.checksum,
+                  ", still open" if snapshot is not None else "")
+        return True
 
     async def upload_small(self, jobs: list[Job]) -> list[Job]:
         """Upload small closed files together (Transfers.put_files): one transaction begins them, one
@@ -181,6 +250,9 @@ class Uploads:
                 continue
             key = inode.key
             assert key is not None  # _still_due checked
+            if inode.kind == FILE and self._kept_since_open_upload(inode, key):
+                self.retries.succeeded(job)
+                continue
             entry = self.cache.files.get(inode.id)
             if (inode.kind != FILE or inode.upload_state is not None or entry is None or entry.freed
                     or entry.size > SMALL_FILE):

@@ -81,6 +81,8 @@ class DataPath:
         self._takeover = takeover
         self._announcements = announcements
         self.writes_allowed = True
+        # Called with the inode id after an fsync (the drain: in gateway mode the file is due for upload).
+        self.on_fsync: Callable[[int], None] = lambda inode_id: None
         self.cache_hits = 0  # opens served from local data
         self.cache_misses = 0  # opens that downloaded the file
 
@@ -337,13 +339,18 @@ class DataPath:
             with self.journal.transaction():
                 self.journal.set_attrs(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns)
         self.journal.sync()
+        self.on_fsync(handle.inode_id)
 
     def close_all(self) -> None:
         """After unmount: close every handle (the kernel will send no more releases). A close the journal
         cannot record (cache filesystem full) is left to the recovery at the next start, which takes
-        every file for closed."""
+        every file for closed. The kernel keeps the backing file of a passthrough writer after the
+        connection went, and its writes go on into the cache file: such files are watched (evict.py)."""
+        kept = {h.inode_id for h in self.handles.values() if h.writable and h.backing}
         for fh in list(self.handles):
             try:
                 self.release(fh)
             except JournalFull:
                 pass
+        if kept:
+            self.evictor.watch(kept, time.time())

@@ -108,6 +108,15 @@ class Filesystem:
     def announcer(self, announcer: Announcer | None) -> None:
         self._announcements.announcer = announcer
 
+    @property
+    def on_fsync(self) -> Callable[[int], None]:
+        """Called with the inode id after each fsync of a file (gateway mode: its upload is due now)."""
+        return self._data_path.on_fsync
+
+    @on_fsync.setter
+    def on_fsync(self, hook: Callable[[int], None]) -> None:
+        self._data_path.on_fsync = hook
+
     # -- counters for status and metrics --------------------------------------------------------------------
 
     @property

@@ -64,17 +64,32 @@ class Namespace:
     def find(self, parent_id: int, raw_name: bytes) -> Attr | None:
         """lookup, with None for a name that does not exist: the kernel's LOOKUP before the create of every
         new name misses, and an exception per miss is most of what a miss costs."""
-        parent = directory(self.journal, parent_id)
-        if raw_name == b".":
-            inode: Inode | None = parent
-        elif raw_name == b"..":
-            inode = existing(self.journal, parent.parent or ROOT_ID)
+        if raw_name == b"." or raw_name == b"..":
+            inode: Inode | None = self._by_number(parent_id, raw_name)
         else:
-            inode = self.child(parent, raw_name)
+            inode = self.child(directory(self.journal, parent_id), raw_name)
         if inode is None:
             return None
         self._references.remember(inode.id)
         return attr_of(self.journal, self.cache, inode)
+
+    def _by_number(self, inode_id: int, raw_name: bytes) -> Inode:
+        """The kernel's lookups for file handles (an NFS server's, name_to_handle_at's) of an inode it forgot:
+        "." is the inode itself, of any kind (a file handle's), ".." a directory's parent (to connect it to
+        the tree). An inode that is gone, and the parent of a directory removed since, is ESTALE: the handle
+        names nothing any more. An unlinked inode still held (open, or known to the kernel) is found."""
+        inode = self.journal.get(inode_id)
+        if inode is None:
+            raise FsError(errno.ESTALE, f"inode {inode_id} is gone")
+        if raw_name == b".":
+            return inode
+        if inode.kind != DIR:
+            raise FsError(errno.ENOTDIR, f"{inode.path!r} is not a directory")
+        if inode.id == ROOT_ID:
+            return inode
+        if inode.parent is None:
+            raise FsError(errno.ESTALE, f"directory {inode_id} was removed")
+        return existing(self.journal, inode.parent)
 
     def child(self, parent: Inode, raw_name: bytes) -> Inode | None:
         """The entry `raw_name` of `parent`, None if there is none. A name or path too long to exist is

@@ -19,6 +19,7 @@ local (fetch, eviction, status).
 
 from ckptfs.journal.connection import JournalError, JournalFull, JournalUnusable, journal_unusable
 from ckptfs.journal.journal import Journal
+from ckptfs.journal.local import rewritten
 from ckptfs.journal.records import (
     CLEAN,
     DIR,
@@ -38,4 +39,5 @@ from ckptfs.journal.schema import SCHEMA_VERSION
 __all__ = [
     "CLEAN", "DIR", "DIRTY", "FILE", "REMOTE", "ROOT_ID", "SCHEMA_VERSION", "SYMLINK", "UPLOADING", "EntryRow", "Inode",
     "Journal", "JournalError", "JournalFull", "JournalUnusable", "ListedEntry", "PendingDelete", "journal_unusable",
+    "rewritten",
 ]

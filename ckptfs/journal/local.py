@@ -1,10 +1,23 @@
 """Local copies: a fetched file becomes local, an evicted one remote, one whose cache file vanished or
-whose object another node replaced is served from the store again; what may be evicted, and the counts
-status reports."""
+whose object another node replaced is served from the store again; one whose cache file a writer the kernel
+kept changed behind the daemon is dirty again; what may be evicted, and the counts status reports."""
 
 from __future__ import annotations
 
+import json
+import os
+
 from ckptfs.journal.base import JournalBase
+from ckptfs.journal.records import Inode
+
+# meta key: the files a writer may still change behind the daemon (see stale_writers).
+STALE_WRITERS = "stale_writers"
+
+
+def rewritten(inode: Inode, st: os.stat_result) -> bool:
+    """The cache file of a file with local data no longer has the size and mtime the journal recorded for
+    it: something wrote it without the daemon (the daemon records both at every change it makes)."""
+    return st.st_size != inode.size or st.st_mtime_ns != inode.mtime_ns
 
 
 class LocalCopies(JournalBase):
@@ -28,6 +41,31 @@ class LocalCopies(JournalBase):
             (size, mtime_ns, checksum, inode_id),
         )
 
+    def rewritten_behind(self, inode_id: int, *, size: int, mtime_ns: int, now: float) -> None:
+        """The cache file changed without the daemon (a handle the kernel kept open for writing after an
+        earlier daemon died without a takeover): a new content version, closed now with the cache file's
+        size and mtime, queued for upload. Setuid and setgid go, as mark_dirty drops them for a write."""
+        self.db.execute(
+            "UPDATE inodes SET version = version + 1, state = 'dirty', size = ?, mtime_ns = ?, closed_at = ?,"
+            " seq = ?, mode = mode & ~3072 WHERE id = ? AND kind = 'file'",
+            (size, mtime_ns, now, self.next_seq(), inode_id),
+        )
+
+    def stale_writers(self) -> dict[int, float]:
+        """Files that were open for writing when a daemon died without a takeover, which the kernel may
+        still write through the handles it kept: inode id -> since when (time.time()) the cache file has
+        been seen unchanged. Kept by recovery.py and the evictor, which watch them."""
+        text = self.get_meta(STALE_WRITERS)
+        if not text:
+            return {}
+        try:
+            return {int(k): float(v) for k, v in json.loads(text).items()}
+        except (ValueError, AttributeError):
+            return {}
+
+    def set_stale_writers(self, watched: dict[int, float]) -> None:
+        self.set_meta(STALE_WRITERS, json.dumps({str(k): v for k, v in sorted(watched.items())}))
+
     # -- eviction (called by evict.py) ----------------------------------------------------------------
 
     def clean_files(self) -> list[int]:
@@ -42,6 +80,14 @@ class LocalCopies(JournalBase):
         return [row[0] for row in self.db.execute(
             # The IN term lets the planner use the partial index inodes_pending.
             "SELECT id FROM inodes WHERE state IN ('dirty', 'uploading') AND state = 'dirty' AND kind = 'file'"
+            " AND closed_at IS NULL AND path IS NOT NULL"
+        )]
+
+    def open_pending_files(self) -> list[int]:
+        """Ids of linked files open for writing not yet in the store as the journal says (dirty, or being
+        uploaded while open in gateway mode)."""
+        return [row[0] for row in self.db.execute(
+            "SELECT id FROM inodes WHERE state IN ('dirty', 'uploading') AND kind = 'file'"
             " AND closed_at IS NULL AND path IS NOT NULL"
         )]
 

@@ -50,6 +50,22 @@ class DrainWork(PendingDeletes):
             (seq, after[0], after[1], limit),
         )
 
+    def closed_pending_after(self, seq: int, limit: int = 1000) -> list[Inode]:
+        """Closed files not yet uploaded that became work after `seq` (gateway mode: a marker's check of
+        files the server closed after the marker was written)."""
+        return self._all(
+            f"SELECT {INODE_COLUMNS} FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
+            " AND kind = 'file' AND closed_at IS NOT NULL AND seq > ? ORDER BY seq LIMIT ?",
+            (seq, limit),
+        )
+
+    def new_content_version(self, inode_id: int) -> None:
+        """A file open for writing changed since the content version the store holds (gateway mode): the
+        content it has now is a new version, which an upload still staging the old one must not record."""
+        self.db.execute(
+            "UPDATE inodes SET version = version + 1 WHERE id = ? AND state IN ('dirty', 'uploading')", (inode_id,)
+        )
+
     def pending_uploads(self, limit: int = -1) -> list[Inode]:
         """Linked inodes whose content or marker the store lacks (dirty or mid-upload), oldest work first."""
         return self._all(
