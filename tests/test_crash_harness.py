@@ -1,7 +1,8 @@
-"""The crash-and-fault harness (tests/crash_harness.py) in CI: a short run of about 27 rounds over file://,
-SeaweedFS, SeaweedFS behind the fault proxy, a full cache filesystem, two nodes on one store, and kills that
-the holder's next daemon takes over (--keep-mount); and the regression tests of the product bugs the harness
-found (xfail(strict=True) while they are open, each with its reason; plain regression tests once fixed)."""
+"""The crash-and-fault harness (tests/crash_harness.py) in CI: a short run of about 29 rounds over file://,
+SeaweedFS, SeaweedFS behind the fault proxy, a full cache filesystem, two nodes on one store, kills that the
+holder's next daemon takes over (--keep-mount), and gateway mode (files uploaded while held open); and the
+regression tests of the product bugs the harness found (xfail(strict=True) while they are open, each with
+its reason; plain regression tests once fixed)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ RUNS = [
     # keep_mount: kills the holder's next daemon takes over, the workload going on (one round killed
     # mid-workload, one with a fresh node mid-fetch, one mid-drain)
     ("keep-mount", ["--store", "file", "--keep-mount", "--seed", "1338"], 3),
+    # gateway mode: files held open after their last write are uploaded while open (issue 32)
+    ("gateway", ["--store", "file", "--gateway", "--seed", "1206"], 2),
 ]
 # Each run in tests of at most two rounds (--round, --rounds): the same rounds as one test per run, since a
 # round's choices depend only on the seed and its index, but the suite's workers share a run's rounds (one
