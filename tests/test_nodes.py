@@ -64,7 +64,8 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(peers, "POLL_MAX", 0.2)
 
 
-async def _until(condition, seconds: float = 10) -> None:  # type: ignore[no-untyped-def]
+async def _until(condition, seconds: float = 30) -> None:  # type: ignore[no-untyped-def]
+    """A guard against a hang, not a time bound: under a loaded machine a chain of store calls took over 10 s."""
     with trio.fail_after(seconds):
         while not condition():  # noqa: ASYNC110 (polling the store directory and the journal)
             await trio.sleep(0.02)
