@@ -266,14 +266,15 @@ class GcsServer:
                 time.sleep(0.3)
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes], grace: float = 15) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `grace` seconds."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=15)
@@ -292,7 +293,7 @@ def _wait_url(name: str, proc: subprocess.Popen[bytes], log: Path, url: str, tim
         except OSError:
             pass
         if time.monotonic() > deadline:
-            _stop(proc)
+            stop_process(proc)
             raise RuntimeError(f"{name} did not answer on {url} in {timeout}s:\n{log.read_text()[-4000:]}")
         time.sleep(0.2)
 
@@ -379,7 +380,7 @@ class AzuriteServer:
         return name
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
 
 
 def start_azurite(root: Path) -> AzuriteServer:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import nfsclient
+from emulators import stop_process
 
 GANESHA = "ganesha.nfsd"
 # Debian's package puts the FSAL plugins in /usr/lib/<arch triplet>/ganesha.
@@ -129,14 +130,8 @@ class Ganesha:
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it has not exited within 5 s: its open files on the mount go with it."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        if proc is not None:
+            stop_process(proc, grace=5)
 
     def restart(self) -> None:
         self.stop()

@@ -116,7 +116,9 @@ def test_rewrites_racing_the_uploads_never_show_a_torn_object(mount_factory, pas
 
 
 @pytest.mark.parametrize("passthrough", PASSTHROUGH)
-def test_fsync_of_a_file_held_open_uploads_it_now(mount_factory, passthrough: str) -> None:  # type: ignore[no-untyped-def]
+def test_fsync_of_a_file_held_open_uploads_it_once_its_last_write_is_a_second_old(  # type: ignore[no-untyped-def]
+    mount_factory, passthrough: str
+) -> None:
     mount = gateway(mount_factory, passthrough, 60)
     with open(mount.mnt / "committed.bin", "wb") as f:
         f.write(b"c" * 10_000)
