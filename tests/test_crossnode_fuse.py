@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +19,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import Mount
 from emulators import AzuriteServer, GcsServer, S3Server, azurite, fake_gcs, s3_bucket, seaweedfs_s3  # noqa: F401
-from test_multinode import _free_port
+from rank_server import SERVER, Rank
+from test_multinode import RANK_IMPORTS, _free_port
 
 HOLD = ("--upload-delay", "3600")  # a node whose uploads wait (until it is flushed or killed)
 
@@ -50,16 +49,14 @@ def _node_id(mount: Mount) -> str:
 
 
 def _dcp_save(mounts: list[Mount], name: str, step: int) -> None:
-    """Rank r saves through mounts[r]; rank 0 (the coordinator) writes .metadata after the barrier."""
+    """Rank r saves through mounts[r]; rank 0 (the coordinator) writes .metadata after the barrier. The ranks
+    are forks of the worker's rank server (tests/rank_server.py), which imported torch once."""
     port = _free_port()
-    procs = []
-    for rank, mount in enumerate(mounts):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(mount.mnt / name), str(step)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err
+    ranks = [Rank(["-c", RANK_SCRIPT, str(mount.mnt / name), str(step)],
+                  dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for rank, mount in enumerate(mounts)]
+    for code, out in SERVER.run(ranks, preload=RANK_IMPORTS, timeout=300):
+        assert code == 0, out
 
 
 def _dcp_load(mount: Mount, name: str) -> dict[str, torch.Tensor]:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,11 +26,15 @@ import torch
 from conftest import Mount
 from doc_snippets import load_snippet, snippet_sources
 from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
+from rank_server import SERVER, Rank
 from test_fuse_ml import assert_same_state, uploaded_order
 
 import ckptfs
 
 JOBS = Path(__file__).resolve().parent / "framework_jobs.py"
+# What every job of framework_jobs.py imports (DeepSpeed and megatron-core by the jobs that use them).
+JOB_IMPORTS = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+               "torch.distributed.checkpoint.state_dict", "doc_snippets")
 PREFIX = "run"  # the S3 store's prefix: keys are run/<path in the mount>
 
 
@@ -122,22 +124,25 @@ def cluster(request: pytest.FixtureRequest, mount_factory: Callable[..., Mount],
 
 
 def run_job(job: str, *args: str, world_size: int = 1, timeout: float = 300) -> None:
-    """Run framework_jobs.py JOB as `world_size` ranks (what torchrun would start) and check every rank."""
+    """Run framework_jobs.py JOB as `world_size` ranks (what torchrun would start) and check every rank. The
+    ranks are forks of the worker's rank server (tests/rank_server.py): torch, DeepSpeed and megatron-core
+    imported once, not in every rank of every job."""
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(JOBS), job, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+    ranks = [
+        Rank([str(JOBS), job, *args],
+             dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                  LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                  OMP_NUM_THREADS="1"))
+        for rank in range(world_size)
+    ]
+    preload = {"deepspeed": ("deepspeed",), "megatron": ("megatron.core.dist_checkpointing",)}.get(
+        job.split("_")[0], ())
     failures = []
-    for rank, proc in enumerate(procs):
-        out, _ = proc.communicate(timeout=timeout)
-        if proc.returncode != 0:
-            failures.append(f"rank {rank} exited {proc.returncode}:\n{out[-6000:]}")
+    for rank, (code, out) in enumerate(SERVER.run(ranks, preload=(*JOB_IMPORTS, *preload), timeout=timeout)):
+        if code != 0:
+            failures.append(f"rank {rank} exited {code}:\n{out[-6000:]}")
     assert not failures, "\n".join(failures)
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import Mount
 from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
+from rank_server import SERVER, Rank
 
+RANK_IMPORTS = ("torch", "torch.distributed", "torch.distributed.checkpoint")
 RANK_SCRIPT = """
 import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 rank = int(os.environ["RANK"])
@@ -37,15 +37,14 @@ def _free_port() -> int:
 
 
 def _two_rank_save(mounts: list[Mount], name: str) -> None:
+    """Rank r saves through mounts[r]: forks of the worker's rank server (tests/rank_server.py), which
+    imported torch once."""
     port = _free_port()
-    procs = []
-    for rank, mount in enumerate(mounts):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(mount.mnt / name)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err
+    ranks = [Rank(["-c", RANK_SCRIPT, str(mount.mnt / name)],
+                  dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for rank, mount in enumerate(mounts)]
+    for code, out in SERVER.run(ranks, preload=RANK_IMPORTS, timeout=300):
+        assert code == 0, out
 
 
 def _load(mount: Mount, name: str) -> dict[str, torch.Tensor]:
