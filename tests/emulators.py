@@ -8,6 +8,10 @@ Use from a test module:  from emulators import moto_s3, seaweedfs_s3, S3Server  
 from __future__ import annotations
 
 import contextlib
+import datetime
+import hashlib
+import hmac
+import http.client
 import os
 import secrets
 import shutil
@@ -17,8 +21,10 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +114,30 @@ class S3Server:
                     client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
             client.delete_bucket(Bucket=name)
 
+    def put_many(self, bucket: str, objects: dict[str, bytes], connections: int = 8) -> None:
+        """PUT each object, signed (SigV4) here and sent on a few kept-alive connections: for a test that needs
+        thousands of objects in the store. boto3 spent about 4 ms of CPU per put_object (40 s for 10,000);
+        this is a tenth of that, and the server receives the same PutObject requests."""
+        host = self.endpoint.removeprefix("http://")
+        keys = sorted(objects)
+
+        def put(share: list[str]) -> None:
+            conn = http.client.HTTPConnection(host, timeout=60)
+            try:
+                for key in share:
+                    path = f"/{bucket}/{urllib.parse.quote(key, safe='/~')}"
+                    body = objects[key]
+                    conn.request("PUT", path, body=body, headers=_sigv4_headers("PUT", host, path, body))
+                    answer = conn.getresponse()
+                    text = answer.read()
+                    if answer.status != 200:
+                        raise RuntimeError(f"PUT {key}: {answer.status} {text[:300]!r}")
+            finally:
+                conn.close()
+
+        with ThreadPoolExecutor(connections) as pool:
+            list(pool.map(put, [keys[i::connections] for i in range(connections)]))
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -116,6 +146,25 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=15)
+
+
+def _sigv4_headers(method: str, host: str, path: str, body: bytes) -> dict[str, str]:
+    """The headers of an AWS Signature Version 4 request to an S3 server with ACCESS_KEY and SECRET_KEY."""
+    now = datetime.datetime.now(datetime.UTC)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    payload = hashlib.sha256(body).hexdigest()
+    signed = "host;x-amz-content-sha256;x-amz-date"
+    headers = f"host:{host}\nx-amz-content-sha256:{payload}\nx-amz-date:{stamp}\n"
+    canonical = f"{method}\n{path}\n\n{headers}\n{signed}\n{payload}"
+    scope = f"{day}/{REGION}/s3/aws4_request"
+    to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
+    key = f"AWS4{SECRET_KEY}".encode()
+    for part in (day, REGION, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    return {"x-amz-date": stamp, "x-amz-content-sha256": payload,
+            "Authorization": f"AWS4-HMAC-SHA256 Credential={ACCESS_KEY}/{scope}, SignedHeaders={signed}, "
+                             f"Signature={signature}"}
 
 
 def _wait_http(server: S3Server, url: str, timeout: float, ok_any_status: bool) -> None:
