@@ -243,7 +243,8 @@ def test_large_writes_fault_in_no_fresh_pages(mount_factory) -> None:  # type: i
     """The daemon runs with a pad kept at the top of glibc's heap (cli.MALLOC_TUNABLE), the same process
     the supervisor started. Without it every 1 MiB write request faulted in 256 fresh zeroed pages: half of
     the daemon's CPU for a large write (bench/README.md, "Write path")."""
-    m = mount_factory(upload_delay=3600)  # the drain stays away: only the FUSE requests allocate
+    # the drain stays away: only the FUSE requests allocate; the daemon restarts itself to set the pad
+    m = mount_factory(upload_delay=3600, restarts_for_malloc_pad=True)
     pid = m.proc.pid
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     assert any(e.startswith(b"GLIBC_TUNABLES=") and MALLOC_TUNABLE.encode() in e for e in environ)

@@ -89,7 +89,7 @@ def test_daemon_notifies_ready_only_once_mounted_then_status_and_stopping(
     address = f"@ckptfs-test-{os.getpid()}-{time.monotonic_ns()}" if abstract else str(tmp_path / "notify.sock")
     listener = NotifyListener(address)
     try:
-        mount: Mount = mount_factory(start=False)
+        mount: Mount = mount_factory(start=False, restarts_for_malloc_pad=True)
         listener.mnt = mount.mnt
         mount.env["NOTIFY_SOCKET"] = address
         mount.start()
@@ -140,7 +140,7 @@ def test_the_unit_s_fd_store_keeps_the_mount_for_the_daemon_restart_starts(mount
     systemd, which does not run in this container; the unit file has FileDescriptorStoreMax=2."""
     store = FdStore(str(tmp_path / "notify.sock"))
     try:
-        m: Mount = mount_factory(start=False)
+        m: Mount = mount_factory(start=False, restarts_for_malloc_pad=True)
         m.env["NOTIFY_SOCKET"] = store.address
         m.start()
         store.wait_for("READY")
