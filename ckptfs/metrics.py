@@ -14,11 +14,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 
 @dataclass(frozen=True)
@@ -159,21 +158,29 @@ class InstrumentedStore:
         return call
 
 
-class _SnapshotCollector(Collector):
-    def __init__(self) -> None:
-        self.snapshot: Snapshot = {}
+def _snapshot_collector() -> Any:
+    """A collector whose `snapshot` a scrape renders. prometheus_client (and the HTTP and email modules it
+    brings) is imported here, by a daemon that serves metrics: every other start of the daemon spares it."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.registry import Collector
 
-    def collect(self) -> Iterator[Metric]:
-        snapshot = self.snapshot  # replaced whole by publish(): no lock needed
-        for metric in METRICS:
-            family: Metric
-            if metric.kind == "gauge":
-                family = GaugeMetricFamily(metric.name, metric.help, labels=list(metric.labels))
-            else:
-                family = CounterMetricFamily(metric.name, metric.help, labels=list(metric.labels))
-            for labels, value in snapshot.get(metric.name, []):
-                family.add_metric(list(labels), value)
-            yield family
+    class SnapshotCollector(Collector):
+        def __init__(self) -> None:
+            self.snapshot: Snapshot = {}
+
+        def collect(self) -> Iterator[Metric]:
+            snapshot = self.snapshot  # replaced whole by publish(): no lock needed
+            for metric in METRICS:
+                family: Metric
+                if metric.kind == "gauge":
+                    family = GaugeMetricFamily(metric.name, metric.help, labels=list(metric.labels))
+                else:
+                    family = CounterMetricFamily(metric.name, metric.help, labels=list(metric.labels))
+                for labels, value in snapshot.get(metric.name, []):
+                    family.add_metric(list(labels), value)
+                yield family
+
+    return SnapshotCollector()
 
 
 def parse_addr(text: str) -> tuple[str, int] | None:
@@ -188,8 +195,10 @@ def parse_addr(text: str) -> tuple[str, int] | None:
 
 class MetricsServer:
     def __init__(self, host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
         self.registry = CollectorRegistry(auto_describe=False)
-        self._collector = _SnapshotCollector()
+        self._collector = _snapshot_collector()
         self.registry.register(self._collector)
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         self.port = self._server.server_port
