@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +15,7 @@ import torch
 from conftest import Mount
 from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
 from faultproxy import FaultProxy, Rule
+from rank_server import SERVER, Rank
 
 MiB = 1 << 20
 PREFIX = "run-1/"
@@ -154,12 +153,13 @@ def test_torch_save_of_512mib_through_a_64mib_cache_into_a_throttled_bucket(
     # holds the GIL through writes that wait for the drain, which would starve the proxy's threads.
     with CachePeak(mount.cache) as sampler:
         (mount.root / "local").mkdir()
-        saved = subprocess.run(
-            [sys.executable, "-c", SAVER, str(mount.mnt / "step_1000.pt"), str(mount.root / "local" / "step_1000.pt")],
-            capture_output=True, text=True, timeout=900,
+        # (a fork of the worker's rank server, tests/rank_server.py, which imported torch once)
+        [(code, out)] = SERVER.run(
+            [Rank(["-c", SAVER, str(mount.mnt / "step_1000.pt"), str(mount.root / "local" / "step_1000.pt")],
+                  dict(os.environ))], preload=("torch",), timeout=900,
         )
-        assert saved.returncode == 0, saved.stderr
-        expected = saved.stdout.strip()
+        assert code == 0, out
+        expected = out.strip().splitlines()[-1]
         mount.flush(timeout=600)
     proxy.heal()
     assert sampler.peak <= 64 * MiB + 8 * MiB, sampler.peak

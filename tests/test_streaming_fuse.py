@@ -7,8 +7,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sqlite3
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 import pytest
 from conftest import Mount
 from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
+from rank_server import SERVER, Rank
 
 MiB = 1 << 20
 PREFIX = "run-1/"
@@ -81,14 +80,15 @@ def sha256_of(path: Path) -> str:
 
 
 def save_checkpoint(path: Path) -> None:
-    saved = subprocess.run([sys.executable, "-c", SAVER, str(path)], capture_output=True, text=True, timeout=300)
-    assert saved.returncode == 0, saved.stderr
+    """SAVER in a process of its own: a fork of the worker's rank server (tests/rank_server.py), which
+    imported torch once."""
+    [(code, out)] = SERVER.run([Rank(["-c", SAVER, str(path)], dict(os.environ))], preload=("torch",))
+    assert code == 0, out
 
 
 def mmap_load_checks(path: Path) -> None:
-    loaded = subprocess.run([sys.executable, "-c", MMAP_CHECK, str(path)], capture_output=True, text=True,
-                            timeout=300)
-    assert loaded.returncode == 0 and loaded.stdout.strip() == "ok", loaded.stderr
+    [(code, out)] = SERVER.run([Rank(["-c", MMAP_CHECK, str(path)], dict(os.environ))], preload=("torch",))
+    assert code == 0 and out.strip().splitlines()[-1:] == ["ok"], out
 
 
 def read_back_through_the_cache(mount: Mount, expected: str) -> None:
