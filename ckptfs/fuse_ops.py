@@ -350,8 +350,9 @@ class FuseOperations(pyfuse3.Operations):
         ctx: RequestContext,
     ) -> None:
         try:
-            await self.fs.prepare_rename(parent_inode_old, name_old, parent_inode_new, name_new)
-            moved = self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+            entries = await self.fs.prepare_rename(parent_inode_old, name_old, parent_inode_new, name_new)
+            # No await in between: what prepare_rename read is still what the journal holds.
+            moved = self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, entries)
         except FsError as exc:
             if exc.errno != errno.ENOENT or not _sent_again(ctx):
                 raise

@@ -65,10 +65,12 @@ class Uploads:
         self.marker_blocked = marker_blocked
         self.open_uploads = open_uploads
 
-    def _still_due(self, inode_id: int, scanned_key: str, *, still_open: bool = False) -> Inode | None:
+    def _still_due(self, inode_id: int, scanned_key: str, *, still_open: bool = False,
+                   rows: dict[int, Inode] | None = None) -> Inode | None:
         """The inode, if the upload the scan chose is still to be done now: pending, under the key it was
-        chosen for, not a blocked marker, and for a file not open for writing (`still_open`: one that is)."""
-        inode = self.journal.get(inode_id)
+        chosen for, not a blocked marker, and for a file not open for writing (`still_open`: one that is).
+        `rows`: the journal's rows of a batch read at once since the last await, instead of this one's."""
+        inode = self.journal.get(inode_id) if rows is None else rows.get(inode_id)
         if inode is None or inode.key is None or inode.state not in ("dirty", UPLOADING):
             return None
         if changed_since_scan(inode, (scanned_key,), (inode.key,), self.marker_blocked):
@@ -243,8 +245,9 @@ class Uploads:
         files: list[SmallFile] = []
         rest: list[Job] = []
         size = 0
+        rows: dict[int, Inode] | None = self.journal.get_many([job.ident for job in jobs])  # one query, not one a file
         for job in jobs:
-            inode = self._still_due(job.ident, job.keys[0])
+            inode = self._still_due(job.ident, job.keys[0], rows=rows)
             if inode is None:
                 self.retries.succeeded(job)  # nothing to do now, as in upload
                 continue
@@ -252,6 +255,7 @@ class Uploads:
             assert key is not None  # _still_due checked
             if inode.kind == FILE and self._kept_since_open_upload(inode, key):
                 self.retries.succeeded(job)
+                rows = None  # that record may have changed another row of the batch: read each from here
                 continue
             entry = self.cache.files.get(inode.id)
             if (inode.kind != FILE or inode.upload_state is not None or entry is None or entry.freed

@@ -14,7 +14,7 @@ import trio
 
 from ckptfs.cache import CacheDir
 from ckptfs.fs.open_files import OpenFiles
-from ckptfs.journal import FILE, REMOTE, Journal, JournalFull
+from ckptfs.journal import Journal, JournalFull
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +108,15 @@ class Changes:
             log.info("the journal has room again: recorded the close of %d file(s)", recorded)
 
     def _record_close(self, inode_id: int, changed: bool) -> None:
-        inode = self.journal.get(inode_id)
-        if inode is None or inode.kind != FILE or inode.state == REMOTE:
-            return
+        # Only a file with local data has a cache file; mark_closed checks the rest without a read first.
         try:
             st = os.stat(self.cache.data_path(inode_id))
         except FileNotFoundError:
             return
         self.cache.observe(inode_id, st)
         with self.journal.transaction():
-            self.journal.mark_closed(
+            recorded = self.journal.mark_closed(
                 inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=time.time()
             )
-        if changed:
+        if changed and recorded:
             self._notify_drain()

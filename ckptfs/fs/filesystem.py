@@ -29,7 +29,7 @@ from ckptfs.fs.interface import (
 )
 from ckptfs.fs.kernel_cache import KernelCache
 from ckptfs.fs.listing import Listing, NothingToList
-from ckptfs.fs.namespace import Namespace
+from ckptfs.fs.namespace import Namespace, RenameEntries
 from ckptfs.fs.open_files import OpenFiles
 from ckptfs.fs.references import References
 from ckptfs.fs.takeover import Takeover
@@ -176,9 +176,10 @@ class Filesystem:
         self._namespace.rmdir(parent_id, raw_name)
 
     def rename(
-        self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes, flags: int
+        self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes, flags: int,
+        entries: RenameEntries | None = None,
     ) -> Moved | None:
-        return self._namespace.rename(old_parent_id, raw_old, new_parent_id, raw_new, flags)
+        return self._namespace.rename(old_parent_id, raw_old, new_parent_id, raw_new, flags, entries)
 
     def vanished(self, inode: Inode) -> None:
         self._namespace.vanished(inode)
@@ -188,8 +189,10 @@ class Filesystem:
     async def ensure_listed(self, inode_id: int) -> None:
         await self._listing.ensure_listed(inode_id)
 
-    async def prepare_rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes) -> None:
-        await self._listing.prepare_rename(old_parent_id, raw_old, new_parent_id, raw_new)
+    async def prepare_rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes
+                             ) -> RenameEntries | None:
+        """Lists what the rename needs listed; returns what rename() may take as `entries` (see there)."""
+        return await self._listing.prepare_rename(old_parent_id, raw_old, new_parent_id, raw_new)
 
     async def prepare_rmdir(self, parent_id: int, raw_name: bytes) -> None:
         await self._listing.prepare_rmdir(parent_id, raw_name)

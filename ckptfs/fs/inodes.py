@@ -23,7 +23,13 @@ def existing(journal: Journal, inode_id: int) -> Inode:
 
 
 def directory(journal: Journal, inode_id: int) -> Inode:
-    inode = existing(journal, inode_id)
+    return as_directory(journal.get(inode_id), inode_id)
+
+
+def as_directory(inode: Inode | None, inode_id: int) -> Inode:
+    """`inode`, the row of `inode_id` read by the caller, as directory() checks it."""
+    if inode is None:
+        raise FsError(errno.ENOENT, f"inode {inode_id} does not exist")
     if inode.kind != DIR:
         raise FsError(errno.ENOTDIR, f"{inode.path!r} is not a directory")
     if inode.path is None:

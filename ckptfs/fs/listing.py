@@ -8,7 +8,7 @@ from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
 from ckptfs.fs.inodes import directory, journal_attr, local_attr
 from ckptfs.fs.interface import DirEntry, Lister
-from ckptfs.fs.namespace import Namespace
+from ckptfs.fs.namespace import Namespace, RenameEntries
 from ckptfs.journal import DIR, FILE, REMOTE, Inode, Journal
 
 
@@ -48,21 +48,34 @@ class Listing:
             await self._list_required(folder)
             pending.extend(c.id for c in self.journal.all_children(folder) if c.kind == DIR)
 
-    async def prepare_rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes) -> None:
+    async def prepare_rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes
+                             ) -> RenameEntries | None:
         """Before rename(): the journal knows everything the rename moves or replaces. Listing is lazy, so a
         directory this node never looked into has no entries here yet; renamed as it is, its objects would
         stay at the old keys and the new name would be empty (a rename in the store is a move of every
         object, each journaled). So its whole subtree is listed first, and a directory it replaces is
         listed too (rename over a non-empty directory is ENOTEMPTY). A big remote tree makes the rename
-        slower, never wrong; a store that cannot be listed fails the rename instead of losing entries."""
+        slower, never wrong; a store that cannot be listed fails the rename instead of losing entries.
+        Returns what the rename reads (Namespace.rename_entries) when nothing was listed after reading it,
+        so that the rename need not read it again; None if the rename must (or fails: it says why)."""
         await self._list_required(old_parent_id)
         await self._list_required(new_parent_id)
-        source = self._maybe_child(old_parent_id, raw_old)
-        if source is not None and source.kind == DIR:
-            await self._list_tree(source.id)
-        target = self._maybe_child(new_parent_id, raw_new)
-        if target is not None and target.kind == DIR:
-            await self._list_required(target.id)
+        try:
+            entries = self._namespace.rename_entries(old_parent_id, raw_old, new_parent_id, raw_new)
+        except FsError:
+            # rename() reports it, but a directory to move is listed all the same, if there is one.
+            source = self._maybe_child(old_parent_id, raw_old)
+            if source is not None and source.kind == DIR:
+                await self._list_tree(source.id)
+            return None
+        if entries.source.kind == DIR or (entries.target is not None and entries.target.kind == DIR):
+            if entries.source.kind == DIR:
+                await self._list_tree(entries.source.id)
+            target = self._maybe_child(new_parent_id, raw_new)
+            if target is not None and target.kind == DIR:
+                await self._list_required(target.id)
+            return None
+        return entries
 
     async def prepare_rmdir(self, parent_id: int, raw_name: bytes) -> None:
         """Before rmdir(): the directory is listed, so one with objects only in the store is ENOTEMPTY."""
@@ -73,7 +86,7 @@ class Listing:
 
     def _maybe_child(self, parent_id: int, raw_name: bytes) -> Inode | None:
         try:
-            return self._namespace.existing_child(directory(self.journal, parent_id), raw_name)
+            return self._namespace.existing_child_of(parent_id, raw_name)
         except FsError:
             return None  # rename()/rmdir() report it
 

@@ -9,10 +9,11 @@ import errno
 import stat
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ckptfs.cache import CacheDir
 from ckptfs.errors import FsError
-from ckptfs.fs.inodes import attr_of, directory, existing
+from ckptfs.fs.inodes import as_directory, attr_of, directory, existing
 from ckptfs.fs.interface import Attr, Lister, Moved
 from ckptfs.fs.references import References
 from ckptfs.journal import DIR, ROOT_ID, SYMLINK, Inode, Journal
@@ -46,6 +47,17 @@ def child_path(parent: Inode, name: str) -> str:
     return path
 
 
+class RenameEntries(NamedTuple):
+    """What a rename reads before it changes anything: both directories, the entry it moves and the one it
+    replaces (None: the new name is free)."""
+
+    old_parent: Inode
+    source: Inode
+    new_parent: Inode
+    new_name: str
+    target: Inode | None
+
+
 class Namespace:
     def __init__(self, journal: Journal, cache: CacheDir, references: References, lister: Lister,
                  notify_drain: Callable[[], None]) -> None:
@@ -67,7 +79,7 @@ class Namespace:
         if raw_name == b"." or raw_name == b"..":
             inode: Inode | None = self._by_number(parent_id, raw_name)
         else:
-            inode = self.child(directory(self.journal, parent_id), raw_name)
+            inode = self.dir_and_child(parent_id, raw_name)[1]
         if inode is None:
             return None
         self._references.remember(inode.id)
@@ -106,17 +118,37 @@ class Namespace:
             child_path(parent, name)  # ENAMETOOLONG beyond the store's key limit
         return inode
 
-    def existing_child(self, parent: Inode, raw_name: bytes) -> Inode:
-        inode = self.child(parent, raw_name)
+    def dir_and_child(self, parent_id: int, raw_name: bytes) -> tuple[Inode, Inode | None]:
+        """directory(parent_id) and child() of it, read with one journal statement, with their errors in
+        the same order (the directory's first)."""
+        if len(raw_name) > NAME_MAX:
+            return (parent := directory(self.journal, parent_id)), self.child(parent, raw_name)
+        try:
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            return directory(self.journal, parent_id), None  # it could not have been created
+        parent_row, inode = self.journal.dir_and_child(parent_id, name)
+        parent = as_directory(parent_row, parent_id)
+        if inode is None:
+            child_path(parent, name)  # ENAMETOOLONG beyond the store's key limit
+        return parent, inode
+
+    def existing_child_of(self, parent_id: int, raw_name: bytes) -> Inode:
+        inode = self.dir_and_child(parent_id, raw_name)[1]
         if inode is None:
             raise FsError(errno.ENOENT, f"no entry {raw_name!r}")
         return inode
 
     def check_new_entry(self, parent_id: int, raw_name: bytes) -> tuple[Inode, str]:
-        parent = directory(self.journal, parent_id)
-        name = decode_name(raw_name)
+        try:
+            name = decode_name(raw_name)
+        except FsError:
+            directory(self.journal, parent_id)  # a missing directory is the first error
+            raise
+        parent_row, found = self.journal.dir_and_child(parent_id, name)
+        parent = as_directory(parent_row, parent_id)
         child_path(parent, name)
-        if self.journal.lookup(parent_id, name) is not None:
+        if found is not None:
             raise FsError(errno.EEXIST, f"{name!r} exists")
         return parent, name
 
@@ -162,13 +194,13 @@ class Namespace:
         raise FsError(errno.EPERM, "hard links are not supported")
 
     def unlink(self, parent_id: int, raw_name: bytes) -> None:
-        inode = self.existing_child(directory(self.journal, parent_id), raw_name)
+        inode = self.existing_child_of(parent_id, raw_name)
         if inode.kind == DIR:
             raise FsError(errno.EISDIR, f"{inode.path!r} is a directory")
         self._remove(inode)
 
     def rmdir(self, parent_id: int, raw_name: bytes) -> None:
-        inode = self.existing_child(directory(self.journal, parent_id), raw_name)
+        inode = self.existing_child_of(parent_id, raw_name)
         if inode.kind != DIR:
             raise FsError(errno.ENOTDIR, f"{inode.path!r} is not a directory")
         if self.journal.has_children(inode.id):
@@ -183,20 +215,41 @@ class Namespace:
         self._references.maybe_purge(inode.id)
         self._notify_drain()
 
+    def rename_entries(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes
+                       ) -> RenameEntries:
+        """What a rename reads, in two journal statements (or the error it fails with)."""
+        old_parent, source = self.dir_and_child(old_parent_id, raw_old)
+        if source is None:
+            raise FsError(errno.ENOENT, f"no entry {raw_old!r}")
+        if new_parent_id == old_parent_id:
+            new_name = decode_name(raw_new)
+            new_parent = old_parent
+            target = self.journal.lookup(new_parent_id, new_name)
+        else:
+            try:
+                new_name = decode_name(raw_new)
+            except FsError:
+                directory(self.journal, new_parent_id)  # a missing directory is the first error
+                raise
+            parent_row, target = self.journal.dir_and_child(new_parent_id, new_name)
+            new_parent = as_directory(parent_row, new_parent_id)
+        child_path(new_parent, new_name)
+        return RenameEntries(old_parent, source, new_parent, new_name, target)
+
     def rename(
-        self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes, flags: int
+        self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes, flags: int,
+        entries: RenameEntries | None = None,
     ) -> Moved | None:
-        """Returns what moved (for cross-node ordering), None if nothing did (a rename onto itself)."""
+        """Returns what moved (for cross-node ordering), None if nothing did (a rename onto itself).
+        `entries`: what rename_entries() returned for these names, read since the last await (the
+        journal cannot have changed since), else they are read here."""
         if flags & RENAME_EXCHANGE:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         if flags & ~RENAME_NOREPLACE:
             raise FsError(errno.EINVAL, f"unsupported rename flags {flags:#x}")
-        old_parent = directory(self.journal, old_parent_id)
-        source = self.existing_child(old_parent, raw_old)
-        new_parent = old_parent if new_parent_id == old_parent_id else directory(self.journal, new_parent_id)
-        new_name = decode_name(raw_new)
-        child_path(new_parent, new_name)
-        target = self.journal.lookup(new_parent_id, new_name)
+        if entries is None:
+            entries = self.rename_entries(old_parent_id, raw_old, new_parent_id, raw_new)
+        _, source, new_parent, new_name, target = entries
         if target is not None and target.id == source.id:
             return None
         if target is not None and flags & RENAME_NOREPLACE:

@@ -18,6 +18,21 @@ class Namespace(PendingDeletes):
     def lookup(self, parent: int, name: str) -> Inode | None:
         return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ? AND name = ?", (parent, name))
 
+    def dir_and_child(self, parent: int, name: str) -> tuple[Inode | None, Inode | None]:
+        """The inode `parent` and its entry `name` (each None if there is none) in one statement: a lookup,
+        create or rename needs both, and read one after the other they were half of a small file's reads."""
+        parent_row = child = None
+        for inode in self._all(
+            f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?1"
+            f" UNION ALL SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ?1 AND name = ?2",
+            (parent, name),
+        ):
+            if inode.id == parent:
+                parent_row = inode
+            else:
+                child = inode
+        return parent_row, child
+
     def by_path(self, path: str) -> Inode | None:
         return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE path = ?", (path,))
 
@@ -162,15 +177,21 @@ class Namespace(PendingDeletes):
     def mark_open_for_write(self, inode_id: int) -> None:
         self.db.execute("UPDATE inodes SET closed_at = NULL WHERE id = ?", (inode_id,))
 
-    def mark_closed(self, inode_id: int, *, size: int, mtime_ns: int, changed: bool, now: float) -> None:
-        """The last writer closed. If it changed the content, the file queues for upload from now."""
+    def mark_closed(self, inode_id: int, *, size: int, mtime_ns: int, changed: bool, now: float) -> bool:
+        """The last writer closed. If it changed the content, the file queues for upload from now. Only a
+        file with local data has a close to record: False (nothing changed) for any other inode, which the
+        caller need not read first."""
         if changed:
-            self.db.execute(
-                "UPDATE inodes SET size = ?, mtime_ns = ?, closed_at = ?, seq = ? WHERE id = ?",
+            cur = self.db.execute(
+                "UPDATE inodes SET size = ?, mtime_ns = ?, closed_at = ?, seq = ? WHERE id = ? AND kind = 'file'"
+                " AND state != 'remote'",
                 (size, mtime_ns, now, self.next_seq(), inode_id),
             )
         else:
-            self.db.execute("UPDATE inodes SET closed_at = ? WHERE id = ?", (now, inode_id))
+            cur = self.db.execute(
+                "UPDATE inodes SET closed_at = ? WHERE id = ? AND kind = 'file' AND state != 'remote'", (now, inode_id)
+            )
+        return cur.rowcount > 0
 
     def detach(self, inode: Inode) -> None:
         """Remove the entry of `inode` from the namespace; its store copy (if any) is queued for deletion.
