@@ -15,7 +15,7 @@ import pytest
 from fsharness import Stack, check_consistency, make_stack
 
 from ckptfs.journal import REMOTE, ROOT_ID
-from ckptfs.recovery import MAX_PATH_BYTES, _listed_name, _valid_path
+from ckptfs.recovery import MAX_PATH_BYTES, _listed_name, _plain_names, _valid_path
 
 
 class Counts:
@@ -105,7 +105,7 @@ async def test_readdir_and_lookup_after_a_listing_ask_the_store_nothing(
         await stack.fs.ensure_listed(ROOT_ID)
         big = stack.fs.lookup(ROOT_ID, b"big")
         await stack.fs.ensure_listed(big.ino)
-        entries = stack.fs.readdir(stack.fs.opendir(big.ino), 0)
+        entries = list(stack.fs.readdir(stack.fs.opendir(big.ino), 0))
         assert len(entries) == 302
         for entry in entries:
             await stack.fs.ensure_listed(big.ino)
@@ -124,7 +124,7 @@ async def test_the_kernel_forgetting_a_walked_tree_is_one_query_per_batch(
     await stack.fs.ensure_listed(ROOT_ID)
     big = stack.fs.lookup(ROOT_ID, b"big")
     await stack.fs.ensure_listed(big.ino)
-    walked = stack.fs.readdir(stack.fs.opendir(big.ino), 0)
+    walked = list(stack.fs.readdir(stack.fs.opendir(big.ino), 0))
     for entry in walked:
         stack.fs.remember(entry.attr.ino)  # what readdirplus does for each entry it reports
     victim = stack.write_file("victim", b"gone soon")
@@ -157,6 +157,25 @@ def test_the_name_check_of_a_listing_agrees_with_the_path_check(prefix: str, nam
             assert prefix + got == expected
 
 
+@pytest.mark.parametrize("prefix", ["", "d/", "dir/" + "p" * 200 + "/", "é/"])
+@pytest.mark.parametrize("name", GOOD + BAD)
+def test_the_check_of_a_whole_listing_agrees_with_the_check_of_each_name(prefix: str, name: str) -> None:
+    """A big listing's names are checked all at once (_plain_names); when that says yes, every name is one
+    _listed_name accepts as it is; when one name is not plain, it says no and each is checked on its own."""
+    if not name:
+        return  # the directory's own key: never an entry of its listing
+    keys = [prefix + "ok1", prefix + name, prefix + "ok2"]
+    plain = _plain_names(keys, prefix)
+    each = [_listed_name(key, prefix, set()) for key in keys]
+    if plain is not None:
+        assert plain == each
+    else:
+        assert not (name.isascii() and name not in (".", "..") and "/" not in name and "\0" not in name
+                    and 0 < len(name) <= 255 and len((prefix + name).encode()) <= MAX_PATH_BYTES), name
+    if prefix:  # a key outside the directory whose tail looks like a name
+        assert _plain_names([prefix + "a", "z" * len(prefix) + "b"], prefix) is None
+
+
 def test_a_path_one_byte_too_long_is_refused_by_the_name_check() -> None:
     prefix = ("p" * 200 + "/") * 4  # 804 bytes
     fits = "n" * (MAX_PATH_BYTES - len(prefix))
@@ -164,3 +183,5 @@ def test_a_path_one_byte_too_long_is_refused_by_the_name_check() -> None:
     assert _listed_name(prefix + fits + "n", prefix, set()) is None
     assert _listed_name(prefix + fits + "/", prefix, set(), subdir=True) == fits
     assert _listed_name(prefix + fits + "n/", prefix, set(), subdir=True) is None
+    assert _plain_names([prefix + fits], prefix) == [fits]
+    assert _plain_names([prefix + fits + "n"], prefix) is None
