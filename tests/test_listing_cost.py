@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from fsharness import Stack, check_consistency, make_stack
 
 from ckptfs.journal import REMOTE, ROOT_ID
-from ckptfs.recovery import MAX_PATH_BYTES, _listed_name, _plain_names, _valid_path
+from ckptfs.recovery import MAX_PATH_BYTES, DirLister, _listed_name, _plain_names, _valid_path
 
 
 class Counts:
@@ -111,6 +112,45 @@ async def test_readdir_and_lookup_after_a_listing_ask_the_store_nothing(
             await stack.fs.ensure_listed(big.ino)
             assert stack.fs.lookup(big.ino, entry.name) == entry.attr
         assert counts.list_dir == 2  # the root and big/
+    check_consistency(stack)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    with trio.fail_after(20):
+        while not condition():  # noqa: ASYNC110 (polling the journal: no event to wait on)
+            await trio.sleep(0.01)
+
+
+async def test_a_walk_is_listed_one_directory_ahead(tmp_path: Path, counted: Callable[[Stack], Counts]) -> None:
+    """A walk opens a directory's subdirectories one after the other: while it reads one, the next is
+    listed (on an object store its latency overlaps the walk's work). One ahead of each directory a request
+    needed, not the tree; without the lister's task, nothing ahead."""
+    for d in range(4):
+        (tmp_path / "store" / f"d{d}").mkdir(parents=True)
+        (tmp_path / "store" / f"d{d}" / "f.bin").write_bytes(b"x")
+    stack = make_stack(tmp_path)
+    lister = stack.fs.lister
+    assert isinstance(lister, DirLister)
+    lister.refresh_interval = 60.0
+    await stack.fs.ensure_listed(ROOT_ID)
+    ids = sorted(c.id for c in stack.journal.all_children(ROOT_ID))
+    counts = counted(stack)
+    await stack.fs.ensure_listed(ids[0])
+    await trio.sleep(0.2)
+    assert counts.list_dir == 1 and ids[1] not in stack.journal.listed_dirs()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lister.run)
+        await stack.fs.ensure_listed(ids[1])  # listed on request: the next one ahead of the walker
+        await _until(lambda: ids[2] in stack.journal.listed_dirs())
+        assert counts.list_dir == 3
+        await stack.fs.ensure_listed(ids[2])  # listed ahead before: the store is not asked again
+        await _until(lambda: ids[3] in stack.journal.listed_dirs())
+        assert counts.list_dir == 4
+        await stack.fs.ensure_listed(ids[3])  # the last one: nothing after it
+        await trio.sleep(0.2)
+        assert counts.list_dir == 4
+        nursery.cancel_scope.cancel()
+    assert [e.name for e in stack.fs.readdir(ids[3], 0)] == [b"f.bin"]
     check_consistency(stack)
 
 

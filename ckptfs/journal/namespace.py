@@ -65,6 +65,13 @@ class Namespace(PendingDeletes):
         row = self.db.execute("SELECT COUNT(*) FROM inodes WHERE parent = ? AND kind = 'dir'", (parent,)).fetchone()
         return int(row[0])
 
+    def next_subdirectory(self, parent: int, after_id: int) -> int | None:
+        """The first subdirectory of `parent` after `after_id` in readdir's order (by id)."""
+        row = self.db.execute(
+            "SELECT id FROM inodes WHERE parent = ? AND kind = 'dir' AND id > ? ORDER BY id LIMIT 1", (parent, after_id)
+        ).fetchone()
+        return row[0] if row else None
+
     def has_children(self, parent: int) -> bool:
         return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
 
