@@ -267,6 +267,7 @@ class Daemon:
                 await nursery.start(self._supervised, "fetcher", self.fetcher.run)
                 await nursery.start(self._supervised, "close recorder", self.fs.run)
                 await nursery.start(self._supervised, "journal checkpoints", self._checkpoint_journal)
+                await nursery.start(self._supervised, "listing ahead", self.lister.run)
                 if self.records is not None and self.peers is not None:
                     await nursery.start(self._supervised, "node records", self.records.run)
                     await nursery.start(self._supervised, "other nodes' records", self.peers.run)

@@ -11,12 +11,14 @@ store calls in worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import trio
@@ -32,6 +34,8 @@ from ckptfs.transfer import Transfers
 log = logging.getLogger(__name__)
 
 MAX_PATH_BYTES = 1000
+# Directories waiting to be listed ahead of walks (DirLister.run); more are dropped, not waited for.
+AHEAD_QUEUE = 64
 
 
 @dataclass
@@ -158,7 +162,8 @@ class DirLister:
     their results are applied in the trio thread by apply_dir_listing(). When each directory was last
     listed is kept in the journal (wall-clock time), so a restart within refresh_interval lists nothing
     again. The two forget_kernel_* hooks (set by the daemon, which owns the FUSE session) drop what the
-    kernel cached of entries a listing replaced or removed, so that a refresh is seen at once."""
+    kernel cached of entries a listing replaced or removed, so that a refresh is seen at once. A walk is
+    listed one directory ahead (run)."""
 
     def __init__(
         self, journal: Journal, cache: CacheDir, store: ObjectStore, *, refresh_interval: float = 30.0,
@@ -175,6 +180,9 @@ class DirLister:
         journal.prune_listed_dirs()
         self._listed: dict[int, float] = journal.listed_dirs()  # dir inode id -> time.time() of its listing
         self._in_flight: dict[int, trio.Event] = {}
+        # Listing ahead (run): its queue while it runs; what it listed that no request has asked for yet.
+        self._ahead: trio.MemorySendChannel[int] | None = None
+        self._listed_ahead: set[int] = set()
         self._warned: set[str] = set()
         self.listings = 0
         # Called in a worker thread: the kernel may wait for a request on the same inode to finish.
@@ -194,20 +202,52 @@ class DirLister:
         self._listed.clear()
         self.journal.clear_listed()
 
-    async def ensure(self, inode_id: int, *, required: bool = False, fresh: bool = False) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """List ahead of walks (_list_ahead), a directory at a time. Without this task nothing is."""
+        send, receive = trio.open_memory_channel[int](AHEAD_QUEUE)
+        self._ahead = send
+        task_status.started()
+        try:
+            async for inode_id in receive:
+                await self.ensure(inode_id, ahead=True)
+        finally:
+            self._ahead = None
+
+    def _list_ahead(self, inode_id: int, parent_id: int | None) -> None:
+        """A request needed the listing of `inode_id`. A walk (find, du, os.walk) goes through a directory's
+        subdirectories in readdir's order: the next one is listed while the walker reads this one, so that
+        the store's latency overlaps the walk's work. One ahead, not the tree: a request for a single
+        directory costs one listing more."""
+        if self._ahead is None or parent_id is None:
+            return
+        following = self.journal.next_subdirectory(parent_id, after_id=inode_id)
+        if following is None or following in self._in_flight or following in self._listed:
+            return
+        with contextlib.suppress(trio.WouldBlock):
+            self._ahead.send_nowait(following)
+
+    async def ensure(self, inode_id: int, *, required: bool = False, fresh: bool = False, ahead: bool = False) -> None:
         """List the directory unless its listing is recent. A store failure is logged once and the journal
         served as it is, unless `required` (a rename or rmdir that must know every entry): then it raises.
         `fresh`: list it now whatever its age (retention deletes a tree: other nodes may have written below
-        a directory that this node made, which it counts as listed)."""
+        a directory that this node made, which it counts as listed). `ahead`: no request asked for it
+        (run); one that does later counts as the request that needed its listing."""
         listed = self._listed.get(inode_id)
         # A listing "from the future" (the clock was set back) counts as stale.
         if not fresh and listed is not None and 0 <= time.time() - listed < self.refresh_interval:
+            if not ahead and inode_id in self._listed_ahead:
+                self._listed_ahead.discard(inode_id)
+                inode = self.journal.get(inode_id)
+                if inode is not None:
+                    self._list_ahead(inode_id, inode.parent)
             return
         event = self._in_flight.get(inode_id)
         if event is not None:
             await event.wait()
             if required and inode_id not in self._listed:
                 await self.ensure(inode_id, required=True, fresh=fresh)  # that one failed: once more, ourselves
+            elif not ahead and inode_id in self._listed_ahead:
+                await self.ensure(inode_id)  # a listing ahead that a request waited for: it lists the next
             return
         inode = self.journal.get(inode_id)
         if inode is None or inode.kind != DIR or inode.path is None:
@@ -242,6 +282,11 @@ class DirLister:
                 stored_before=stored_before, listed_at=started,
             )
             self._listed[inode_id] = started
+            if ahead:
+                self._listed_ahead.add(inode_id)
+            else:
+                self._listed_ahead.discard(inode_id)
+                self._list_ahead(inode_id, current.parent)
             for replaced_id in replaced:
                 await trio.to_thread.run_sync(self.forget_kernel_data, replaced_id)
         finally:
@@ -294,14 +339,24 @@ def apply_dir_listing(
     children = {c.name: c for c in journal.all_children(directory.id)}
     prefix = directory.key or ""
     deleting = journal.pending_delete_keys_under(prefix)
-    named = [(info, _listed_name(info.key, prefix, warned)) for info in listing.entries]
-    owned = journal.owned_keys([info.key for info, name in named if name is not None and name not in children])
+    infos = listing.entries
+    keys = [info.key for info in infos]
+    plain = _plain_names(keys, prefix)
+    names = [_listed_name(key, prefix, warned) for key in keys] if plain is None else list[str | None](plain)
+    unknown = [info.key for info, name in zip(infos, names, strict=True) if name is not None and name not in children]
+    owned = journal.owned_keys(unknown, under=prefix)
     present: set[str] = set()
     new: list[ListedEntry] = []
     with journal.transaction():
         if listing.marker and prefix and directory.remote_key is None and directory.state == CLEAN:
             journal.adopt_marker(directory.id, prefix)  # the root ('' key) has no marker
-        for info, name in named:
+        if plain is not None and not children and not deleting and not owned:
+            # A directory this node lists for the first time (a fresh node's walk is mostly these): every
+            # entry is new; the same entries as below, without the tests per entry that cannot apply.
+            present.update(plain)
+            new = [_new_entry(name, info) for info, name in zip(infos, plain, strict=True)]
+            infos = []
+        for info, name in zip(infos, names, strict=False):  # (infos emptied above: all imported)
             if name is None:
                 continue
             present.add(name)
@@ -314,12 +369,7 @@ def apply_dir_listing(
                 continue
             if info.key in deleting or info.key in owned:
                 continue  # we removed it (delete pending), or an old copy of a renamed file (a move pending)
-            if info.kind == STORE_SYMLINK:
-                new.append(ListedEntry(name, SYMLINK, info.size, info.mtime_ns, stat.S_IFLNK | (info.mode & 0o7777),
-                                       info.key, info.target, info.checksum))
-            else:
-                new.append(ListedEntry(name, FILE, info.size, info.mtime_ns, stat.S_IFREG | (info.mode & 0o7777),
-                                       info.key, info.target, info.checksum))
+            new.append(_new_entry(name, info))
         for name in listing.subdirs:
             key = f"{prefix}{name}/"
             if _listed_name(key, prefix, warned, subdir=True) is None:
@@ -350,6 +400,17 @@ def apply_dir_listing(
                 and _listed_before(child, stored_before)):
             _vanish(journal, child, vanished, now)
     return len(new)
+
+
+def _new_entry(name: str, info: ObjectInfo) -> ListedEntry:
+    if info.kind == STORE_SYMLINK:
+        return _new_tuple(ListedEntry, (name, SYMLINK, info.size, info.mtime_ns, stat.S_IFLNK | (info.mode & 0o7777),
+                                        info.key, info.target, info.checksum))
+    return _new_tuple(ListedEntry, (name, FILE, info.size, info.mtime_ns, stat.S_IFREG | (info.mode & 0o7777),
+                                    info.key, info.target, info.checksum))
+
+
+_new_tuple = tuple.__new__
 
 
 def stored_versions(journal: Journal, directory_id: int) -> dict[int, int]:
@@ -383,6 +444,22 @@ def _vanish(journal: Journal, inode: Inode, vanished: Callable[[Inode], None], n
             return
     log.info("%s was deleted from the store by someone else; removing it here too", inode.path)
     vanished(inode)
+
+
+def _plain_names(keys: list[str], prefix: str) -> list[str] | None:
+    """The names of files listed below the directory key `prefix` if every one is ASCII without '/' or
+    NUL, not '.' or '..', and short enough (a big listing nearly always is), checked over the whole list at
+    once; else None, and _listed_name judges each key (key by key, that was most of an import's Python)."""
+    start = len(prefix)
+    names = [key[start:] for key in keys]
+    joined = "/".join(names)
+    if not (names and joined.isascii() and "\0" not in joined and joined.count("/") == len(names) - 1
+            and all(map(str.startswith, keys, repeat(prefix))) and "." not in names and ".." not in names):
+        return None
+    longest = max(map(len, names))
+    if min(map(len, names)) > 0 and longest <= 255 and len(prefix.encode()) + longest <= MAX_PATH_BYTES:
+        return names
+    return None
 
 
 def _listed_name(key: str, prefix: str, warned: set[str], *, subdir: bool = False) -> str | None:

@@ -185,3 +185,25 @@ def test_create_inode_returns_the_row_as_stored(tmp_path: Path) -> None:
         link = journal.create_inode(folder, "l", "symlink", 0o120777, 3, 4, target="f", closed_at=6.0)
         assert journal.get(link.id) == link
     journal.close()
+
+
+def test_owned_keys_below_a_directory_with_none_is_one_probe(tmp_path: Path) -> None:
+    """A fresh node's listing asks which of a directory's listed keys an inode already holds (an old copy of
+    a renamed file): one probe of the index when nothing below the directory is held, the keys' own query
+    otherwise, with the same answer as without `under`."""
+    journal = Journal(tmp_path / "journal.db")
+    _checkpoints(journal, steps=3, files=4)
+    root = journal.get(ROOT_ID)
+    assert root is not None
+    with journal.transaction():
+        journal.create_inode(root, "fresh", "dir", 0o40755, 0, 0)
+    held = ["step_0001/f000", "step_0001/f002", "step_0001/sub/f001"]
+    asked = [*held, "step_0001/f999", "step_0001/sub"]
+    assert journal.owned_keys(asked, under="step_0001/") == journal.owned_keys(asked) == set(held)
+    statements: list[str] = []
+    journal.db.set_trace_callback(statements.append)
+    fresh = [f"fresh/f{i:04d}" for i in range(2000)]
+    assert journal.owned_keys(fresh, under="fresh/") == set()
+    journal.db.set_trace_callback(None)
+    assert len(statements) == 1, statements
+    assert journal.owned_keys(["step_0002/f000"], under="step_0002/") == {"step_0002/f000"}

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from fsharness import Stack, check_consistency, make_stack
 
 from ckptfs.journal import REMOTE, ROOT_ID
-from ckptfs.recovery import MAX_PATH_BYTES, _listed_name, _valid_path
+from ckptfs.recovery import MAX_PATH_BYTES, DirLister, _listed_name, _plain_names, _valid_path
 
 
 class Counts:
@@ -105,12 +106,51 @@ async def test_readdir_and_lookup_after_a_listing_ask_the_store_nothing(
         await stack.fs.ensure_listed(ROOT_ID)
         big = stack.fs.lookup(ROOT_ID, b"big")
         await stack.fs.ensure_listed(big.ino)
-        entries = stack.fs.readdir(stack.fs.opendir(big.ino), 0)
+        entries = list(stack.fs.readdir(stack.fs.opendir(big.ino), 0))
         assert len(entries) == 302
         for entry in entries:
             await stack.fs.ensure_listed(big.ino)
             assert stack.fs.lookup(big.ino, entry.name) == entry.attr
         assert counts.list_dir == 2  # the root and big/
+    check_consistency(stack)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    with trio.fail_after(20):
+        while not condition():  # noqa: ASYNC110 (polling the journal: no event to wait on)
+            await trio.sleep(0.01)
+
+
+async def test_a_walk_is_listed_one_directory_ahead(tmp_path: Path, counted: Callable[[Stack], Counts]) -> None:
+    """A walk opens a directory's subdirectories one after the other: while it reads one, the next is
+    listed (on an object store its latency overlaps the walk's work). One ahead of each directory a request
+    needed, not the tree; without the lister's task, nothing ahead."""
+    for d in range(4):
+        (tmp_path / "store" / f"d{d}").mkdir(parents=True)
+        (tmp_path / "store" / f"d{d}" / "f.bin").write_bytes(b"x")
+    stack = make_stack(tmp_path)
+    lister = stack.fs.lister
+    assert isinstance(lister, DirLister)
+    lister.refresh_interval = 60.0
+    await stack.fs.ensure_listed(ROOT_ID)
+    ids = sorted(c.id for c in stack.journal.all_children(ROOT_ID))
+    counts = counted(stack)
+    await stack.fs.ensure_listed(ids[0])
+    await trio.sleep(0.2)
+    assert counts.list_dir == 1 and ids[1] not in stack.journal.listed_dirs()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lister.run)
+        await stack.fs.ensure_listed(ids[1])  # listed on request: the next one ahead of the walker
+        await _until(lambda: ids[2] in stack.journal.listed_dirs())
+        assert counts.list_dir == 3
+        await stack.fs.ensure_listed(ids[2])  # listed ahead before: the store is not asked again
+        await _until(lambda: ids[3] in stack.journal.listed_dirs())
+        assert counts.list_dir == 4
+        await stack.fs.ensure_listed(ids[3])  # the last one: nothing after it
+        await trio.sleep(0.2)
+        assert counts.list_dir == 4
+        nursery.cancel_scope.cancel()
+    assert [e.name for e in stack.fs.readdir(ids[3], 0)] == [b"f.bin"]
     check_consistency(stack)
 
 
@@ -124,7 +164,7 @@ async def test_the_kernel_forgetting_a_walked_tree_is_one_query_per_batch(
     await stack.fs.ensure_listed(ROOT_ID)
     big = stack.fs.lookup(ROOT_ID, b"big")
     await stack.fs.ensure_listed(big.ino)
-    walked = stack.fs.readdir(stack.fs.opendir(big.ino), 0)
+    walked = list(stack.fs.readdir(stack.fs.opendir(big.ino), 0))
     for entry in walked:
         stack.fs.remember(entry.attr.ino)  # what readdirplus does for each entry it reports
     victim = stack.write_file("victim", b"gone soon")
@@ -157,6 +197,25 @@ def test_the_name_check_of_a_listing_agrees_with_the_path_check(prefix: str, nam
             assert prefix + got == expected
 
 
+@pytest.mark.parametrize("prefix", ["", "d/", "dir/" + "p" * 200 + "/", "é/"])
+@pytest.mark.parametrize("name", GOOD + BAD)
+def test_the_check_of_a_whole_listing_agrees_with_the_check_of_each_name(prefix: str, name: str) -> None:
+    """A big listing's names are checked all at once (_plain_names); when that says yes, every name is one
+    _listed_name accepts as it is; when one name is not plain, it says no and each is checked on its own."""
+    if not name:
+        return  # the directory's own key: never an entry of its listing
+    keys = [prefix + "ok1", prefix + name, prefix + "ok2"]
+    plain = _plain_names(keys, prefix)
+    each = [_listed_name(key, prefix, set()) for key in keys]
+    if plain is not None:
+        assert plain == each
+    else:
+        assert not (name.isascii() and name not in (".", "..") and "/" not in name and "\0" not in name
+                    and 0 < len(name) <= 255 and len((prefix + name).encode()) <= MAX_PATH_BYTES), name
+    if prefix:  # a key outside the directory whose tail looks like a name
+        assert _plain_names([prefix + "a", "z" * len(prefix) + "b"], prefix) is None
+
+
 def test_a_path_one_byte_too_long_is_refused_by_the_name_check() -> None:
     prefix = ("p" * 200 + "/") * 4  # 804 bytes
     fits = "n" * (MAX_PATH_BYTES - len(prefix))
@@ -164,3 +223,5 @@ def test_a_path_one_byte_too_long_is_refused_by_the_name_check() -> None:
     assert _listed_name(prefix + fits + "n", prefix, set()) is None
     assert _listed_name(prefix + fits + "/", prefix, set(), subdir=True) == fits
     assert _listed_name(prefix + fits + "n/", prefix, set(), subdir=True) is None
+    assert _plain_names([prefix + fits], prefix) == [fits]
+    assert _plain_names([prefix + fits + "n"], prefix) is None

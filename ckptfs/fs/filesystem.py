@@ -4,7 +4,7 @@ every request to its owner (write and read without a hop of their own: they are 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import trio
@@ -200,7 +200,7 @@ class Filesystem:
     def opendir(self, inode_id: int) -> int:
         return self._listing.opendir(inode_id)
 
-    def readdir(self, inode_id: int, after_id: int, limit: int = 1000) -> list[DirEntry]:
+    def readdir(self, inode_id: int, after_id: int, limit: int = 1000) -> Iterator[DirEntry]:
         return self._listing.readdir(inode_id, after_id, limit)
 
     # -- references.py --------------------------------------------------------------------------------------

@@ -4,10 +4,12 @@ and decides how fresh a listing must be); and readdir itself, from the journal."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
 from ckptfs.fs.inodes import directory, journal_attr, local_attr
-from ckptfs.fs.interface import DirEntry, Lister
+from ckptfs.fs.interface import Attr, DirEntry, Lister
 from ckptfs.fs.namespace import Namespace, RenameEntries
 from ckptfs.journal import DIR, FILE, REMOTE, Inode, Journal
 
@@ -94,18 +96,25 @@ class Listing:
         directory(self.journal, inode_id)
         return inode_id
 
-    def readdir(self, inode_id: int, after_id: int, limit: int = 1000) -> list[DirEntry]:
-        """From the journal's rows as they are: a walk of a big tree reads every entry here (a file with
-        local data takes its size and times from its cache file, as getattr does)."""
-        entries = []
+    def readdir(self, inode_id: int, after_id: int, limit: int = 1000) -> Iterator[DirEntry]:
+        """From the journal's rows as they are, read `limit` at a time and turned into entries as the caller
+        takes them: a walk of a big tree reads every entry here, and the kernel's buffer may take fewer
+        than the rows read. A file with local data takes its size and times from its cache file, as
+        getattr does; a file only in the store (all of a fresh node's walk) is its row as it is."""
         for ino, name, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target, state in self.journal.entry_rows(
             inode_id, after_id, limit
         ):
-            if kind == FILE and state != REMOTE:
-                attr = local_attr(self.cache, ino, mode, uid, gid, ctime_ns)
+            if kind == FILE:
+                if state == REMOTE:
+                    attr = _new_tuple(Attr, (ino, mode, 1, uid, gid, size, (size + 511) // 512, mtime_ns, mtime_ns,
+                                             ctime_ns))
+                else:
+                    attr = local_attr(self.cache, ino, mode, uid, gid, ctime_ns)
             else:
                 subdirectories = self.journal.subdirectory_count(ino) if kind == DIR else 0
                 attr = journal_attr(ino, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,
                                     subdirectories=subdirectories)
-            entries.append(DirEntry(name.encode(), attr, ino))
-        return entries
+            yield _new_tuple(DirEntry, (name.encode(), attr, ino))
+
+
+_new_tuple = tuple.__new__

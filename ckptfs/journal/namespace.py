@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from itertools import chain
 
 from ckptfs.journal.base import id_groups, prefix_range
 from ckptfs.journal.deletes import PendingDeletes
 from ckptfs.journal.records import CLEAN, DIR, DIRTY, FILE, INODE_COLUMNS, REMOTE, ROOT_ID, EntryRow, Inode, ListedEntry
+
+_LISTED_COLUMNS = ("INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,"
+                   " state, version, uploaded_version, remote_key, checksum, closed_at) VALUES ")
+_LISTED_ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, 1, ?, ?, ?)"
+# Rows of a listing per INSERT: 15 parameters each, 960 in all, below the 999 of SQLite before 3.32.
+# Measured on 100,000 rows: one a statement 2.6 s of CPU, 50 a statement 1.45 s, 100 1.3 s, 200 1.2 s.
+_LISTED_PER_INSERT = 64
+_INSERT_LISTED = _LISTED_COLUMNS + _LISTED_ROW
+_INSERT_LISTED_MANY = _LISTED_COLUMNS + ", ".join([_LISTED_ROW] * _LISTED_PER_INSERT)
 
 
 class Namespace(PendingDeletes):
@@ -69,6 +79,13 @@ class Namespace(PendingDeletes):
     def subdirectory_count(self, parent: int) -> int:
         row = self.db.execute("SELECT COUNT(*) FROM inodes WHERE parent = ? AND kind = 'dir'", (parent,)).fetchone()
         return int(row[0])
+
+    def next_subdirectory(self, parent: int, after_id: int) -> int | None:
+        """The first subdirectory of `parent` after `after_id` in readdir's order (by id)."""
+        row = self.db.execute(
+            "SELECT id FROM inodes WHERE parent = ? AND kind = 'dir' AND id > ? ORDER BY id LIMIT 1", (parent, after_id)
+        ).fetchone()
+        return row[0] if row else None
 
     def has_children(self, parent: int) -> bool:
         return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
@@ -144,17 +161,22 @@ class Namespace(PendingDeletes):
         return inode
 
     def import_listed(self, parent: Inode, entries: list[ListedEntry], *, uid: int, gid: int, now: float) -> None:
-        """Many imports at once (a directory's listing), as import_remote makes each: one statement for all
+        """Many imports at once (a directory's listing), as import_remote makes each: two statements for all
         of them, not a round trip per entry, and no rows read back (a listing of 1,000 files took 3,000
-        statements and most of a first walk's time)."""
+        statements and most of a first walk's time). The rows go in _LISTED_PER_INSERT to an INSERT, one
+        executemany of those and one of the rest: SQLite's work per statement run (its AUTOINCREMENT
+        bookkeeping among it) was half the cost of an import of one row per run."""
         base = f"{parent.path}/" if parent.path else ""
-        self.db.executemany(
-            "INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,"
-            " state, version, uploaded_version, remote_key, checksum, closed_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, 1, ?, ?, ?)",
-            [(parent.id, e.name, base + e.name, e.kind, e.mode, uid, gid, e.size, e.mtime_ns, e.mtime_ns, e.target,
-              REMOTE if e.kind == FILE else CLEAN, e.key, e.checksum, now) for e in entries],
-        )
+        parent_id = parent.id
+        rows = [(parent_id, name, base + name, kind, mode, uid, gid, size, mtime_ns, mtime_ns, target,
+                 REMOTE if kind == FILE else CLEAN, key, checksum, now)
+                for name, kind, size, mtime_ns, mode, key, target, checksum in entries]
+        whole = len(rows) - len(rows) % _LISTED_PER_INSERT
+        self.db.executemany(_INSERT_LISTED_MANY, [
+            list(chain.from_iterable(rows[start:start + _LISTED_PER_INSERT]))
+            for start in range(0, whole, _LISTED_PER_INSERT)
+        ])
+        self.db.executemany(_INSERT_LISTED, rows[whole:])
 
     def touch_dir(self, inode_id: int, now_ns: int | None = None) -> None:
         now = now_ns if now_ns is not None else time.time_ns()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
-from ckptfs.journal.base import id_groups
+from ckptfs.journal.base import id_groups, prefix_range
 from ckptfs.journal.deletes import PendingDeletes
 from ckptfs.journal.records import INODE_COLUMNS, Inode
 
@@ -121,10 +121,16 @@ class DrainWork(PendingDeletes):
         """The inode whose store copy is at `key`, if any."""
         return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE remote_key = ?", (key,))
 
-    def owned_keys(self, keys: Collection[str]) -> set[str]:
+    def owned_keys(self, keys: Collection[str], *, under: str = "") -> set[str]:
         """The keys among `keys` whose store copy an inode holds (key_owner for many keys: one query per
-        _IDS_PER_QUERY keys)."""
+        _IDS_PER_QUERY keys). `under`: a directory key that every one of `keys` is below; where no inode
+        holds a key below it (a directory a fresh node lists for the first time) one probe of the index
+        answers for all of them, instead of a probe per key."""
         owned: set[str] = set()
+        if under and not self.db.execute(
+            "SELECT 1 FROM inodes WHERE remote_key > ? AND remote_key < ? LIMIT 1", prefix_range(under)
+        ).fetchone():
+            return owned
         for chunk, marks in id_groups(keys):
             rows = self.db.execute(f"SELECT remote_key FROM inodes WHERE remote_key IN ({marks})", chunk)
             owned.update(row[0] for row in rows)
