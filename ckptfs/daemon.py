@@ -39,8 +39,10 @@ from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import (
     FuseOperations,
+    forget_kernel_attrs,
     forget_kernel_data,
     forget_kernel_entry,
+    forget_kernel_entry_now,
     inode_generation,
     probe_passthrough,
 )
@@ -180,6 +182,10 @@ class Daemon:
                              peers=self.peers, faults=self.faults)
         self.lister.forget_kernel_data = forget_kernel_data
         self.lister.forget_kernel_entry = forget_kernel_entry
+        self.lister.forget_kernel_entry_now = forget_kernel_entry_now
+        self.pruner.forget_kernel_entry_now = forget_kernel_entry_now
+        self.pruner.forget_kernel_data = forget_kernel_data
+        self.evictor.forget_kernel_attrs = forget_kernel_attrs
         self.drain.on_spilled = self.evictor.evict_if_clean
         self._stop_requested = trio.Event()
         self._fuse_done = trio.Event()

@@ -181,6 +181,8 @@ class DirLister:
         self.forget_kernel_data: Callable[[int], None] = lambda inode_id: None
         # Queues the invalidation (pyfuse3.invalidate_entry_async): safe inside a request handler.
         self.forget_kernel_entry: Callable[[int, str], None] = lambda parent_id, name: None
+        # Returns once the kernel dropped the name: called in a worker thread (fuse_ops.forget_kernel_entry_now).
+        self.forget_kernel_entry_now: Callable[[int, str], None] = lambda parent_id, name: None
 
     def mark_listed(self, inode_id: int) -> None:
         """A directory created here: the store has nothing below it yet."""
@@ -190,9 +192,35 @@ class DirLister:
         self._listed[inode_id] = at
         self.journal.set_listed(inode_id, at)
 
+    def fresh_for(self, inode_id: int) -> float:
+        """Seconds until the directory's listing is stale (0 if it is, or was never listed): the kernel
+        keeps the directory's names that long (fuse_ops), so a name is looked up, and its directory
+        listed again, when it would be without the kernel's cache."""
+        listed = self._listed.get(inode_id)
+        if listed is None:
+            return 0.0
+        age = time.time() - listed
+        return self.refresh_interval - age if 0 <= age < self.refresh_interval else 0.0
+
     def invalidate_all(self) -> None:
         self._listed.clear()
         self.journal.clear_listed()
+
+    async def refresh(self) -> None:
+        """`ckptfs refresh`: every listing stale, the root listed again at once, and what the kernel keeps
+        of the mount dropped: the names at the top (a directory's name takes the unused names below it
+        along, the whole tree of them) and the root's listing and attributes. So the next access of any
+        path asks the daemon, which lists its directories again, whatever the kernel held."""
+        self.invalidate_all()
+        names = [c.name for c in self.journal.all_children(ROOT_ID) if c.name is not None]
+
+        def forget() -> None:
+            for name in names:
+                self.forget_kernel_entry_now(ROOT_ID, name)
+            self.forget_kernel_data(ROOT_ID)
+
+        await trio.to_thread.run_sync(forget)
+        await self.ensure(ROOT_ID)
 
     async def ensure(self, inode_id: int, *, required: bool = False, fresh: bool = False) -> None:
         """List the directory unless its listing is recent. A store failure is logged once and the journal
@@ -236,14 +264,25 @@ class DirLister:
                 moved = current is not None and current.path is not None
                 return
             replaced: list[int] = []
-            apply_dir_listing(
+            changed_dirs: set[int] = set()  # whose entries went: the kernel's listing of them must go too
+
+            def vanished(inode: Inode) -> None:
+                self._vanished(inode)
+                if inode.parent is not None:
+                    changed_dirs.add(inode.parent)
+
+            imported = apply_dir_listing(
                 self.journal, current, listing, now=time.time(), exact_mtimes=self.store.listing_has_metadata,
-                vanished=self._vanished, warned=self._warned, cache=self.cache, replaced=replaced.append,
+                vanished=vanished, warned=self._warned, cache=self.cache, replaced=replaced.append,
                 stored_before=stored_before, listed_at=started,
             )
             self._listed[inode_id] = started
-            for replaced_id in replaced:
-                await trio.to_thread.run_sync(self.forget_kernel_data, replaced_id)
+            if imported:
+                changed_dirs.add(inode_id)
+            # The directories' attributes (mtime, link count) and the listings the kernel keeps of them
+            # (FOPEN_CACHE_DIR) go with the files' pages and attributes.
+            for changed_id in [*replaced, *changed_dirs]:
+                await trio.to_thread.run_sync(self.forget_kernel_data, changed_id)
         finally:
             del self._in_flight[inode_id]
             event.set()
