@@ -41,6 +41,10 @@ class RecoveryReport:
     orphan_cache_files: int = 0
     aborted_uploads: int = 0
     lost: list[str] = field(default_factory=list)
+    # What changed of entries the kernel may hold (after a takeover it keeps the last daemon's): names
+    # removed (parent inode, name), and files whose attributes now come from the store's copy.
+    removed_names: list[tuple[int, str]] = field(default_factory=list)
+    reverted: list[int] = field(default_factory=list)
 
 
 def repair_journal(
@@ -129,11 +133,14 @@ def _missing_cache_file(journal: Journal, inode: Inode, report: RecoveryReport) 
             log.error("cache file of %s vanished; falling back to the version in the store", inode.path)
             report.lost.append(inode.path or "?")
         journal.serve_from_store(inode.id)
+        report.reverted.append(inode.id)
     else:
         log.error("cache file of %s vanished before it was uploaded; its content is lost", inode.path)
         report.lost.append(inode.path or "?")
         journal.detach(inode)
         journal.purge(inode.id)
+        if inode.parent is not None and inode.name is not None:
+            report.removed_names.append((inode.parent, inode.name))
 
 
 def _valid_path(key: str) -> str | None:
