@@ -11,12 +11,14 @@ disk quiet (`sync`, then a pause):
             paginated ListObjectsV2 of the prefix with boto3 (1,000 keys a page)
   ckptfs    a fresh mount (fresh cache dir: the node has never seen the tree; mount time not counted):
             first (the first walk: every directory listed from the store) and warm (a second walk of the
-            same mount, after the pause: the kernel's entry and attribute timeouts have expired; mounted with
-            --refresh-interval 3600, so that it answers from the journal however long the first walk took)
+            same mount, after the pause; mounted with --refresh-interval 3600, so that it answers from the
+            journal however long the first walk took, and the kernel keeps the names and listings it has:
+            see docs/SEMANTICS.md, "What the kernel caches")
   before    with --before DIR: `ckptfs` of another checkout (PYTHONPATH=DIR), side by side in the same run
 
 Each walk also reports its CPU seconds: the walker's (`cpu`, its system calls included) and the ckptfs
-daemon's (`daemon cpu`), which a shared, busy machine disturbs less than the wall time.
+daemon's (`daemon cpu`), which a shared, busy machine disturbs less than the wall time, and the FUSE
+requests it cost the daemon (`requests`, from the mount's metrics endpoint; the warm walk's by operation).
 
 Issue 31's targets for 100k files: first <= 2 s on file://, first <= 2x the store's listing on s3, warm
 <= 0.5 s. Medians; JSON in bench/results/tree_walk_bench.json.
@@ -191,7 +193,7 @@ def run_ckptfs(store: Any, root: Path, tag: str, expected: int, checkout: Path |
             "first requests": sum(after_first.values()) - sum(counted.values()) - 1,
             "warm requests": sum(after_warm.values()) - sum(after_first.values()) - 1,
             **{f"warm {op} requests": after_warm.get(op, 0) - after_first.get(op, 0)
-               for op in ("lookup", "getattr", "opendir", "readdir", "releasedir")}}
+               for op in ("lookup", "getattr", "opendir", "readdir")}}
 
 
 def free_port() -> int:
@@ -277,7 +279,7 @@ def main() -> None:
     print(f"\nmedians of {args.runs} interleaved runs, {expected} files in {args.dirs} directories, {args.store} store")
     for name, value in medians.items():
         if name.endswith("requests"):
-            print(f"  {name:<34} {value:8.0f}    ({value / expected:.2f} per file)")
+            print(f"  {name:<34} {value:8.0f}    ({value / expected * 1000:.1f} per 1,000 files)")
         else:
             print(f"  {name:<34} {value:8.3f} s  ({value / expected * 1e6:.1f} us per file)")
     for name, value in ratios.items():
