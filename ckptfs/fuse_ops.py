@@ -208,7 +208,8 @@ def probe_passthrough(mode: str, probe_path: str) -> tuple[KernelBackingFiles | 
 
 # -- telling the kernel what the daemon changed behind its back (FUSE notifications) --------------------------
 # Every change not made by a FUSE request: another node's files a listing brought in, replaced or removed
-# (recovery.DirLister), `ckptfs refresh`, retention (pruner.py), eviction (evict.py). The rules:
+# (recovery.DirLister), `ckptfs refresh`, retention (pruner.py), eviction (evict.py), a file the drain
+# removes because its object vanished, what recovery changed after a takeover (daemon.py). The rules:
 # forget_kernel_entry queues (pyfuse3's notification thread sends it): safe inside a request handler, where
 # the kernel may hold the directory's lock the notification needs. forget_kernel_entry_now and
 # forget_kernel_data block until the kernel has acted: call them in a worker thread, never in the trio
@@ -507,6 +508,8 @@ class FuseOperations(pyfuse3.Operations):
         return cast(FileHandleT, info)  # the stock pyfuse3's signature knows only the handle
 
     async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> None:
+        # Always a READDIRPLUS (pyfuse3 turns READDIRPLUS_AUTO off): each entry's attributes cost Python time
+        # here, once per uncached read of the listing, and spare the kernel a LOOKUP per name afterwards.
         after = start_id
         kept_for = self._kept_for(fh)  # a directory's handle is its inode (Filesystem.opendir)
         while True:
