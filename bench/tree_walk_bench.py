@@ -11,12 +11,14 @@ disk quiet (`sync`, then a pause):
             paginated ListObjectsV2 of the prefix with boto3 (1,000 keys a page)
   ckptfs    a fresh mount (fresh cache dir: the node has never seen the tree; mount time not counted):
             first (the first walk: every directory listed from the store) and warm (a second walk of the
-            same mount, after the pause: the kernel's entry and attribute timeouts have expired; mounted with
-            --refresh-interval 3600, so that it answers from the journal however long the first walk took)
+            same mount, after the pause; mounted with --refresh-interval 3600, so that it answers from the
+            journal however long the first walk took, and the kernel keeps the names and listings it has:
+            see docs/SEMANTICS.md, "What the kernel caches")
   before    with --before DIR: `ckptfs` of another checkout (PYTHONPATH=DIR), side by side in the same run
 
 Each walk also reports its CPU seconds: the walker's (`cpu`, its system calls included) and the ckptfs
-daemon's (`daemon cpu`), which a shared, busy machine disturbs less than the wall time.
+daemon's (`daemon cpu`), which a shared, busy machine disturbs less than the wall time, and the FUSE
+requests it cost the daemon (`requests`, from the mount's metrics endpoint; the warm walk's by operation).
 
 Issue 31's targets for 100k files: first <= 2 s on file://, first <= 2x the store's listing on s3, warm
 <= 0.5 s. Medians; JSON in bench/results/tree_walk_bench.json.
@@ -30,11 +32,13 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -168,18 +172,57 @@ def run_ckptfs(store: Any, root: Path, tag: str, expected: int, checkout: Path |
     env["PYTHONPATH"] = str(checkout if checkout is not None else REPO)
     # A refresh interval longer than any run: on a busy machine a first walk can take longer than the
     # default 30 s, and the warm walk would list the directories again instead of answering from the journal.
+    port = free_port()
     ckptfs("mount", "--no-guard-mountpoint", store.url(), str(mnt), "--cache-dir", str(cache),
-           "--metrics-addr", "off", "--refresh-interval", "3600", "--daemon", *store.mount_args(), env=env)
+           "--metrics-addr", f"127.0.0.1:{port}", "--refresh-interval", "3600", "--daemon", *store.mount_args(),
+           env=env)
     try:
         pid = json.loads(ckptfs("status", str(mnt), "--json", env=env).stdout)["pid"]
+        counted = fuse_requests(mnt, port)
         first, first_cpu, first_daemon = timed(lambda: walk(mnt), expected, pid)
+        after_first = fuse_requests(mnt, port)
         warm, warm_cpu, warm_daemon = timed(lambda: walk(mnt), expected, pid)
+        after_warm = fuse_requests(mnt, port)
     finally:
         subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt), "--timeout", "120"], env=env,
                        capture_output=True, timeout=300, check=False)
         shutil.rmtree(cache, ignore_errors=True)
     return {"first": first, "warm": warm, "first cpu": first_cpu, "warm cpu": warm_cpu,
-            "first daemon cpu": first_daemon, "warm daemon cpu": warm_daemon}
+            "first daemon cpu": first_daemon, "warm daemon cpu": warm_daemon,
+            # FUSE requests the walk cost the daemon (less the statfs that marks each count)
+            "first requests": sum(after_first.values()) - sum(counted.values()) - 1,
+            "warm requests": sum(after_warm.values()) - sum(after_first.values()) - 1,
+            **{f"warm {op} requests": after_warm.get(op, 0) - after_first.get(op, 0)
+               for op in ("lookup", "getattr", "opendir", "readdir")}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fuse_requests(mnt: Path, port: int) -> dict[str, float]:
+    """The daemon's FUSE request counts by operation (its metrics endpoint), once they include everything
+    done before this call: a statfs marks the point (the metrics are published every second or so)."""
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        counts = {}
+        for line in text.splitlines():
+            if line.startswith('ckptfs_fuse_requests_total{op="'):
+                name, value = line.rsplit(" ", 1)
+                counts[name.split('"')[1]] = float(value)
+        return counts
+
+    marker = scrape().get("statfs", 0)
+    os.statvfs(mnt)
+    deadline = time.monotonic() + 120
+    while (counts := scrape()).get("statfs", 0) <= marker:
+        if time.monotonic() > deadline:
+            raise SystemExit("the daemon's metrics did not count a statfs within 120 s")
+        time.sleep(0.2)
+    return counts
 
 
 def run_store(store: Any, root: Path, tag: str, expected: int) -> dict[str, float]:
@@ -231,11 +274,14 @@ def main() -> None:
         "ckptfs warm / store listing": medians["ckptfs warm"] / medians["store listing"],
     }
     if args.before is not None:
-        for what in ("first", "warm", "first daemon cpu", "warm daemon cpu"):
-            ratios[f"ckptfs {what} / before {what}"] = medians[f"ckptfs {what}"] / medians[f"before {what}"]
+        for what in ("first", "warm", "first daemon cpu", "warm daemon cpu", "first requests", "warm requests"):
+            ratios[f"ckptfs {what} / before {what}"] = medians[f"ckptfs {what}"] / max(medians[f"before {what}"], 1e-9)
     print(f"\nmedians of {args.runs} interleaved runs, {expected} files in {args.dirs} directories, {args.store} store")
     for name, value in medians.items():
-        print(f"  {name:<24} {value:8.3f} s  ({value / expected * 1e6:.1f} us per file)")
+        if name.endswith("requests"):
+            print(f"  {name:<34} {value:8.0f}    ({value / expected * 1000:.1f} per 1,000 files)")
+        else:
+            print(f"  {name:<34} {value:8.3f} s  ({value / expected * 1e6:.1f} us per file)")
     for name, value in ratios.items():
         print(f"  {name:<46} {value:7.2f}x")
     write_report(args.json, {"store": args.store, "dirs": args.dirs, "files_per_dir": args.files,

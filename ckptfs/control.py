@@ -16,7 +16,6 @@ import trio
 
 from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError
-from ckptfs.journal import ROOT_ID
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
 from ckptfs.pruner import Pruner
 from ckptfs.recovery import DirLister
@@ -91,8 +90,7 @@ class ControlRequests:
                                              dry_run=bool(request.get("dry_run")))
             return {"ok": True, "delete": pruned.delete, "reasons": pruned.reasons}
         if op == "refresh":
-            self.lister.invalidate_all()
-            await self.lister.ensure(ROOT_ID)
+            await self.lister.refresh()
             return {"ok": True}
         if op == "restart":
             refused = self.daemon.begin_restart()

@@ -39,8 +39,10 @@ from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.fuse_ops import (
     FuseOperations,
+    forget_kernel_attrs,
     forget_kernel_data,
     forget_kernel_entry,
+    forget_kernel_entry_now,
     inode_generation,
     probe_passthrough,
 )
@@ -51,7 +53,7 @@ from ckptfs.mountpoint import check_mountpoint, set_read_ahead
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
 from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
 from ckptfs.pruner import Pruner
-from ckptfs.recovery import DirLister, recover
+from ckptfs.recovery import DirLister, RecoveryReport, recover
 from ckptfs.snapshot import KeepMount, MountStats, gather, metrics_snapshot, status_line
 from ckptfs.systemd import Notifier
 from ckptfs.takeover import ConnectionKeeper, Restart, find_held_connection
@@ -133,6 +135,7 @@ class Daemon:
         self.handle_table = handle_table
         self.held = held
         self.restart_argv = restart_argv
+        self.recovered = RecoveryReport()  # what recovery changed (set by run() below)
         self._exiting_now = False  # a second signal: unmount without draining (not a failure to recover from)
         self._restarting = False  # `ckptfs restart`: hand the connection to a new daemon instead of unmounting
         self.restart: Restart | None = None  # set once handed over
@@ -180,6 +183,11 @@ class Daemon:
                              peers=self.peers, faults=self.faults)
         self.lister.forget_kernel_data = forget_kernel_data
         self.lister.forget_kernel_entry = forget_kernel_entry
+        self.lister.forget_kernel_entry_now = forget_kernel_entry_now
+        self.pruner.forget_kernel_entry_now = forget_kernel_entry_now
+        self.pruner.forget_kernel_data = forget_kernel_data
+        self.evictor.forget_kernel_attrs = forget_kernel_attrs
+        self.drain.namespace.forget_kernel_entry = forget_kernel_entry
         self.drain.on_spilled = self.evictor.evict_if_clean
         self._stop_requested = trio.Event()
         self._fuse_done = trio.Event()
@@ -229,6 +237,16 @@ class Daemon:
         self._stop_requested.set()
         return None
 
+    def _forget_recovered(self) -> None:
+        """After a takeover: the kernel drops the names recovery removed (a cache file gone before its upload)
+        and the attributes and pages of files served from the store again (a cache file gone after it).
+        In a worker thread."""
+        for parent_id, name in self.recovered.removed_names:
+            forget_kernel_entry_now(parent_id, name)
+            forget_kernel_data(parent_id)
+        for inode_id in self.recovered.reverted:
+            forget_kernel_data(inode_id)
+
     async def run(self, ready: Callable[[], None]) -> int:
         options = set(pyfuse3.default_options) - {"default_permissions"}
         options |= {"fsname=" + self.store.url.replace(",", "_"), "subtype=ckptfs"}
@@ -262,6 +280,11 @@ class Daemon:
                         await self.records.cover(inode_id, path, writer=True)
                 nursery.start_soon(self._fuse_main, nursery)
                 nursery.start_soon(self._watch_journal)
+                if self.held is not None:
+                    # The kernel kept what it cached of the mount: what recovery changed of it goes, while
+                    # requests are served (a notification may wait for one the kernel sent again), and
+                    # before the control socket says the mount is back.
+                    await trio.to_thread.run_sync(self._forget_recovered)
                 await nursery.start(self._supervised, "drain", self.drain.run)
                 await nursery.start(self._supervised, "evictor", self.evictor.run)
                 await nursery.start(self._supervised, "fetcher", self.fetcher.run)
@@ -538,8 +561,8 @@ async def _run_on(
                 parts_in_flight=config.parts_in_flight,
             )
             restored = handle_table.open(keep=held is not None)
-            await recover(journal, cache, engine, time.time(), still_open={h.inode_id for h in restored},
-                          still_writing={h.inode_id for h in restored if h.writable})
+            recovered = await recover(journal, cache, engine, time.time(), still_open={h.inode_id for h in restored},
+                                      still_writing={h.inode_id for h in restored if h.writable})
             atimes = cache.scan()
             for inode_id, text in journal.upload_states():
                 state = UploadState.parse(text)
@@ -547,6 +570,7 @@ async def _run_on(
                     cache.restore_spilled(inode_id, punched=state.punched, staged=state.size, sealed=not state.early)
             daemon = Daemon(config, engine, cache, journal, metrics, handle_table=handle_table, held=held,
                             restored=restored, restart_argv=restart_argv)
+            daemon.recovered = recovered
             # Under systemd every connection taken over (Restart=, `ckptfs restart`) is also in its store.
             daemon.keeper.kept_by_systemd(from_systemd or (held is not None and config.keep_mount))
             cache.configure_budget(config.cache_size, config.min_free, working_room=daemon.drain.spill_room)

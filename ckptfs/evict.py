@@ -94,6 +94,7 @@ class Evictor:
         self.on_pressure = on_pressure
         self.on_changed = on_changed  # a file became dirty here (written behind the daemon): the drain's work
         self.stats = EvictStats()
+        self.forget_kernel_attrs: Callable[[int], None] = lambda inode_id: None  # set by the daemon
         # inode id -> when it was last opened or closed (monotonic seconds, or the data file's atime
         # for files not touched since start-up: both only order files, never compared to a clock).
         self.last_used: dict[int, float] = {}
@@ -283,6 +284,9 @@ class Evictor:
                 return 0
         charge = entry.charge if entry is not None else st.st_size
         self.cache.remove_data(inode_id)
+        # Its attributes now come from the journal (st_blocks from the size): the kernel's go
+        # (fuse_ops.forget_kernel_attrs, which takes no lock a request holds: safe in the trio thread).
+        self.forget_kernel_attrs(inode_id)
         self.last_used.pop(inode_id, None)
         self.stats.evicted_files += 1
         self.stats.evicted_bytes += charge

@@ -6,19 +6,20 @@ and nowhere else. A handler never lets an exception reach pyfuse3: that would en
 No POSIX semantics live here (the fs package has them), and no store is reached from here. It also
 registers cache files with the kernel for FUSE passthrough (KernelBackingFiles, probed once by
 `probe_passthrough`) and names the backing id in open and create replies; when a handle gets one is
-fs/kernel_cache.py's decision. The kernel's caches of entries another node changed are dropped here too
-(`forget_kernel_*`), for recovery.DirLister.
+fs/kernel_cache.py's decision. How long the kernel may keep names, attributes and directory listings is
+said here (the replies' timeouts, FOPEN_CACHE_DIR); what drops them early is the forget_kernel_* notifications.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import stat
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import pyfuse3
 from pyfuse3 import (
@@ -43,9 +44,15 @@ from ckptfs.metrics import OpStats
 
 log = logging.getLogger(__name__)
 
-# Nothing changes the namespace behind the kernel's back (until refresh), so let it cache generously.
-ATTR_TIMEOUT = 1.0
-ENTRY_TIMEOUT = 1.0
+# How long the kernel may answer from what it holds without asking the daemon. Nothing changes this node's
+# namespace behind the kernel's back without telling it (the listing of another node's changes, refresh,
+# retention, eviction drop what they change: forget_kernel_*), so attributes are kept long, as s3ql does
+# (300 s; JuiceFS and mountpoint-s3 keep 1 s by default because their other writers tell nobody). An entry
+# is kept as long as its directory's listing is fresh (Lister.fresh_for: refresh_interval after it), so a
+# name another node deleted or replaced is looked up, and its directory listed again, as it would be
+# without the kernel's cache; never longer than MAX_TIMEOUT.
+ATTR_TIMEOUT = 300.0
+MAX_TIMEOUT = 3600.0
 # How long the kernel may answer a lookup of a missing name without asking (a negative entry). 0: it asks
 # every time, as after ENOENT. Another node's new file is found by listing a directory again (after
 # refresh_interval, or `ckptfs refresh`), which a cached miss would hide for up to this long.
@@ -78,17 +85,19 @@ def inode_generation(owner_tag: str) -> int:
     return int(owner_tag[:8], 16) & 0xFFFFFFFF
 
 
-def _entry(attr: Attr, generation: int) -> pyfuse3.EntryAttributes:
-    entry = _entry_template(generation)
+def _entry(attr: Attr, generation: int, entry_timeout: float = 0.0) -> pyfuse3.EntryAttributes:
+    """`entry_timeout`: how long the kernel may keep the name (0 for a getattr or setattr reply, which
+    has none)."""
+    entry = _entry_template(generation, entry_timeout)
     _fill(entry, attr)
     return entry
 
 
-def _entry_template(generation: int) -> pyfuse3.EntryAttributes:
+def _entry_template(generation: int, entry_timeout: float) -> pyfuse3.EntryAttributes:
     """What every entry's reply carries alike: the generation, the timeouts, the block size."""
     entry = pyfuse3.EntryAttributes()
     entry.generation = generation
-    entry.entry_timeout = ENTRY_TIMEOUT
+    entry.entry_timeout = entry_timeout
     entry.attr_timeout = ATTR_TIMEOUT
     entry.st_rdev = 0
     entry.st_blksize = BLOCK_SIZE
@@ -159,6 +168,8 @@ def _fuse_error(
 _BACKING_ID = "backing_id"
 _NOFLUSH = "noflush"  # FOPEN_NOFLUSH: the kernel sends no FLUSH at this handle's close()
 _HAS_NOFLUSH = hasattr(pyfuse3.FileInfo(), _NOFLUSH)
+_CACHE_READDIR = "cache_readdir"  # FOPEN_CACHE_DIR, with opendir answered by a FileInfo
+_HAS_CACHE_READDIR = hasattr(pyfuse3.FileInfo(), _CACHE_READDIR)
 
 
 class KernelBackingFiles:
@@ -207,18 +218,40 @@ def probe_passthrough(mode: str, probe_path: str) -> tuple[KernelBackingFiles | 
     return backing, "on: the kernel reads and writes the cache files of open files itself"
 
 
+# -- telling the kernel what the daemon changed behind its back (FUSE notifications) --------------------------
+# Every change not made by a FUSE request: another node's files a listing brought in, replaced or removed
+# (recovery.DirLister), `ckptfs refresh`, retention (pruner.py), eviction (evict.py), a file the drain
+# removes because its object vanished, what recovery changed after a takeover (daemon.py). The rules:
+# forget_kernel_entry queues (pyfuse3's notification thread sends it): safe inside a request handler, where
+# the kernel may hold the directory's lock the notification needs. forget_kernel_entry_now and
+# forget_kernel_data block until the kernel has acted: call them in a worker thread, never in the trio
+# thread, where a request the kernel waits for would never run. forget_kernel_attrs takes no lock a request
+# holds: safe anywhere. Each ignores a kernel that holds nothing of the inode (ENOENT) and a process without
+# a FUSE session.
+
+
 def forget_kernel_data(inode_id: int) -> None:
-    """Another node replaced this file: the kernel must not serve its old pages or size (readable handles
-    keep the page cache across opens)."""
-    try:
+    """Drop the inode's attributes and cached pages: a file's data, a directory's cached listing."""
+    with contextlib.suppress(OSError, RuntimeError):  # ENOENT: the kernel holds nothing of it
         pyfuse3.invalidate_inode(inode_id)
-    except OSError:
-        pass  # ENOENT: the kernel holds nothing of it
+
+
+def forget_kernel_attrs(inode_id: int) -> None:
+    """Drop the inode's attributes (its size, blocks or times changed), keeping its pages."""
+    with contextlib.suppress(OSError, RuntimeError):
+        pyfuse3.invalidate_inode(inode_id, attr_only=True)
 
 
 def forget_kernel_entry(parent_id: int, name: str) -> None:
-    """Another node deleted this entry: the kernel must not keep resolving the name for entry_timeout."""
-    pyfuse3.invalidate_entry_async(parent_id, name.encode(), ignore_enoent=True)
+    """Drop a name (and, for a directory, the names below it that nothing uses), queued."""
+    with contextlib.suppress(RuntimeError):
+        pyfuse3.invalidate_entry_async(parent_id, name.encode(), ignore_enoent=True)
+
+
+def forget_kernel_entry_now(parent_id: int, name: str) -> None:
+    """Drop a name, as forget_kernel_entry, and return once the kernel has."""
+    with contextlib.suppress(OSError, RuntimeError):  # ENOENT: the kernel does not hold the name
+        pyfuse3.invalidate_entry(parent_id, name.encode())
 
 
 class FuseOperations(pyfuse3.Operations):
@@ -269,7 +302,11 @@ class FuseOperations(pyfuse3.Operations):
         attr = self.fs.find(parent_inode, name)
         if attr is None:
             return _negative_entry()
-        return _entry(attr, self.generation)
+        return _entry(attr, self.generation, self._kept_for(parent_inode))
+
+    def _kept_for(self, parent_inode: int) -> float:
+        """The entry timeout of a name in this directory: as long as its listing stays fresh."""
+        return min(self.fs.fresh_for(parent_inode), MAX_TIMEOUT)
 
     async def getattr(self, inode: InodeT, ctx: RequestContext) -> EntryAttributes:
         return _entry(self.fs.getattr(inode), self.generation)
@@ -299,7 +336,8 @@ class FuseOperations(pyfuse3.Operations):
     async def mknod(
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, rdev: int, ctx: RequestContext
     ) -> EntryAttributes:
-        return _entry(self.fs.mknod(parent_inode, name, mode, ctx.uid, ctx.gid), self.generation)
+        return _entry(self.fs.mknod(parent_inode, name, mode, ctx.uid, ctx.gid), self.generation,
+                      self._kept_for(parent_inode))
 
     async def link(
         self, inode: InodeT, new_parent_inode: InodeT, new_name: FileNameT, ctx: RequestContext
@@ -313,7 +351,7 @@ class FuseOperations(pyfuse3.Operations):
         except FsError as exc:
             attr = self._done_before(exc, errno.EEXIST, ctx, parent_inode, name, stat.S_IFDIR)
         await self.fs.announce(attr.ino)
-        return _entry(attr, self.generation)
+        return _entry(attr, self.generation, self._kept_for(parent_inode))
 
     def _done_before(self, exc: FsError, found: int, ctx: RequestContext, parent_inode: InodeT, name: FileNameT,
                      kind: int) -> Attr:
@@ -334,7 +372,7 @@ class FuseOperations(pyfuse3.Operations):
         except FsError as exc:
             attr = self._done_before(exc, errno.EEXIST, ctx, parent_inode, name, stat.S_IFLNK)
         await self.fs.announce(attr.ino)
-        return _entry(attr, self.generation)
+        return _entry(attr, self.generation, self._kept_for(parent_inode))
 
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
         try:
@@ -383,7 +421,7 @@ class FuseOperations(pyfuse3.Operations):
         if fh is not None:  # made by the daemon before, which died before its answer went out
             ino = self.fs.inode_of(fh)
             self.fs.remember(ino)
-            return self._file_info(fh, ctx), _entry(self.fs.getattr(ino), self.generation)
+            return self._file_info(fh, ctx), _entry(self.fs.getattr(ino), self.generation, self._kept_for(parent_inode))
         try:
             fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         except FsError as exc:
@@ -396,7 +434,7 @@ class FuseOperations(pyfuse3.Operations):
             fh = await self.fs.open(attr.ino, flags)
             attr = self.fs.getattr(attr.ino)
         await self._announced(fh)
-        return self._file_info(fh, ctx), _entry(attr, self.generation)
+        return self._file_info(fh, ctx), _entry(attr, self.generation, self._kept_for(parent_inode))
 
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
         fh = self.fs.unanswered(ctx.unique) if _sent_again(ctx) else None
@@ -469,14 +507,28 @@ class FuseOperations(pyfuse3.Operations):
 
     async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
         await self.fs.ensure_listed(inode)
-        return self.fs.opendir(inode)
+        fh = self.fs.opendir(inode)
+        if not _HAS_CACHE_READDIR:
+            return fh
+        # The kernel keeps the listing in its page cache (FOPEN_CACHE_DIR) and does not drop it at the next
+        # opendir (FOPEN_KEEP_CACHE): a directory read again is answered without a READDIRPLUS. It drops it
+        # itself when it changes the directory (create, unlink, rename, ... in it) or sees its mtime change;
+        # what changes it behind the kernel's back (another node's changes, retention, refresh) drops it
+        # with forget_kernel_data of the directory. Every opendir still comes here, and lists the store
+        # again first if the listing is stale, so a cached listing is never older than the journal's.
+        info = pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        setattr(info, _CACHE_READDIR, True)
+        return cast(FileHandleT, info)  # the stock pyfuse3's signature knows only the handle
 
     async def readdir(self, fh: FileHandleT, start_id: int, token: ReaddirToken) -> None:
+        # Always a READDIRPLUS (pyfuse3 turns READDIRPLUS_AUTO off): each entry's attributes cost Python time
+        # here, once per uncached read of the listing, and spare the kernel a LOOKUP per name afterwards.
         # One EntryAttributes for the whole reply, refilled per entry: readdir_reply copies it into the
         # reply buffer (a walk of a big tree sends every entry through here). The entries are read lazily,
         # so those that no longer fit in the kernel's buffer cost a journal row, not their attributes.
         reply, remember = pyfuse3.readdir_reply, self.fs.remember
-        entry = _entry_template(self.generation)
+        # A directory's handle is its inode (Filesystem.opendir).
+        entry = _entry_template(self.generation, self._kept_for(fh))
         after = start_id
         while True:
             sent = 0

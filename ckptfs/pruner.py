@@ -41,6 +41,10 @@ class Pruner:
         self.peers = peers
         self.faults = faults
         self._wanted = trio.Event()
+        # Retention deletes behind the kernel's back (no FUSE request): what it held of a deleted checkpoint
+        # goes with these (fuse_ops.forget_kernel_entry_now and forget_kernel_data), called in a worker thread.
+        self.forget_kernel_entry_now: Callable[[int, str], None] = lambda parent_id, name: None
+        self.forget_kernel_data: Callable[[int], None] = lambda inode_id: None
 
     def checkpoint_completed(self) -> None:
         """A commit marker reached the store: `run` prunes next."""
@@ -88,7 +92,16 @@ class Pruner:
         if not dry_run:
             for name in result.delete:
                 await self._remove_tree(name)
+            if result.delete:
+                await trio.to_thread.run_sync(self._forget_in_kernel, result.delete)
         return result
+
+    def _forget_in_kernel(self, names: list[str]) -> None:
+        """The kernel keeps names for as long as the root's listing is fresh: the deleted checkpoints' names
+        (with every unused name below them) and the root's cached listing and link count go now."""
+        for name in names:
+            self.forget_kernel_entry_now(ROOT_ID, name)
+        self.forget_kernel_data(ROOT_ID)
 
     def _complete(self, inode: Inode) -> bool:
         for entry in [inode, *self.journal.descendants(inode.path or "")]:

@@ -45,6 +45,10 @@ class RecoveryReport:
     orphan_cache_files: int = 0
     aborted_uploads: int = 0
     lost: list[str] = field(default_factory=list)
+    # What changed of entries the kernel may hold (after a takeover it keeps the last daemon's): names
+    # removed (parent inode, name), and files whose attributes now come from the store's copy.
+    removed_names: list[tuple[int, str]] = field(default_factory=list)
+    reverted: list[int] = field(default_factory=list)
 
 
 def repair_journal(
@@ -133,11 +137,14 @@ def _missing_cache_file(journal: Journal, inode: Inode, report: RecoveryReport) 
             log.error("cache file of %s vanished; falling back to the version in the store", inode.path)
             report.lost.append(inode.path or "?")
         journal.serve_from_store(inode.id)
+        report.reverted.append(inode.id)
     else:
         log.error("cache file of %s vanished before it was uploaded; its content is lost", inode.path)
         report.lost.append(inode.path or "?")
         journal.detach(inode)
         journal.purge(inode.id)
+        if inode.parent is not None and inode.name is not None:
+            report.removed_names.append((inode.parent, inode.name))
 
 
 def _valid_path(key: str) -> str | None:
@@ -189,6 +196,8 @@ class DirLister:
         self.forget_kernel_data: Callable[[int], None] = lambda inode_id: None
         # Queues the invalidation (pyfuse3.invalidate_entry_async): safe inside a request handler.
         self.forget_kernel_entry: Callable[[int, str], None] = lambda parent_id, name: None
+        # Returns once the kernel dropped the name: called in a worker thread (fuse_ops.forget_kernel_entry_now).
+        self.forget_kernel_entry_now: Callable[[int, str], None] = lambda parent_id, name: None
 
     def mark_listed(self, inode_id: int) -> None:
         """A directory created here: the store has nothing below it yet."""
@@ -198,9 +207,35 @@ class DirLister:
         self._listed[inode_id] = at
         self.journal.set_listed(inode_id, at)
 
+    def fresh_for(self, inode_id: int) -> float:
+        """Seconds until the directory's listing is stale (0 if it is, or was never listed): the kernel
+        keeps the directory's names that long (fuse_ops), so a name is looked up, and its directory
+        listed again, when it would be without the kernel's cache."""
+        listed = self._listed.get(inode_id)
+        if listed is None:
+            return 0.0
+        age = time.time() - listed
+        return self.refresh_interval - age if 0 <= age < self.refresh_interval else 0.0
+
     def invalidate_all(self) -> None:
         self._listed.clear()
         self.journal.clear_listed()
+
+    async def refresh(self) -> None:
+        """`ckptfs refresh`: every listing stale, the root listed again at once, and what the kernel keeps
+        of the mount dropped: the names at the top (a directory's name takes the unused names below it
+        along, the whole tree of them) and the root's listing and attributes. So the next access of any
+        path asks the daemon, which lists its directories again, whatever the kernel held."""
+        self.invalidate_all()
+        names = [c.name for c in self.journal.all_children(ROOT_ID) if c.name is not None]
+
+        def forget() -> None:
+            for name in names:
+                self.forget_kernel_entry_now(ROOT_ID, name)
+            self.forget_kernel_data(ROOT_ID)
+
+        await trio.to_thread.run_sync(forget)
+        await self.ensure(ROOT_ID)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """List ahead of walks (_list_ahead), a directory at a time. Without this task nothing is."""
@@ -276,9 +311,16 @@ class DirLister:
                 moved = current is not None and current.path is not None
                 return
             replaced: list[int] = []
-            apply_dir_listing(
+            changed_dirs: set[int] = set()  # whose entries went: the kernel's listing of them must go too
+
+            def vanished(inode: Inode) -> None:
+                self._vanished(inode)
+                if inode.parent is not None:
+                    changed_dirs.add(inode.parent)
+
+            imported = apply_dir_listing(
                 self.journal, current, listing, now=time.time(), exact_mtimes=self.store.listing_has_metadata,
-                vanished=self._vanished, warned=self._warned, cache=self.cache, replaced=replaced.append,
+                vanished=vanished, warned=self._warned, cache=self.cache, replaced=replaced.append,
                 stored_before=stored_before, listed_at=started,
             )
             self._listed[inode_id] = started
@@ -287,8 +329,12 @@ class DirLister:
             else:
                 self._listed_ahead.discard(inode_id)
                 self._list_ahead(inode_id, current.parent)
-            for replaced_id in replaced:
-                await trio.to_thread.run_sync(self.forget_kernel_data, replaced_id)
+            if imported:
+                changed_dirs.add(inode_id)
+            # The directories' attributes (mtime, link count) and the listings the kernel keeps of them
+            # (FOPEN_CACHE_DIR) go with the files' pages and attributes.
+            for changed_id in [*replaced, *changed_dirs]:
+                await trio.to_thread.run_sync(self.forget_kernel_data, changed_id)
         finally:
             del self._in_flight[inode_id]
             event.set()

@@ -165,6 +165,26 @@ def test_an_unlinked_open_file_and_a_file_being_written_survive_a_takeover(mount
     assert (m.mnt / "big.bin").read_bytes() == b"1" * (3 << 20) + b"2" * (1 << 20)
 
 
+def test_what_recovery_removes_leaves_the_kernel_after_a_takeover(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """The kernel keeps its names across a takeover. A file whose cache file vanished before its upload
+    is removed by the next daemon's recovery (its content is lost, an ERROR): the kernel's name and
+    listing of it go too, before the mount serves again."""
+    m = mount_factory(upload_delay=3600)
+    m.allowed_log_words += [*TAKEOVER_LOG_WORDS, "vanished before it was uploaded"]
+    (m.mnt / "d").mkdir()
+    (m.mnt / "d" / "lost.bin").write_bytes(b"never uploaded")
+    ino = os.stat(m.mnt / "d" / "lost.bin").st_ino  # the kernel holds the name and the listing
+    assert os.listdir(m.mnt / "d") == ["lost.bin"]
+    (m.cache / "data" / str(ino)).unlink()
+    assert m.proc is not None
+    first = m.proc.pid
+    _kill(m, first)
+    _daemon_pid(m, first)
+    with pytest.raises(FileNotFoundError):
+        os.stat(m.mnt / "d" / "lost.bin")
+    assert os.listdir(m.mnt / "d") == []
+
+
 def test_a_served_mountpoint_refuses_a_second_daemon(mount: Mount) -> None:
     result = mount.cli("mount", mount.source, str(mount.mnt), "--cache-dir", str(mount.root / "cache2"),
                        "--metrics-addr", "off")

@@ -8,11 +8,13 @@ from __future__ import annotations
 import errno
 import os
 import time
+import urllib.request
 from collections.abc import Iterator
 
+import pyfuse3
 import pytest
 from conftest import Mount
-from emulators import S3Server, moto_s3, s3_bucket, seaweedfs_s3  # noqa: F401
+from emulators import S3Server, free_ports, moto_s3, s3_bucket, seaweedfs_s3  # noqa: F401
 
 PREFIX = "run-1/"
 
@@ -27,6 +29,29 @@ def _s3_mount(mount_factory, server: S3Server, bucket: str, *extra: str, name: s
     return mount_factory(  # type: ignore[no-any-return]
         name, source=f"s3://{bucket}/{PREFIX}", extra_args=("--endpoint-url", server.endpoint, *extra)
     )
+
+
+def _fuse_requests(port: int) -> dict[str, float]:
+    """The daemon's FUSE request counts by operation, as its metrics endpoint serves them."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith('ckptfs_fuse_requests_total{op="'):
+            name, value = line.rsplit(" ", 1)
+            counts[name.split('"')[1]] = float(value)
+    return counts
+
+
+def _requests_after(mount: Mount, port: int) -> dict[str, float]:
+    """The request counts once they include everything done before this call: a statfs marks the point
+    (the metrics are published every second)."""
+    marker = _fuse_requests(port).get("statfs", 0)
+    os.statvfs(mount.mnt)
+    deadline = time.monotonic() + 30
+    while (counts := _fuse_requests(port)).get("statfs", 0) <= marker:
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.2)
+    return counts
 
 
 def _warnings(mount: Mount, word: str) -> list[str]:
@@ -188,3 +213,61 @@ def test_shared_bucket_keys_no_file_system_can_hold(mount_factory, moto_s3: S3Se
         assert len(_warnings(m, "d/x/")) == 1
         # Nothing reached outside the mount or its cache.
         assert not (m.root / "escape").exists() and not (m.mnt.parent / "escape").exists()
+
+
+def test_the_kernel_keeps_names_and_listings_until_they_change(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """A directory listed again, and its files looked up again, are answered by the kernel (entries kept
+    while the listing is fresh; the listing itself with FOPEN_CACHE_DIR where pyfuse3 can ask for it).
+    Both are dropped when the directory changes here (a create through the mount) or behind the kernel's
+    back: another node's new file and delete, seen at once after `ckptfs refresh`."""
+    [port] = free_ports(1)
+    m: Mount = mount_factory(extra_args=("--refresh-interval", "3600", "--metrics-addr", f"127.0.0.1:{port}"))
+    (m.mnt / "d").mkdir()
+    names = [f"f{i:03d}" for i in range(300)]
+    for name in names:
+        (m.mnt / "d" / name).write_bytes(b"x")
+    m.flush()
+
+    def walk() -> list[str]:
+        listing = sorted(os.listdir(m.mnt / "d"))
+        for name in listing:
+            os.lstat(m.mnt / "d" / name)
+        return listing
+
+    assert walk() == names
+    before = _requests_after(m, port)
+    assert walk() == names
+    after = _requests_after(m, port)
+    assert after.get("lookup", 0) == before.get("lookup", 0)
+    assert after.get("getattr", 0) <= before.get("getattr", 0) + 2  # the directory's own, at most
+    if hasattr(pyfuse3.FileInfo(), "cache_readdir"):  # else every listing is read from the daemon
+        assert after.get("readdir", 0) == before.get("readdir", 0)
+    (m.mnt / "d" / "mine").write_bytes(b"y")  # through the kernel: it drops its listing itself
+    assert walk() == sorted([*names, "mine"])
+    (m.store / "d" / "theirs").write_bytes(b"z")  # another node's new file, and its delete of f000
+    (m.store / "d" / "f000").unlink()
+    assert walk() == sorted([*names, "mine"])  # listed an hour ago as far as the mount knows
+    assert m.cli("refresh", str(m.mnt)).returncode == 0
+    assert walk() == sorted([*names[1:], "mine", "theirs"])
+    with pytest.raises(FileNotFoundError):
+        os.lstat(m.mnt / "d" / "f000")
+
+
+def test_a_name_is_kept_no_longer_than_its_directory_listing(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """The kernel keeps a name only while its directory's listing is fresh: a file another node replaced
+    or deleted is seen refresh_interval after the listing without `ckptfs refresh`, through names the
+    kernel held."""
+    m: Mount = mount_factory(extra_args=("--refresh-interval", "2"))
+    (m.mnt / "d").mkdir()
+    (m.mnt / "d" / "gone").write_bytes(b"1")
+    (m.mnt / "d" / "replaced").write_bytes(b"1")
+    m.flush()
+    assert os.stat(m.mnt / "d" / "gone").st_size == 1
+    assert os.stat(m.mnt / "d" / "replaced").st_size == 1
+    (m.store / "d" / "gone").unlink()
+    (m.store / "d" / "replaced").write_bytes(b"22")
+    deadline = time.monotonic() + 30
+    while (m.mnt / "d" / "gone").exists() or os.stat(m.mnt / "d" / "replaced").st_size != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert (m.mnt / "d" / "replaced").read_bytes() == b"22"

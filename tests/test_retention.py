@@ -74,6 +74,24 @@ def test_prune_after_ten_checkpoints(mount: Mount) -> None:
     assert sorted(p.name for p in mount.store.iterdir()) == sorted(expected)
 
 
+def test_pruned_checkpoints_leave_the_kernel_at_once(mount: Mount) -> None:
+    """Retention deletes without a FUSE request: the names and listings the kernel held of the deleted
+    checkpoints go with them. Failed before: stat still found a pruned file and its directory (the kernel
+    keeps names while the root's listing is fresh, and no request reached the daemon)."""
+    _deepspeed_run(mount.mnt, range(1, 4))
+    mount.flush()
+    old = mount.mnt / "global_step1" / "mp_rank_00_model_states.pt"
+    assert sorted(os.listdir(mount.mnt)) == ["global_step1", "global_step2", "global_step3", "latest"]
+    assert os.stat(old).st_size == 4096
+    assert len(os.listdir(old.parent)) == 2
+    result = mount.cli("prune", str(mount.mnt), "--keep-last", "1")
+    assert result.returncode == 0, result.stderr
+    for gone in (old, old.parent, mount.mnt / "global_step2"):
+        with pytest.raises(FileNotFoundError):
+            os.stat(gone)
+    assert sorted(os.listdir(mount.mnt)) == ["global_step3", "latest"]
+
+
 def test_keep_last_applies_after_each_completed_checkpoint(mount_factory) -> None:  # type: ignore[no-untyped-def]
     mount: Mount = mount_factory(extra_args=("--keep-last", "2"))
     _deepspeed_run(mount.mnt, range(1, 6))

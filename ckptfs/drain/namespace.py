@@ -46,6 +46,9 @@ class Namespace:
         self.stats = stats
         self.clock = clock
         self.marker_blocked = marker_blocked
+        # A name removed here without a FUSE request (its object vanished): the kernel must drop it
+        # (fuse_ops.forget_kernel_entry, queued: safe in the trio thread).
+        self.forget_kernel_entry: Callable[[int, str], None] = lambda parent_id, name: None
 
     async def move(self, inode_id: int, scanned_keys: tuple[str, str]) -> None:
         inode = self.journal.get(inode_id)
@@ -97,13 +100,16 @@ class Namespace:
         current = self.journal.get(inode_id)
         if current is None:
             return
-        with self.journal.transaction():
-            if current.has_local_data or current.kind != FILE:
-                log.warning("object %s vanished from the store; uploading %s again", key, current.path)
+        if current.has_local_data or current.kind != FILE:
+            log.warning("object %s vanished from the store; uploading %s again", key, current.path)
+            with self.journal.transaction():
                 self.journal.forget_remote_copy(inode_id, now=self.clock())
-            else:
-                log.error("object %s vanished from the store and %s has no local copy; removing it", key, current.path)
-                self.journal.detach(current._replace(remote_key=None))
+            return
+        log.error("object %s vanished from the store and %s has no local copy; removing it", key, current.path)
+        with self.journal.transaction():
+            self.journal.detach(current._replace(remote_key=None))
+        if current.parent is not None and current.name is not None:
+            self.forget_kernel_entry(current.parent, current.name)
 
     async def delete(self, delete_id: int) -> None:
         pending = self.journal.get_pending_delete(delete_id)

@@ -189,6 +189,10 @@ class Filesystem:
     async def ensure_listed(self, inode_id: int) -> None:
         await self._listing.ensure_listed(inode_id)
 
+    def fresh_for(self, inode_id: int) -> float:
+        """How long the kernel may keep the names of this directory: while its listing is fresh."""
+        return self.lister.fresh_for(inode_id)
+
     async def prepare_rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes
                              ) -> RenameEntries | None:
         """Lists what the rename needs listed; returns what rename() may take as `entries` (see there)."""

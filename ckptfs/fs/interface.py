@@ -106,6 +106,10 @@ class Lister(Protocol):
 
     def mark_listed(self, inode_id: int) -> None: ...
 
+    def fresh_for(self, inode_id: int) -> float:
+        """Seconds the directory's listing stays fresh (0: it is listed again at the next access)."""
+        ...
+
 
 class Announcer(Protocol):
     """Makes this node's pending work known to the other nodes before the request returns (nodes.py)."""

@@ -23,6 +23,9 @@ class NothingToList:
     def mark_listed(self, inode_id: int) -> None:
         return None
 
+    def fresh_for(self, inode_id: int) -> float:
+        return float("inf")  # nothing but this filesystem changes the journal
+
 
 class Listing:
     def __init__(self, journal: Journal, cache: CacheDir, lister: Lister, namespace: Namespace) -> None:
