@@ -28,6 +28,7 @@ from ckptfs.backends.base import DirListing, ObjectInfo, ObjectStore, UploadStat
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError
 from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, UPLOADING, Inode, Journal, ListedEntry
+from ckptfs.journal.connection import JournalFull
 from ckptfs.journal.local import rewritten
 from ckptfs.transfer import Transfers
 
@@ -209,7 +210,10 @@ class DirLister:
         task_status.started()
         try:
             async for inode_id in receive:
-                await self.ensure(inode_id, ahead=True)
+                try:
+                    await self.ensure(inode_id, ahead=True)
+                except JournalFull:
+                    pass  # the cache filesystem is full: the request that needs this listing hears it (ENOSPC)
         finally:
             self._ahead = None
 
