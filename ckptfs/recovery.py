@@ -332,8 +332,8 @@ def apply_dir_listing(
     (Namespace.set_listed), in the same transaction.
 
     One transaction, and a number of journal statements that does not grow with the listing (the new
-    entries go in by one executemany), except for subdirectories and entries that already exist: a fresh
-    node's first walk of a big tree is mostly this.
+    entries go in by two statements: Namespace.import_listed), except for subdirectories and entries that
+    already exist: a fresh node's first walk of a big tree is mostly this.
 
     `stored_before`: inode id -> uploaded_version of the entries the store held before the listing began
     (`stored_versions`). Only those can be judged by it: an upload that committed while the listing ran is
