@@ -28,6 +28,7 @@ from ckptfs.backends.base import DirListing, ObjectInfo, ObjectStore, UploadStat
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError
 from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, UPLOADING, Inode, Journal, ListedEntry
+from ckptfs.journal.connection import JournalFull
 from ckptfs.journal.local import rewritten
 from ckptfs.transfer import Transfers
 
@@ -244,7 +245,10 @@ class DirLister:
         task_status.started()
         try:
             async for inode_id in receive:
-                await self.ensure(inode_id, ahead=True)
+                try:
+                    await self.ensure(inode_id, ahead=True)
+                except JournalFull:
+                    pass  # the cache filesystem is full: the request that needs this listing hears it (ENOSPC)
         finally:
             self._ahead = None
 
@@ -374,8 +378,8 @@ def apply_dir_listing(
     (Namespace.set_listed), in the same transaction.
 
     One transaction, and a number of journal statements that does not grow with the listing (the new
-    entries go in by one executemany), except for subdirectories and entries that already exist: a fresh
-    node's first walk of a big tree is mostly this.
+    entries go in by two statements: Namespace.import_listed), except for subdirectories and entries that
+    already exist: a fresh node's first walk of a big tree is mostly this.
 
     `stored_before`: inode id -> uploaded_version of the entries the store held before the listing began
     (`stored_versions`). Only those can be judged by it: an upload that committed while the listing ran is

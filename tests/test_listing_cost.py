@@ -15,7 +15,7 @@ import pytest
 import trio
 from fsharness import Stack, check_consistency, make_stack
 
-from ckptfs.journal import REMOTE, ROOT_ID
+from ckptfs.journal import REMOTE, ROOT_ID, JournalFull
 from ckptfs.recovery import MAX_PATH_BYTES, DirLister, _listed_name, _plain_names, _valid_path
 
 
@@ -151,6 +151,41 @@ async def test_a_walk_is_listed_one_directory_ahead(tmp_path: Path, counted: Cal
         assert counts.list_dir == 4
         nursery.cancel_scope.cancel()
     assert [e.name for e in stack.fs.readdir(ids[3], 0)] == [b"f.bin"]
+    check_consistency(stack)
+
+
+async def test_a_full_cache_filesystem_skips_a_listing_ahead_and_the_next_still_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal cannot grow (JournalFull) while a directory is listed ahead: that listing is skipped,
+    quietly (the request that needs it hears ENOSPC itself), and the task lists the next one."""
+    for d in range(3):
+        (tmp_path / "store" / f"d{d}").mkdir(parents=True)
+        (tmp_path / "store" / f"d{d}" / "f.bin").write_bytes(b"x")
+    stack = make_stack(tmp_path)
+    lister = stack.fs.lister
+    assert isinstance(lister, DirLister)
+    lister.refresh_interval = 60.0
+    await stack.fs.ensure_listed(ROOT_ID)
+    ids = sorted(c.id for c in stack.journal.all_children(ROOT_ID))
+    import_listed = stack.journal.import_listed
+    full = [True]
+
+    def once_full(directory: Any, *args: Any, **kwargs: Any) -> None:
+        if directory.id == ids[1] and full:
+            full.pop()
+            raise JournalFull("database or disk is full")
+        import_listed(directory, *args, **kwargs)
+
+    monkeypatch.setattr(stack.journal, "import_listed", once_full)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lister.run)
+        await stack.fs.ensure_listed(ids[0])  # d1 ahead: the journal is full
+        await _until(lambda: not full)
+        await stack.fs.ensure_listed(ids[1])  # listed now, on request; d2 ahead
+        await _until(lambda: ids[2] in stack.journal.listed_dirs())
+        nursery.cancel_scope.cancel()
+    assert [e.name for e in stack.fs.readdir(ids[1], 0)] == [b"f.bin"]
     check_consistency(stack)
 
 
