@@ -5,6 +5,7 @@ libfuse did not mount itself (one taken over). No FUSE session here: only the mo
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -70,9 +71,28 @@ def _stat_of_a_mountpoint(mountpoint: Path) -> os.stat_result:
 
 def _stat_or_error(path: Path) -> os.stat_result | OSError:
     try:
+        _ask_the_daemon(path)
         return os.stat(path)
     except OSError as exc:
         return exc
+
+
+_AT_FDCWD = -100
+_AT_STATX_FORCE_SYNC = 0x2000
+_STATX_BASIC_STATS = 0x7FF
+
+
+def _ask_the_daemon(path: Path) -> None:
+    """A stat that the filesystem's daemon answers, not the kernel's cache of its attributes (ckptfs lets
+    the kernel keep them for minutes): statx with AT_STATX_FORCE_SYNC, which Python's os module lacks."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    statx = getattr(libc, "statx", None)
+    if statx is None:  # a libc without statx (glibc < 2.28): a plain stat is all there is
+        return
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    if statx(_AT_FDCWD, os.fsencode(path), _AT_STATX_FORCE_SYNC, _STATX_BASIC_STATS, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
 
 
 def read_ahead_path(dev: int) -> str:

@@ -113,6 +113,12 @@ def test_a_writer_never_sees_the_daemon_die(mount_factory, tmp_path: Path, passt
     assert m.proc is not None
     pid = m.proc.pid
     try:
+        # The kills start once the writer is at work: its import of torch alone took 11-16 s on a loaded
+        # machine, longer than all the kills, and it then finished no file while they ran.
+        deadline = time.monotonic() + 300
+        while not (report.exists() and report.read_text()):
+            assert time.monotonic() < deadline and writer.poll() is None, "the writer finished no file"
+            time.sleep(0.1)
         for _ in range(KILLS):
             time.sleep(rng.uniform(0.05, 1.5))
             assert writer.poll() is None, writer.stderr.read() if writer.stderr else ""
