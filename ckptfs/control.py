@@ -16,9 +16,9 @@ import trio
 
 from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError
+from ckptfs.lister import DirLister
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
 from ckptfs.pruner import Pruner
-from ckptfs.recovery import DirLister
 from ckptfs.snapshot import MountStats, status_json
 
 RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take

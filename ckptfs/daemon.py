@@ -48,12 +48,13 @@ from ckptfs.fuse_ops import (
 )
 from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import Inode, Journal, JournalError, JournalFull, journal_unusable
+from ckptfs.lister import DirLister
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
 from ckptfs.mountpoint import check_mountpoint, set_read_ahead
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
 from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
 from ckptfs.pruner import Pruner
-from ckptfs.recovery import DirLister, RecoveryReport, recover
+from ckptfs.recovery import RecoveryReport, recover
 from ckptfs.snapshot import KeepMount, MountStats, gather, metrics_snapshot, status_line
 from ckptfs.systemd import Notifier
 from ckptfs.takeover import ConnectionKeeper, Restart, find_held_connection

@@ -220,7 +220,7 @@ def probe_passthrough(mode: str, probe_path: str) -> tuple[KernelBackingFiles | 
 
 # -- telling the kernel what the daemon changed behind its back (FUSE notifications) --------------------------
 # Every change not made by a FUSE request: another node's files a listing brought in, replaced or removed
-# (recovery.DirLister), `ckptfs refresh`, retention (pruner.py), eviction (evict.py), a file the drain
+# (lister.DirLister), `ckptfs refresh`, retention (pruner.py), eviction (evict.py), a file the drain
 # removes because its object vanished, what recovery changed after a takeover (daemon.py). The rules:
 # forget_kernel_entry queues (pyfuse3's notification thread sends it): safe inside a request handler, where
 # the kernel may hold the directory's lock the notification needs. forget_kernel_entry_now and

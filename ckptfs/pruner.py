@@ -17,8 +17,8 @@ import trio
 from ckptfs.errors import Faults
 from ckptfs.fs import Filesystem
 from ckptfs.journal import DIR, FILE, ROOT_ID, Inode, Journal, journal_unusable
+from ckptfs.lister import DirLister
 from ckptfs.nodes import TOP_FILES, PeerRecords
-from ckptfs.recovery import DirLister
 from ckptfs.retention import Checkpoint, Plan, pinned_by_pointers, plan
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
 from ckptfs.fs import Filesystem
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, Journal
-from ckptfs.recovery import DirLister
+from ckptfs.lister import DirLister
 from ckptfs.transfer import SmallFile, StagedUpload, Transfers
 
 UID = os.getuid()

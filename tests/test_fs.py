@@ -440,7 +440,7 @@ async def test_fresh_cache_imports_store_and_fetches_on_open(tmp_path: Path, nur
 
 
 def test_keys_that_cannot_be_paths_are_skipped() -> None:
-    from ckptfs.recovery import _valid_path
+    from ckptfs.lister import _valid_path
 
     assert _valid_path("a/b.pt") == "a/b.pt"
     assert _valid_path("dir/") == "dir"
@@ -785,7 +785,7 @@ async def test_the_store_is_listed_one_directory_at_a_time(tmp_path: Path) -> No
 
 async def test_store_keys_that_cannot_be_paths_warn_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from ckptfs.backends.base import DirListing, ObjectInfo
-    from ckptfs.recovery import apply_dir_listing
+    from ckptfs.lister import apply_dir_listing
 
     stack = make_stack(tmp_path)
     root = stack.journal.get(ROOT_ID)

@@ -16,7 +16,7 @@ import trio
 from fsharness import Stack, check_consistency, make_stack
 
 from ckptfs.journal import REMOTE, ROOT_ID, JournalFull
-from ckptfs.recovery import MAX_PATH_BYTES, DirLister, _listed_name, _plain_names, _valid_path
+from ckptfs.lister import MAX_PATH_BYTES, DirLister, _listed_name, _plain_names, _valid_path
 
 
 class Counts:

@@ -100,7 +100,7 @@ class BackingFiles(Protocol):
 
 
 class Lister(Protocol):
-    """Reads the store's namespace into the journal, a directory at a time (recovery.DirLister)."""
+    """Reads the store's namespace into the journal, a directory at a time (lister.DirLister)."""
 
     async def ensure(self, inode_id: int, *, required: bool = False) -> None: ...
 

@@ -1,6 +1,6 @@
 """The namespace: looking entries up and walking the tree, the changes the fs package makes inside transaction()
 (create, attributes, open and close for writing, unlink, rename), the entries recovery imports from the
-store, and when each directory was last listed from the store (recovery.DirLister)."""
+store, and when each directory was last listed from the store (lister.DirLister)."""
 
 from __future__ import annotations
 
@@ -275,7 +275,7 @@ class Namespace(PendingDeletes):
             self.touch_dir(inode.parent, now)
         self.touch_dir(new_parent.id, now)
 
-    # -- lazy listing: when each directory was last listed from the store (recovery.DirLister) ----------
+    # -- lazy listing: when each directory was last listed from the store (lister.DirLister) ----------
 
     def prune_listed_dirs(self) -> None:
         """Forget when directories gone since were listed."""

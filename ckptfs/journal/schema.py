@@ -105,7 +105,7 @@ def create_tables(db: sqlite3.Connection) -> None:
             created_at REAL NOT NULL
         );
 
-        -- Lazy listing (recovery.DirLister): when each directory was last listed from the store, so that
+        -- Lazy listing (lister.DirLister): when each directory was last listed from the store, so that
         -- a restart within the refresh interval lists nothing again. Rows of inodes gone are pruned when
         -- a DirLister starts.
         CREATE TABLE listed_dirs (
