@@ -121,11 +121,9 @@ async def _until(condition: Callable[[], bool]) -> None:
             await trio.sleep(0.01)
 
 
-async def test_a_walk_is_listed_one_directory_ahead(tmp_path: Path, counted: Callable[[Stack], Counts]) -> None:
-    """A walk opens a directory's subdirectories one after the other: while it reads one, the next is
-    listed (on an object store its latency overlaps the walk's work). One ahead of each directory a request
-    needed, not the tree; without the lister's task, nothing ahead."""
-    for d in range(4):
+async def _listed_root_of_dirs(tmp_path: Path, count: int) -> tuple[Stack, DirLister, list[int]]:
+    """A store of `count` directories of one file each, its root listed; their inode ids in readdir's order."""
+    for d in range(count):
         (tmp_path / "store" / f"d{d}").mkdir(parents=True)
         (tmp_path / "store" / f"d{d}" / "f.bin").write_bytes(b"x")
     stack = make_stack(tmp_path)
@@ -133,7 +131,14 @@ async def test_a_walk_is_listed_one_directory_ahead(tmp_path: Path, counted: Cal
     assert isinstance(lister, DirLister)
     lister.refresh_interval = 60.0
     await stack.fs.ensure_listed(ROOT_ID)
-    ids = sorted(c.id for c in stack.journal.all_children(ROOT_ID))
+    return stack, lister, sorted(c.id for c in stack.journal.all_children(ROOT_ID))
+
+
+async def test_a_walk_is_listed_one_directory_ahead(tmp_path: Path, counted: Callable[[Stack], Counts]) -> None:
+    """A walk opens a directory's subdirectories one after the other: while it reads one, the next is
+    listed (on an object store its latency overlaps the walk's work). One ahead of each directory a request
+    needed, not the tree; without the lister's task, nothing ahead."""
+    stack, lister, ids = await _listed_root_of_dirs(tmp_path, 4)
     counts = counted(stack)
     await stack.fs.ensure_listed(ids[0])
     await trio.sleep(0.2)
@@ -159,15 +164,7 @@ async def test_a_full_cache_filesystem_skips_a_listing_ahead_and_the_next_still_
 ) -> None:
     """The journal cannot grow (JournalFull) while a directory is listed ahead: that listing is skipped,
     quietly (the request that needs it hears ENOSPC itself), and the task lists the next one."""
-    for d in range(3):
-        (tmp_path / "store" / f"d{d}").mkdir(parents=True)
-        (tmp_path / "store" / f"d{d}" / "f.bin").write_bytes(b"x")
-    stack = make_stack(tmp_path)
-    lister = stack.fs.lister
-    assert isinstance(lister, DirLister)
-    lister.refresh_interval = 60.0
-    await stack.fs.ensure_listed(ROOT_ID)
-    ids = sorted(c.id for c in stack.journal.all_children(ROOT_ID))
+    stack, lister, ids = await _listed_root_of_dirs(tmp_path, 3)
     import_listed = stack.journal.import_listed
     full = [True]
 

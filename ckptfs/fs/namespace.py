@@ -139,14 +139,19 @@ class Namespace:
             raise FsError(errno.ENOENT, f"no entry {raw_name!r}")
         return inode
 
-    def check_new_entry(self, parent_id: int, raw_name: bytes) -> tuple[Inode, str]:
+    def _dir_and_new_name(self, parent_id: int, raw_name: bytes) -> tuple[Inode, str, Inode | None]:
+        """The directory, the decoded name and what holds the name now (None: it is free), read with one
+        journal statement; a missing directory is the first error, a name that cannot be one the next."""
         try:
             name = decode_name(raw_name)
         except FsError:
-            directory(self.journal, parent_id)  # a missing directory is the first error
+            directory(self.journal, parent_id)
             raise
         parent_row, found = self.journal.dir_and_child(parent_id, name)
-        parent = as_directory(parent_row, parent_id)
+        return as_directory(parent_row, parent_id), name, found
+
+    def check_new_entry(self, parent_id: int, raw_name: bytes) -> tuple[Inode, str]:
+        parent, name, found = self._dir_and_new_name(parent_id, raw_name)
         child_path(parent, name)
         if found is not None:
             raise FsError(errno.EEXIST, f"{name!r} exists")
@@ -226,13 +231,7 @@ class Namespace:
             new_parent = old_parent
             target = self.journal.lookup(new_parent_id, new_name)
         else:
-            try:
-                new_name = decode_name(raw_new)
-            except FsError:
-                directory(self.journal, new_parent_id)  # a missing directory is the first error
-                raise
-            parent_row, target = self.journal.dir_and_child(new_parent_id, new_name)
-            new_parent = as_directory(parent_row, new_parent_id)
+            new_parent, new_name, target = self._dir_and_new_name(new_parent_id, raw_new)
         child_path(new_parent, new_name)
         return RenameEntries(old_parent, source, new_parent, new_name, target)
 
