@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -32,6 +33,18 @@ def ckptfs_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 1
     return subprocess.run(
         [sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, env=env, timeout=timeout,
     )
+
+
+def fuse_requests(port: int) -> dict[str, float]:
+    """A daemon's FUSE request counts by operation (ckptfs_fuse_requests_total), as its metrics endpoint
+    `port` serves them now (they are published every METRICS_INTERVAL)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith('ckptfs_fuse_requests_total{op="'):
+            name, value = line.rsplit(" ", 1)
+            counts[name.split('"')[1]] = float(value)
+    return counts
 
 
 class Mount:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import errno
 import os
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import pyfuse3
 import pytest
-from conftest import Mount
+from conftest import Mount, fuse_requests
 from emulators import S3Server, free_ports, moto_s3, s3_bucket, seaweedfs_s3  # noqa: F401
 
 PREFIX = "run-1/"
@@ -31,24 +30,13 @@ def _s3_mount(mount_factory, server: S3Server, bucket: str, *extra: str, name: s
     )
 
 
-def _fuse_requests(port: int) -> dict[str, float]:
-    """The daemon's FUSE request counts by operation, as its metrics endpoint serves them."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    counts = {}
-    for line in text.splitlines():
-        if line.startswith('ckptfs_fuse_requests_total{op="'):
-            name, value = line.rsplit(" ", 1)
-            counts[name.split('"')[1]] = float(value)
-    return counts
-
-
 def _requests_after(mount: Mount, port: int) -> dict[str, float]:
     """The request counts once they include everything done before this call: a statfs marks the point
     (the metrics are published every second)."""
-    marker = _fuse_requests(port).get("statfs", 0)
+    marker = fuse_requests(port).get("statfs", 0)
     os.statvfs(mount.mnt)
     deadline = time.monotonic() + 30
-    while (counts := _fuse_requests(port)).get("statfs", 0) <= marker:
+    while (counts := fuse_requests(port)).get("statfs", 0) <= marker:
         assert time.monotonic() < deadline, counts
         time.sleep(0.2)
     return counts

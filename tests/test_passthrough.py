@@ -15,13 +15,12 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pyfuse3
 import pytest
 import trio
-from conftest import Mount
+from conftest import Mount, fuse_requests
 from fsharness import GID, UID, Stack, check_consistency, make_stack
 
 from ckptfs.daemon import METRICS_INTERVAL
@@ -189,11 +188,7 @@ needs_passthrough = pytest.mark.skipif(
 def _daemon_requests(port: int, op: str) -> float:
     """How many `op` requests the daemon answered (its metrics: ckptfs_fuse_requests_total)."""
     time.sleep(METRICS_INTERVAL * 1.5)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith(f'ckptfs_fuse_requests_total{{op="{op}"}}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return fuse_requests(port).get(op, 0.0)
 
 
 @needs_passthrough
