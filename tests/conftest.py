@@ -47,6 +47,22 @@ def fuse_requests(port: int) -> dict[str, float]:
     return counts
 
 
+def file_store_objects(root: Path) -> dict[str, bytes]:
+    """Every object of a file:// store at `root` (no temp entries), by key, read while the store is live: the
+    store's staging directory comes and goes with every upload (Path.rglob failed when it went between the
+    listing of its parent and its own), so what vanishes while it is walked is skipped."""
+    out = {}
+    for top, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if ".ckptfs-tmp." not in d]
+        for name in filenames:
+            path = Path(top, name)
+            if ".ckptfs-tmp." in name or path.is_symlink():
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                out[str(path.relative_to(root))] = path.read_bytes()
+    return dict(sorted(out.items()))
+
+
 class Mount:
     """A ckptfs daemon serving `store` on `mnt`, run in the foreground as a child process."""
 
@@ -162,11 +178,7 @@ class Mount:
 
     def store_files(self) -> dict[str, bytes]:
         """Every regular file in the store (no temp files), by relative path."""
-        out = {}
-        for path in sorted(self.store.rglob("*")):
-            if path.is_file() and not path.is_symlink() and ".ckptfs-tmp." not in str(path.relative_to(self.store)):
-                out[str(path.relative_to(self.store))] = path.read_bytes()
-        return out
+        return file_store_objects(self.store)
 
     def unexpected_log_lines(self) -> list[str]:
         if not self.log.exists():

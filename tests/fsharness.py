@@ -3,7 +3,6 @@ LocalStore, wrapped in a store that records every call and can hold or fail them
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from conftest import file_store_objects
 
 from ckptfs.backends.base import (
     TEMP_PREFIX,
@@ -297,24 +297,14 @@ class Stack:
         return inode.id
 
     def _store_walk(self) -> Iterator[tuple[str, list[str], list[str]]]:
-        """os.walk of the store without its temp entries. The drain runs meanwhile: the store's staging
-        directory comes and goes with every upload (Path.rglob failed when it went between the listing of
-        the root and its own), so what vanishes while it is walked is skipped."""
+        """os.walk of the store without its temp entries (what vanishes while it is walked is skipped, as in
+        conftest.file_store_objects)."""
         for top, dirnames, filenames in os.walk(self.store.inner.root):
             dirnames[:] = sorted(d for d in dirnames if TEMP_PREFIX not in d)
             yield top, dirnames, sorted(f for f in filenames if TEMP_PREFIX not in f)
 
     def store_files(self) -> dict[str, bytes]:
-        root = self.store.inner.root
-        out = {}
-        for top, _, filenames in self._store_walk():
-            for name in filenames:
-                path = Path(top, name)
-                if path.is_symlink():
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    out[str(path.relative_to(root))] = path.read_bytes()
-        return dict(sorted(out.items()))
+        return file_store_objects(self.store.inner.root)
 
     def store_dirs(self) -> set[str]:
         root = self.store.inner.root

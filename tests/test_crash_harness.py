@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Mount
+from conftest import Mount, file_store_objects
 from crash_harness import (
     EIO_ANSWERED,
     KNOWN_TRACEBACKS,
@@ -361,3 +361,34 @@ KeyError: 1
     assert "node records failed" in head and block.endswith("KeyError: 1")
     assert known_traceback(block) == "test_concurrent_tidies_of_the_node_records_delete_a_record_once"
     assert known_traceback(block.replace("KeyError: 1", "ValueError: x")) is None
+
+
+def test_a_live_file_store_is_read_while_its_staging_directory_comes_and_goes(tmp_path: Path) -> None:
+    """conftest.file_store_objects, which the mounts' tests poll while the drain uploads: the store's staging
+    directory is made and removed with every upload; Path.rglob raised FileNotFoundError when it went between
+    the listing of the root and its own (test_gateway_fuse failed so in CI)."""
+    (tmp_path / "step_1.pt").write_bytes(b"one")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "step_2.pt").write_bytes(b"two")
+    stop = threading.Event()
+
+    def churn() -> None:
+        staging = tmp_path / ".ckptfs-tmp.staging"
+        while not stop.is_set():
+            (staging / "part").mkdir(parents=True)
+            (staging / "part" / "0").write_bytes(b"x")
+            (tmp_path / "sub" / ".ckptfs-tmp.up").write_bytes(b"y")
+            (staging / "part" / "0").unlink()
+            (staging / "part").rmdir()
+            staging.rmdir()
+            (tmp_path / "sub" / ".ckptfs-tmp.up").unlink()
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            assert file_store_objects(tmp_path) == {"step_1.pt": b"one", "sub/step_2.pt": b"two"}
+    finally:
+        stop.set()
+        churner.join()

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Mount
+from conftest import Mount, file_store_objects
 from doc_snippets import load_snippet, snippet_sources
 from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
 from rank_server import SERVER, Rank
@@ -85,12 +85,7 @@ def assert_store_matches_mount(cluster: Cluster, node: Mount, under: str) -> Non
 
 
 def _file_store(root: Path) -> Callable[[], dict[str, bytes]]:
-    def read() -> dict[str, bytes]:
-        return {
-            str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and ".ckptfs-tmp." not in str(p.relative_to(root))
-        }
-    return read
+    return lambda: file_store_objects(root)
 
 
 def _s3_store(server: S3Server, bucket: str) -> Callable[[], dict[str, bytes]]:

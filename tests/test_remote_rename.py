@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Mount
+from conftest import Mount, file_store_objects
 from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
 
 Store = Callable[[], dict[str, bytes]]
@@ -29,11 +29,7 @@ def two_nodes(request: pytest.FixtureRequest, mount_factory, tmp_path: Path) -> 
             return mount_factory(name, start=start, source=f"file://{shared}")  # type: ignore[no-any-return]
 
         def store() -> dict[str, bytes]:
-            return {
-                str(p.relative_to(shared)): p.read_bytes()
-                for p in sorted(shared.rglob("*"))
-                if p.is_file() and ".ckptfs-tmp." not in str(p.relative_to(shared))
-            }
+            return file_store_objects(shared)
 
         yield make("a", True), make("b", False), store
         return
