@@ -7,6 +7,9 @@ notes stay out of listings and out of every sweep of leftovers (another owner's 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +22,7 @@ from store_targets import META, Target, target  # noqa: F401
 
 from ckptfs.backends.base import NOTES_DIR, TEMP_PREFIX, ObjectStore, check_note_name
 from ckptfs.backends.local import LocalStore
+from ckptfs.backends.localnotes import INCARNATION
 from ckptfs.errors import PermanentBackendError, TransientBackendError
 
 T = TypeVar("T")
@@ -258,6 +262,38 @@ def test_local_delete_races_put(tmp_path: Path) -> None:
     assert not failures, failures
     assert a.list_notes() == []
     assert not (root / NOTES_DIR).exists()
+
+
+# A process that writes a note and is killed between the temp file's fsync and its rename.
+KILLED_MID_PUT_NOTE = """
+import os, signal, sys
+from pathlib import Path
+from ckptfs.backends.local import LocalStore
+from ckptfs.backends.localnotes import INCARNATION
+store = LocalStore(Path(sys.argv[1]), owner=sys.argv[2])
+os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+store.put_note("pending/node-a/7", b"record")
+"""
+
+
+def test_local_temp_of_a_note_a_killed_process_wrote_goes_at_its_owners_next_sweep(tmp_path: Path) -> None:
+    """file://: kill -9 in the middle of a put_note leaves its temp file. The same owner's next process removes
+    it in its sweep of leftovers (it stayed a day: test_recovery's kill -9 test found one); another owner's
+    fresh temp file (perhaps being written now) and this process's own stay."""
+    root = tmp_path / "store"
+    root.mkdir()
+    for owner in ("a", "b"):
+        died = subprocess.run([sys.executable, "-c", KILLED_MID_PUT_NOTE, str(root), owner], check=False)
+        assert died.returncode == -signal.SIGKILL
+    pending = root / NOTES_DIR / "pending/node-a"
+    temps = sorted(p.name for p in pending.iterdir())
+    assert [t.split(".")[2] for t in temps] == ["a", "b"] and all(t.startswith(TEMP_PREFIX) for t in temps)
+    store = LocalStore(root, owner="a")
+    ours_now = pending / f"{TEMP_PREFIX}a.{INCARNATION}.0123"
+    ours_now.write_bytes(b"being written")
+    assert store.list_leftovers() == []
+    assert sorted(p.name for p in pending.iterdir()) == sorted([temps[1], ours_now.name])
+    assert store.list_notes() == []
 
 
 def _notes_prefix(target: Target) -> str:

@@ -143,7 +143,9 @@ class LocalStore(WholeCopies, LocalNotes):
 
     def list_leftovers(self) -> list[UploadRef]:
         """This owner's temp files. Other owners' are removed here once a day old: a node that died for
-        good never comes back for them."""
+        good never comes back for them. The temp files of notes a killed process of this owner was writing
+        are removed here too (a note's temp file is nobody's upload: no abort of the caller's needed)."""
+        self.remove_crashed_note_temps()
         mine = f"{self.owner}."
         found = []
         now = time.time()

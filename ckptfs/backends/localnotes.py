@@ -3,11 +3,12 @@
 Notes (base.py) are files at DIR/.ckptfs-tmp.notes/<name>, a name's '/' making subdirectories. A note is
 written the way an object is, but with its temp file in the note's own directory (the rename must stay on
 one filesystem, and nodes sharing DIR over NFS or Lustre each see either the old file or the new): written,
-fsynced, renamed over the name, the directory fsynced. A directory made for a note is fsynced into its
-parent, so a note that survived a crash can be found. delete_note removes the directories it leaves empty
-(the notes directory too), and put_note makes them again if a delete removed them under it. As a path
-cannot be a file and a directory, file:// cannot hold both a note `x` and a note `x/y`
-(PermanentBackendError); object stores can.
+fsynced, renamed over the name, the directory fsynced; the temp file a killed process left is removed by
+its owner's next process (remove_crashed_note_temps, in list_leftovers), another owner's once a day old.
+A directory made for a note is fsynced into its parent, so a note that survived a crash can be found.
+delete_note removes the directories it leaves empty (the notes directory too), and put_note makes them again
+if a delete removed them under it. As a path cannot be a file and a directory, file:// cannot hold both a
+note `x` and a note `x/y` (PermanentBackendError); object stores can.
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ from ckptfs.errors import NotFoundBackendError, PermanentBackendError, Transient
 
 NOTES_ROOT = NOTES_DIR.rstrip("/")
 READ_CHUNK = 8 << 20
-STALE_TEMP_SECONDS = 24 * 3600  # a temp file of an interrupted put_note is removed once this old
+STALE_TEMP_SECONDS = 24 * 3600  # another owner's temp file of an interrupted put_note is removed once this old
 CREATE_ATTEMPTS = 8
+# A note's temp file is named <TEMP_PREFIX><owner>.<incarnation>.<random>: the incarnation tells this process's
+# temp files (perhaps being written right now) from those a killed process of the same owner left, which
+# this owner's next sweep removes (one process per owner at a time: the owner is the journal's tag).
+INCARNATION = secrets.token_hex(4)
 
 
 def translate_os_error(exc: OSError, key: str) -> Exception:
@@ -60,9 +65,11 @@ def note_error(exc: OSError, what: str) -> Exception:
 
 
 class LocalNotes:
-    """put_note, get_note, list_notes and delete_note of a store rooted at the directory `root`."""
+    """put_note, get_note, list_notes and delete_note of a store rooted at the directory `root`, for the
+    node `owner`."""
 
     root: Path
+    owner: str
 
     def _note_path(self, name: str) -> str:
         return os.path.join(self.root, NOTES_ROOT, check_note_name(name))
@@ -86,7 +93,7 @@ class LocalNotes:
         fd = -1
         try:
             for _ in range(CREATE_ATTEMPTS):
-                temp = os.path.join(directory, f"{TEMP_PREFIX}{secrets.token_hex(8)}")
+                temp = os.path.join(directory, f"{TEMP_PREFIX}{self.owner}.{INCARNATION}.{secrets.token_hex(8)}")
                 try:
                     self._note_dirs(directory)
                     fd = create_file(temp)
@@ -112,6 +119,20 @@ class LocalNotes:
                 with contextlib.suppress(OSError):
                     os.unlink(temp)
             raise note_error(exc, what) from exc
+
+    def remove_crashed_note_temps(self) -> int:
+        """Remove the temp files of put_notes that a killed process of this owner left (not this process's:
+        one may be being written now). Returns how many went."""
+        mine = f"{TEMP_PREFIX}{self.owner}."
+        current = f"{mine}{INCARNATION}."
+        removed = 0
+        for top, _, filenames in os.walk(os.path.join(self.root, NOTES_ROOT)):
+            for name in filenames:
+                if name.startswith(mine) and not name.startswith(current):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(top, name))
+                        removed += 1
+        return removed
 
     def get_note(self, name: str) -> bytes | None:
         what = f"note {name}"
