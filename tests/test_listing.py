@@ -241,6 +241,27 @@ def test_the_kernel_keeps_names_and_listings_until_they_change(mount_factory) ->
         os.lstat(m.mnt / "d" / "f000")
 
 
+def test_a_file_whose_object_vanished_leaves_the_kernels_listing_too(mount_factory) -> None:  # type: ignore[no-untyped-def]
+    """A file known only from the store (no local copy) whose object vanished, found so by the drain (here:
+    rewriting its metadata after a chmod): the daemon removes it, and the kernel drops its name and with it
+    the listing it keeps of the directory (which it would otherwise show for an hour: --refresh-interval)."""
+    m: Mount = mount_factory(start=False, extra_args=("--refresh-interval", "3600"))
+    (m.store / "d").mkdir()
+    for name in ("kept", "lost"):
+        (m.store / "d" / name).write_bytes(b"x")
+    m.allowed_log_words += ["vanished from the store"]
+    m.start()
+    assert sorted(os.listdir(m.mnt / "d")) == ["kept", "lost"]
+    (m.store / "d" / "lost").unlink()
+    os.chmod(m.mnt / "d" / "lost", 0o600)
+    deadline = time.monotonic() + 30
+    while "vanished from the store" not in m.log.read_text() or os.listdir(m.mnt / "d") != ["kept"]:
+        assert time.monotonic() < deadline, f"listed after its object vanished: {os.listdir(m.mnt / 'd')}"
+        time.sleep(0.05)
+    with pytest.raises(FileNotFoundError):
+        os.lstat(m.mnt / "d" / "lost")
+
+
 def test_a_name_is_kept_no_longer_than_its_directory_listing(mount_factory) -> None:  # type: ignore[no-untyped-def]
     """The kernel keeps a name only while its directory's listing is fresh: a file another node replaced
     or deleted is seen refresh_interval after the listing without `ckptfs refresh`, through names the
