@@ -286,7 +286,7 @@ def apply_dir_listing(
             # A directory this node lists for the first time (a fresh node's walk is mostly these): every
             # entry is new; the same entries as below, without the tests per entry that cannot apply.
             present.update(plain)
-            new = [_new_entry(name, info) for info, name in zip(infos, plain, strict=True)]
+            new = _new_entries(infos, plain)
             infos = []
         for info, name in zip(infos, names, strict=False):  # (infos emptied above: all imported)
             if name is None:
@@ -340,6 +340,16 @@ def _new_entry(name: str, info: ObjectInfo) -> ListedEntry:
                                         info.key, info.target, info.checksum))
     return _new_tuple(ListedEntry, (name, FILE, info.size, info.mtime_ns, stat.S_IFREG | (info.mode & 0o7777),
                                     info.key, info.target, info.checksum))
+
+
+def _new_entries(infos: list[ObjectInfo], names: list[str]) -> list[ListedEntry]:
+    """_new_entry of every listed object, in one comprehension (100,000 of them in a big tree's first walk)."""
+    return [
+        _new_tuple(ListedEntry, (name, SYMLINK, size, mtime_ns, stat.S_IFLNK | (mode & 0o7777), key, target, checksum))
+        if kind == STORE_SYMLINK else
+        _new_tuple(ListedEntry, (name, FILE, size, mtime_ns, stat.S_IFREG | (mode & 0o7777), key, target, checksum))
+        for (key, kind, size, mtime_ns, mode, target, checksum, _etag), name in zip(infos, names, strict=True)
+    ]
 
 
 _new_tuple = tuple.__new__

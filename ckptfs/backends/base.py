@@ -43,7 +43,7 @@ import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, TypeVar
+from typing import ClassVar, NamedTuple, Protocol, TypeVar
 
 from ckptfs.errors import BackendError as BackendError  # for nodes.py, a layer that cannot import errors
 from ckptfs.errors import PermanentBackendError
@@ -69,8 +69,10 @@ class ObjectMeta:
     mode: int  # permission bits only
 
 
-@dataclass(frozen=True)
-class ObjectInfo:
+class ObjectInfo(NamedTuple):
+    """One object as the store lists or heads it. A named tuple, not a frozen dataclass: a listing makes one
+    per object (100,000 in a big tree's first walk), and a frozen dataclass cost 3.3 us each, a tuple 0.4."""
+
     key: str
     kind: str  # FILE, DIR (a directory marker) or SYMLINK
     size: int

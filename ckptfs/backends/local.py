@@ -422,14 +422,20 @@ class LocalStore(WholeCopies, LocalNotes):
         except OSError as exc:
             raise translate_os_error(exc, prefix) from exc
         entries, subdirs = [], []
+        is_file, is_dir = stat.S_ISREG, stat.S_ISDIR
+        # The plain file's ObjectInfo made here, not by _info: a big directory is mostly these.
         for entry in scanned:
-            if entry.name.startswith(TEMP_PREFIX):
+            name = entry.name
+            if name.startswith(TEMP_PREFIX):
                 continue
             st = entry.stat(follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                subdirs.append(entry.name)
-            elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
-                entries.append(self._info(prefix + entry.name, entry.path, st))
+            mode = st.st_mode
+            if is_file(mode):
+                entries.append(ObjectInfo(prefix + name, FILE, st.st_size, st.st_mtime_ns, mode & 0o7777))
+            elif is_dir(mode):
+                subdirs.append(name)
+            elif stat.S_ISLNK(mode):
+                entries.append(self._info(prefix + name, entry.path, st))
         return DirListing(entries, subdirs, marker=True)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:

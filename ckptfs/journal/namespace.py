@@ -4,6 +4,8 @@ store, and when each directory was last listed from the store (lister.DirLister)
 
 from __future__ import annotations
 
+import functools
+import sqlite3
 import time
 from collections.abc import Collection
 from itertools import chain
@@ -15,11 +17,23 @@ from ckptfs.journal.records import CLEAN, DIR, DIRTY, FILE, INODE_COLUMNS, REMOT
 _LISTED_COLUMNS = ("INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,"
                    " state, version, uploaded_version, remote_key, checksum, closed_at) VALUES ")
 _LISTED_ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, 1, ?, ?, ?)"
-# Rows of a listing per INSERT: 15 parameters each, 960 in all, below the 999 of SQLite before 3.32.
-# Measured on 100,000 rows: one a statement 2.6 s of CPU, 50 a statement 1.45 s, 100 1.3 s, 200 1.2 s.
-_LISTED_PER_INSERT = 64
+_LISTED_PARAMETERS = 15
+# Rows of a listing per INSERT: a directory of 1,000 files in one statement where SQLite takes 15,000
+# parameters (32,766 since SQLite 3.32), 64 where it takes 999. Measured on 100,000 rows: one a statement
+# 2.5 s of CPU, 64 a statement 1.2 s, 1,000 a statement 0.93 s.
+_LISTED_PER_INSERT_MAX = 1000
+_LISTED_FEW = 64  # rows per INSERT of what is left of a listing after the largest INSERTs
 _INSERT_LISTED = _LISTED_COLUMNS + _LISTED_ROW
-_INSERT_LISTED_MANY = _LISTED_COLUMNS + ", ".join([_LISTED_ROW] * _LISTED_PER_INSERT)
+
+
+def listed_per_insert(db: sqlite3.Connection) -> int:
+    """How many rows of a listing one INSERT takes on this connection (its limit of parameters)."""
+    return max(1, min(_LISTED_PER_INSERT_MAX, db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // _LISTED_PARAMETERS))
+
+
+@functools.lru_cache(maxsize=4)
+def _insert_listed_many(rows: int) -> str:
+    return _LISTED_COLUMNS + ", ".join([_LISTED_ROW] * rows)
 
 
 class Namespace(PendingDeletes):
@@ -161,22 +175,27 @@ class Namespace(PendingDeletes):
         return inode
 
     def import_listed(self, parent: Inode, entries: list[ListedEntry], *, uid: int, gid: int, now: float) -> None:
-        """Many imports at once (a directory's listing), as import_remote makes each: two statements for all
-        of them, not a round trip per entry, and no rows read back (a listing of 1,000 files took 3,000
-        statements and most of a first walk's time). The rows go in _LISTED_PER_INSERT to an INSERT, one
-        executemany of those and one of the rest: SQLite's work per statement run (its AUTOINCREMENT
-        bookkeeping among it) was half the cost of an import of one row per run."""
+        """Many imports at once (a directory's listing), as import_remote makes each: three statements at
+        most for all of them, not a round trip per entry, and no rows read back (a listing of 1,000 files
+        took 3,000 statements and most of a first walk's time). The rows go in as many to an INSERT as the
+        connection takes (listed_per_insert: a directory of 1,000 files is one INSERT): SQLite's work per
+        statement run (its AUTOINCREMENT bookkeeping among it) was half the cost of an import of one row
+        per run."""
         base = f"{parent.path}/" if parent.path else ""
         parent_id = parent.id
         rows = [(parent_id, name, base + name, kind, mode, uid, gid, size, mtime_ns, mtime_ns, target,
                  REMOTE if kind == FILE else CLEAN, key, checksum, now)
                 for name, kind, size, mtime_ns, mode, key, target, checksum in entries]
-        whole = len(rows) - len(rows) % _LISTED_PER_INSERT
-        self.db.executemany(_INSERT_LISTED_MANY, [
-            list(chain.from_iterable(rows[start:start + _LISTED_PER_INSERT]))
-            for start in range(0, whole, _LISTED_PER_INSERT)
-        ])
-        self.db.executemany(_INSERT_LISTED, rows[whole:])
+        start = 0
+        # Whole INSERTs of as many rows as the connection takes, then of 64, then one by one: three
+        # statements at most, each compiled once (SQLite's statement cache keeps them).
+        for per_insert in (listed_per_insert(self.db), _LISTED_FEW):
+            whole = start + (len(rows) - start) // per_insert * per_insert
+            self.db.executemany(_insert_listed_many(per_insert), [
+                list(chain.from_iterable(rows[at:at + per_insert])) for at in range(start, whole, per_insert)
+            ])
+            start = whole
+        self.db.executemany(_INSERT_LISTED, rows[start:])
 
     def touch_dir(self, inode_id: int, now_ns: int | None = None) -> None:
         now = now_ns if now_ns is not None else time.time_ns()
