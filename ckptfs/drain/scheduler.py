@@ -311,6 +311,10 @@ class Drain:
                 # scans the burst's own notifications cause, and one when it ends, pick up the rest.
                 small_cut_off = cut_off - self.small_file_wait
                 next_due = min(next_due, burst_ends)
+        if self.lane.waiting:
+            # The small lane has uploads queued: it needs no more yet, and the scan does not read the small
+            # files it holds (thousands of rows at every round of a save). Its last batch's end rescans.
+            small_cut_off = -math.inf
 
         def waiting(job_id: tuple[str, int], inode: Inode | None = None) -> bool:
             nonlocal next_due
