@@ -263,6 +263,8 @@ class Daemon:
         self.fuse_ops = FuseOperations(self.fs, faults=self.faults, on_journal_failure=self._on_journal_failure,
                                        generation=inode_generation(self.store.owner))
         self.fuse_ops.enable_passthrough = self.config.passthrough != "off"
+        stats = self.fuse_ops.op_stats
+        self.drain.foreground_at = lambda: stats.last_at
         self.fs.handle_table = self.handle_table
         if self.held is not None:
             pyfuse3.takeover(self.fuse_ops, self.held.fd, self.held.init_request, options)

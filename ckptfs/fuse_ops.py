@@ -293,7 +293,7 @@ class FuseOperations(pyfuse3.Operations):
             except Exception as exc:  # trio.Cancelled is a BaseException: it passes
                 raise _fuse_error(exc, op, self.faults, self.on_journal_failure) from None
             finally:
-                record(op, time.perf_counter() - started, failed)
+                record(op, started, failed)
 
         return timed
 
@@ -473,7 +473,7 @@ class FuseOperations(pyfuse3.Operations):
         except Exception as exc:
             raise _fuse_error(exc, "read", self.faults, self.on_journal_failure) from None
         finally:
-            self.op_stats.record("read", time.perf_counter() - started, failed)
+            self.op_stats.record("read", started, failed)
 
     async def write(self, fh: FileHandleT, off: int, buf: bytes) -> int:
         started = time.perf_counter()
@@ -490,7 +490,7 @@ class FuseOperations(pyfuse3.Operations):
         except Exception as exc:
             raise _fuse_error(exc, "write", self.faults, self.on_journal_failure) from None
         finally:
-            self.op_stats.record("write", time.perf_counter() - started, failed)
+            self.op_stats.record("write", started, failed)
 
     async def flush(self, fh: FileHandleT) -> None:
         # Nothing to do at close() (RELEASE records the close; cross-node ordering announced a writer at its

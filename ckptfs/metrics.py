@@ -10,6 +10,7 @@ This module knows nothing of the rest of ckptfs: `InstrumentedStore` wraps any o
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -98,19 +99,25 @@ Snapshot = dict[str, list[tuple[tuple[str, ...], float]]]
 
 
 class OpStats:
-    """Count, errors and seconds per operation; updated without locks from one thread at a time per key
-    (the FUSE loop or a store worker thread: a lost increment under a race only blurs a counter)."""
+    """Count, errors and seconds per operation, and when the last one ended; updated without locks from one
+    thread at a time per key (the FUSE loop or a store worker thread: a lost increment under a race only
+    blurs a counter)."""
 
-    __slots__ = ("calls", "errors", "seconds")
+    __slots__ = ("calls", "errors", "last_at", "seconds")
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
+        # time.perf_counter() at the end of the last call (-inf: none yet). For the FUSE requests the drain
+        # reads it to tell a writer's requests arriving back to back (Drain.foreground_at).
+        self.last_at = -math.inf
 
-    def record(self, op: str, seconds: float, failed: bool) -> None:
+    def record(self, op: str, started: float, failed: bool) -> None:
+        """One call of `op` that began at `started` (time.perf_counter()) ended now."""
+        self.last_at = ended = time.perf_counter()
         self.calls[op] = self.calls.get(op, 0) + 1
-        self.seconds[op] = self.seconds.get(op, 0.0) + seconds
+        self.seconds[op] = self.seconds.get(op, 0.0) + (ended - started)
         if failed:
             self.errors[op] = self.errors.get(op, 0) + 1
 
@@ -153,7 +160,7 @@ class InstrumentedStore:
                 return result
             finally:
                 with self._lock:  # store calls run in many worker threads at once
-                    self.op_stats.record(op, time.perf_counter() - started, failed)
+                    self.op_stats.record(op, started, failed)
 
         return call
 

@@ -23,6 +23,7 @@ from ckptfs.cache import CacheDir
 from ckptfs.drain import ordering
 from ckptfs.drain.cleanup import Cleanup
 from ckptfs.drain.durability import Durability, FlushResult
+from ckptfs.drain.lane import SmallLane
 from ckptfs.drain.namespace import Namespace
 from ckptfs.drain.open_uploads import OpenUploads
 from ckptfs.drain.ordering import CommitMarkers, Job, below, keyed
@@ -117,6 +118,8 @@ class Drain:
                                self.stats, self.open_uploads, marker_blocked=self._marker_blocked)
         self.namespace = Namespace(journal, engine, self.records, self.retries, self.stats, clock=clock,
                                    marker_blocked=self._marker_blocked)
+        # Batches of small uploads, started when the writer's requests let them.
+        self.lane = SmallLane(self._upload_slots, self._run_batch, pressed=self._pressed)
 
     # -- what the rest of ckptfs calls -----------------------------------------------------------------
 
@@ -124,6 +127,7 @@ class Drain:
         """Something in the journal may have become work."""
         self._new_work.set()
         self._urgent.set()
+        self.lane.wake()
 
     def mount_changed(self) -> None:
         """The fs package, after each change that may be work: a file closed after writing, a name created, renamed
@@ -149,11 +153,20 @@ class Drain:
         if on:
             self.notify()  # each round of the evictor: a file may have grown enough to spill since
 
+    @property
+    def foreground_at(self) -> Callable[[], float]:
+        """time.perf_counter() at the end of the FUSE layer's last request (lane.py; the daemon wires it)."""
+        return self.lane.foreground_at
+
+    @foreground_at.setter
+    def foreground_at(self, clock: Callable[[], float]) -> None:
+        self.lane.foreground_at = clock
+
     def is_commit_marker(self, name: str | None) -> bool:
         return self.markers.match(name)
 
     def in_flight(self) -> int:
-        return len(self._running)
+        return len(self._running) - self.lane.waiting
 
     def discard_upload(self, state_text: str) -> None:
         """A file with a staged upload or spill (its journaled `upload_state`) was removed: abort it."""
@@ -206,6 +219,7 @@ class Drain:
         failure of a round is logged, counted, and the next round comes after a pause."""
         pause = SCAN_FAILURE_PAUSE
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.lane.run, nursery)
             task_status.started()
             while True:
                 try:
@@ -297,6 +311,10 @@ class Drain:
                 # scans the burst's own notifications cause, and one when it ends, pick up the rest.
                 small_cut_off = cut_off - self.small_file_wait
                 next_due = min(next_due, burst_ends)
+        if self.lane.waiting:
+            # The small lane has uploads queued: it needs no more yet, and the scan does not read the small
+            # files it holds (thousands of rows at every round of a save). Its last batch's end rescans.
+            small_cut_off = -math.inf
 
         def waiting(job_id: tuple[str, int], inode: Inode | None = None) -> bool:
             nonlocal next_due
@@ -409,29 +427,23 @@ class Drain:
     # -- running jobs ----------------------------------------------------------------------------------
 
     async def _dispatch(self, jobs: list[Job], nursery: trio.Nursery, scanned_at: float) -> bool:
-        """Start the jobs of a scan as slots free up, small uploads in batches of up to SMALL_BATCH (one
-        upload slot each). True if it stopped early for new work."""
+        """Start the jobs of a scan as slots free up; small uploads are claimed in batches of up to
+        SMALL_BATCH and queued for the small lane (lane.py), which starts them (one upload slot each) when
+        the writer lets it. True if it stopped early for new work."""
         batch: list[Job] = []
         batch_bytes = 0
-        holding = False  # an upload slot for `batch`
         interrupted = False
         try:
             for job in jobs:
                 if job.small:
-                    if not holding:
-                        await self._upload_slots.acquire()
-                        holding = True
                     if self._claim(job):
                         batch.append(job)
                         batch_bytes += job.size
                     if len(batch) < SMALL_BATCH and batch_bytes < SMALL_BATCH_BYTES:
                         continue
                 if batch:
-                    nursery.start_soon(self._run_batch, batch, self._upload_slots)  # it owns the slot now
+                    self.lane.queue(batch)
                     batch, batch_bytes = [], 0
-                elif holding:
-                    self._upload_slots.release()  # never wait for a slot while holding one
-                holding = False
                 if not job.small:
                     slots = self._upload_slots if job.kind in ("upload", "spill") else self._other_slots
                     await slots.acquire()
@@ -444,10 +456,13 @@ class Drain:
                     break
         finally:
             if batch:
-                nursery.start_soon(self._run_batch, batch, self._upload_slots)
-            elif holding:
-                self._upload_slots.release()
+                self.lane.queue(batch)
         return interrupted
+
+    def _pressed(self) -> bool:
+        """A flush waits or the cache needs room: small uploads do not wait for a lull in the writer's
+        requests then (lane.py)."""
+        return self.spills.pressure or bool(self.durability.waiting)
 
     def _claim(self, job: Job) -> bool:
         try:
