@@ -1,4 +1,4 @@
-"""The bounded cache through real mounts: eviction and read-back on file://, and a torch.save eight times
+"""The bounded cache through real mounts: eviction and read-back on file://, and a torch.save four times
 larger than the cache into a throttled S3 bucket (SeaweedFS behind the fault proxy)."""
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _object_digest(server: S3Server, bucket: str, key: str) -> str:
 # name in the archive) and prints the latter's SHA-256.
 SAVER = """
 import hashlib, os, sys, torch
-state = {f"layer{i}.weight": torch.full((16 << 20,), float(i), dtype=torch.float32) for i in range(8)}  # 512 MiB
+state = {f"layer{i}.weight": torch.full((16 << 20,), float(i), dtype=torch.float32) for i in range(4)}  # 256 MiB
 torch.save(state, sys.argv[1])
 torch.save(state, sys.argv[2])
 digest = hashlib.sha256()
@@ -136,16 +136,17 @@ print(digest.hexdigest())
 """
 
 
-def test_torch_save_of_512mib_through_a_64mib_cache_into_a_throttled_bucket(
+def test_torch_save_of_256mib_through_a_64mib_cache_into_a_throttled_bucket(
     mount_factory: Any, proxy: FaultProxy, bucket: str, seaweedfs_s3: S3Server
 ) -> None:
     mount: Mount = mount_factory(
         source=f"s3://{bucket}/{PREFIX}",
         extra_args=("--endpoint-url", proxy.endpoint, "--cache-size", "64M", "--min-free", "0", "--part-size", "8M"),
     )
-    # A file 8 times the cache, made of parts an eighth of the cache: what this checks (the cache stays within
+    # A file 4 times the cache, made of parts an eighth of the cache: what this checks (the cache stays within
     # its budget, writers wait for the drain, the file is spilled part by part) holds at any such scale; at
-    # 2 GiB through 256 MiB it was the suite's longest test (5.6 minutes under load).
+    # 2 GiB through 256 MiB it was the suite's longest test (5.6 minutes under load), at 512 MiB it still
+    # took 26 CPU-seconds.
     mount.allowed_log_words.append("retrying in")
     # SlowDown on a third of the requests, all the way through.
     proxy.set_rules(Rule("slowdown", fraction=0.3))
@@ -169,5 +170,5 @@ def test_torch_save_of_512mib_through_a_64mib_cache_into_a_throttled_bucket(
     listing = seaweedfs_s3.client().list_objects_v2(Bucket=bucket, Prefix=PREFIX).get("Contents", [])
     assert [o["Key"] for o in listing if ".ckptfs-tmp." not in o["Key"]] == [PREFIX + "step_1000.pt"]
     assert not [o["Key"] for o in listing if ".ckptfs-tmp.spill" in o["Key"]], "staging object left behind"
-    assert status["uploaded"]["spilled_bytes"] >= 256 * MiB  # half the file or more
+    assert status["uploaded"]["spilled_bytes"] >= 128 * MiB  # half the file or more
     assert not seaweedfs_s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")

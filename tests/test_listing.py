@@ -46,9 +46,11 @@ def _warnings(mount: Mount, word: str) -> list[str]:
     return [line for line in mount.log.read_text(errors="replace").splitlines() if " WARNING " in line and word in line]
 
 
-def test_fresh_node_lists_10000_files_in_seconds(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
-    files = 10_000
-    # Another node's objects: put_many, not boto3, whose client CPU for 10,000 puts was most of this test's.
+def test_fresh_node_lists_thousands_of_files_in_seconds(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
+    # Four pages of the store's listing (1000 keys each), the last one partial: what a bigger directory adds is
+    # more of the same pages (10,000 files cost this test 54 CPU-seconds, mostly the emulator's puts).
+    files = 3_500
+    # Another node's objects: put_many, not boto3, whose client CPU for thousands of puts was most of this test's.
     seaweedfs_s3.put_many(bucket, {f"{PREFIX}many/file_{i:05d}": b"x" * 16 for i in range(files)})
     seaweedfs_s3.client().put_object(Bucket=bucket, Key=f"{PREFIX}step_1/model.pt", Body=b"weights")
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket)
@@ -65,8 +67,8 @@ def test_fresh_node_lists_10000_files_in_seconds(mount_factory, seaweedfs_s3: S3
     again = time.monotonic() - started
     print(f"first file {first_file:.2f}s; first listing of {files} files {listed:.2f}s; again {again:.2f}s")
     assert first_file < 5
-    assert listed < 20, listed  # 1.5-3 s measured on SeaweedFS here (10 pages of 1000)
-    assert os.stat(m.mnt / "many" / "file_09999").st_size == 16
+    assert listed < 20, listed  # 1.5-3 s measured on SeaweedFS here for 10 pages of 1000
+    assert os.stat(m.mnt / "many" / f"file_{files - 1:05d}").st_size == 16
 
 
 def test_objects_of_others_appear_after_refresh_interval(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:

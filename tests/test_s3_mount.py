@@ -91,14 +91,15 @@ def test_upload_while_writing_on_s3_stages_at_a_hidden_key_and_copies_at_close(
 
 
 def test_kill9_mid_multipart_upload_resumes(mount_factory, seaweedfs_s3: S3Server, bucket: str) -> None:
-    m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--part-size", "16M", "--transfers", "1")
+    m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--part-size", "8M", "--transfers", "1")
     block = os.urandom(MiB)
-    # 512 MiB, 32 parts: the kill comes after 8, with 24 left to resume (1 GiB only took twice as long)
+    # 256 MiB, 32 parts: the kill comes after 8, with 24 left to resume (512 MiB in parts of 16 MiB took
+    # twice the CPU, 1 GiB four times)
     with open(m.mnt / "big.bin", "wb") as f:
-        for i in range(512):
+        for i in range(256):
             f.write(i.to_bytes(8, "big") + block[8:])
     expected = hashlib.sha256()
-    for i in range(512):
+    for i in range(256):
         expected.update(i.to_bytes(8, "big") + block[8:])
     deadline = time.monotonic() + 120
     while (done := finished_parts(m.cache / "journal.db")) < 8:
@@ -152,27 +153,28 @@ def _vm_hwm(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
-def test_draining_four_256mib_files_at_once_keeps_the_daemon_within_its_memory_budget(
+def test_draining_four_128mib_files_at_once_keeps_the_daemon_within_its_memory_budget(
     mount_factory, seaweedfs_s3: S3Server, bucket: str
 ) -> None:
-    """Memory is bounded by the transfer engine's budget, not by the number or size of files: four 256 MiB
-    files draining at once (default part size, 64 MiB: four parts each) with --memory-budget 128M. Files of
-    several parts each, together 8 times the budget, are what this needs; four of 1 GiB took 4 times as long."""
+    """Memory is bounded by the transfer engine's budget, not by the number or size of files: four 128 MiB
+    files draining at once with --memory-budget 128M (parts of at most a budget's eighth, 16 MiB: eight each).
+    Files of several parts each, together several times the budget, are what this needs; four of 256 MiB
+    took twice the CPU, four of 1 GiB 8 times."""
     m = _s3_mount(mount_factory, seaweedfs_s3, bucket, "--memory-budget", "128M")
     assert m.proc is not None
     baseline = _vm_hwm(m.proc.pid)  # the interpreter, pyfuse3, trio, boto3: before any transfer
     for i in range(4):
-        with open(m.mnt / f"shard-{i}.bin", "wb") as f:  # sparse in the cache: quick to write, 256 MiB to upload
-            f.truncate(256 * MiB)
-            f.seek(256 * MiB - 5)
+        with open(m.mnt / f"shard-{i}.bin", "wb") as f:  # sparse in the cache: quick to write, 128 MiB to upload
+            f.truncate(128 * MiB)
+            f.seek(128 * MiB - 5)
             f.write(b"tail!")
     m.flush(timeout=600)
     status = m.status()
     peak = _vm_hwm(m.proc.pid)
-    print(f"daemon RSS {baseline / MiB:.0f} MiB before, peak {peak / MiB:.0f} MiB while draining 4 x 256 MiB;"
+    print(f"daemon RSS {baseline / MiB:.0f} MiB before, peak {peak / MiB:.0f} MiB while draining 4 x 128 MiB;"
           f" engine peak {status['transfers']['memory_peak_bytes'] / MiB:.0f} MiB of part data")
     assert status["transfers"]["memory_peak_bytes"] <= 128 * MiB
     assert peak - baseline < 128 * MiB + 64 * MiB, f"daemon peak RSS {peak / MiB:.0f} MiB"
     for i in range(4):
         head = seaweedfs_s3.client().head_object(Bucket=bucket, Key=f"run-1/shard-{i}.bin")
-        assert head["ContentLength"] == 256 * MiB
+        assert head["ContentLength"] == 128 * MiB
