@@ -53,25 +53,6 @@ def _runtime_dir() -> Path:
 client.runtime_dir = _runtime_dir
 
 
-def _share_botocores_model_loader() -> None:
-    """Every S3Store makes a boto3 Session of its own (one per daemon), and each Session's loader parses
-    botocore's JSON models anew: 0.2 CPU-s per store, about 40 % of the contract suites' own CPU where the
-    tests make a few hundred stores. In the tests' processes all Sessions share one loader (a loader's cache
-    is what the clients of one Session already share); the daemons are unchanged."""
-    import botocore.loaders
-    import botocore.session
-
-    loader = botocore.loaders.create_loader()
-
-    def register(session: botocore.session.Session) -> None:
-        session._components.register_component("data_loader", loader)
-
-    botocore.session.Session._register_data_loader = register  # type: ignore[method-assign]
-
-
-_share_botocores_model_loader()
-
-
 def fuse_requests(port: int) -> dict[str, float]:
     """A daemon's FUSE request counts by operation (ckptfs_fuse_requests_total), as its metrics endpoint
     `port` serves them now (they are published every METRICS_INTERVAL)."""
