@@ -301,7 +301,7 @@ def apply_dir_listing(
                 continue
             if info.key in deleting or info.key in owned:
                 continue  # we removed it (delete pending), or an old copy of a renamed file (a move pending)
-            new.append(_new_entry(name, info))
+            new.extend(_new_entries([info], [name]))
         for name in listing.subdirs:
             key = f"{prefix}{name}/"
             if _listed_name(key, prefix, warned, subdir=True) is None:
@@ -334,16 +334,9 @@ def apply_dir_listing(
     return len(new)
 
 
-def _new_entry(name: str, info: ObjectInfo) -> ListedEntry:
-    if info.kind == STORE_SYMLINK:
-        return _new_tuple(ListedEntry, (name, SYMLINK, info.size, info.mtime_ns, stat.S_IFLNK | (info.mode & 0o7777),
-                                        info.key, info.target, info.checksum))
-    return _new_tuple(ListedEntry, (name, FILE, info.size, info.mtime_ns, stat.S_IFREG | (info.mode & 0o7777),
-                                    info.key, info.target, info.checksum))
-
-
 def _new_entries(infos: list[ObjectInfo], names: list[str]) -> list[ListedEntry]:
-    """_new_entry of every listed object, in one comprehension (100,000 of them in a big tree's first walk)."""
+    """The entry to import of every listed object, in one comprehension (100,000 of them in a big tree's first
+    walk)."""
     return [
         _new_tuple(ListedEntry, (name, SYMLINK, size, mtime_ns, stat.S_IFLNK | (mode & 0o7777), key, target, checksum))
         if kind == STORE_SYMLINK else
