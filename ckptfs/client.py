@@ -34,6 +34,10 @@ StrPath = str | os.PathLike[str]
 REPLY_GRACE_SECONDS = 30.0
 # How long umount waits for the daemon to exit after it replied (closing the journal is all that is left).
 EXIT_WAIT_SECONDS = 30.0
+# How long a call waits for the control socket of a mountpoint that is mounted but has none yet: a daemon
+# that takes a kept mount over (a restart, a crash with keep_mount) serves the kernel a moment before its
+# control socket is up, and a `ckptfs flush` right then must not fail for it.
+SOCKET_WAIT_SECONDS = 10.0
 
 
 def runtime_dir() -> Path:
@@ -53,25 +57,17 @@ def socket_path(mountpoint: StrPath) -> Path:
     return runtime_dir() / f"{digest}.sock"
 
 
-def call(mountpoint: StrPath, request: dict[str, Any], *, timeout: float | None = 10.0) -> dict[str, Any]:
-    """Send one request to the daemon serving `mountpoint` and return its reply (any "ok")."""
+def call(
+    mountpoint: StrPath, request: dict[str, Any], *, timeout: float | None = 10.0,
+    socket_wait: float = SOCKET_WAIT_SECONDS,
+) -> dict[str, Any]:
+    """Send one request to the daemon serving `mountpoint` and return its reply (any "ok"). If a FUSE
+    filesystem is mounted there but no control socket answers, wait up to `socket_wait` seconds for one (a
+    daemon taking the mount over)."""
     mountpoint = canonical_mountpoint(mountpoint)
     path = socket_path(mountpoint)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
+    sock = _connect(mountpoint, path, timeout, socket_wait)
     try:
-        try:
-            sock.connect(str(path))
-        except PermissionError:
-            raise DaemonError(
-                f"permission denied: the control socket of {mountpoint} ({path}) is for root and the user"
-                " running the daemon only"
-            ) from None
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise NoDaemonError(
-                f"no ckptfs daemon is serving {mountpoint} (no control socket at {path});"
-                " is it mounted with ckptfs mount?"
-            ) from None
         sock.sendall(json.dumps(request).encode() + b"\n")
         buf = b""
         while not buf.endswith(b"\n"):
@@ -90,6 +86,41 @@ def call(mountpoint: StrPath, request: dict[str, Any], *, timeout: float | None 
     if reply.get("denied"):  # the daemon's own check of the caller (SO_PEERCRED)
         raise DaemonError(f"{reply['error']} ({mountpoint})")
     return reply
+
+
+def _connect(mountpoint: Path, path: Path, timeout: float | None, socket_wait: float) -> socket.socket:
+    waited_until = time.monotonic() + socket_wait
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+            return sock
+        except PermissionError:
+            sock.close()
+            raise DaemonError(
+                f"permission denied: the control socket of {mountpoint} ({path}) is for root and the user"
+                " running the daemon only"
+            ) from None
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            mounted = _fuse_mounted(mountpoint)
+            if mounted and time.monotonic() < waited_until:
+                time.sleep(0.05)
+                continue
+            if mounted:
+                raise NoDaemonError(
+                    f"no ckptfs daemon is serving {mountpoint}: it is mounted, but nothing answered at its"
+                    f" control socket {path} for {socket_wait:.0f} s (a daemon still starting, or a mount kept"
+                    " after its daemon died: see the daemon's log or `systemctl status`)"
+                ) from None
+            raise NoDaemonError(
+                f"no ckptfs daemon is serving {mountpoint} (no control socket at {path});"
+                " is it mounted with ckptfs mount?"
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
 
 
 def _checked(reply: dict[str, Any], what: str) -> dict[str, Any]:
@@ -206,7 +237,7 @@ def restart(mountpoint: StrPath, *, timeout: float = 120.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            now = call(mountpoint, {"op": "status"}, timeout=10)
+            now = call(mountpoint, {"op": "status"}, timeout=10, socket_wait=0)
         except (NoDaemonError, DaemonError, OSError):
             now = {}
         if now.get("started_at", 0) > before.get("started_at", 0):

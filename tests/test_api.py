@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,30 @@ def test_errors_carry_the_cli_messages(api_mount: Mount, tmp_path: Path) -> None
             call()
     cli = api_mount.cli("status", str(unmounted))
     assert cli.returncode == 1 and "no ckptfs daemon is serving" in cli.stderr
+
+
+def test_a_call_waits_for_the_control_socket_of_a_mounted_mountpoint(api_mount: Mount) -> None:
+    """A daemon taking a kept mount over serves the kernel a moment before its control socket is up: a call
+    then waits for the socket instead of failing with NoDaemonError (it failed so at once before; the
+    socket's absence is played here by moving it away for a second). A mount whose socket never comes gets
+    a message that says so, after the wait."""
+    sock = ckptfs.client.socket_path(api_mount.mnt)
+    away = sock.with_name("away.sock")
+    sock.rename(away)
+    back = threading.Timer(1.0, away.rename, (sock,))
+    back.start()
+    try:
+        started = time.monotonic()
+        assert ckptfs.status(api_mount.mnt)["mountpoint"] == str(api_mount.mnt)
+        assert time.monotonic() - started >= 0.9
+    finally:
+        back.join()
+    sock.rename(away)
+    try:
+        with pytest.raises(ckptfs.NoDaemonError, match="it is mounted, but nothing answered"):
+            ckptfs.client.call(api_mount.mnt, {"op": "status"}, socket_wait=0.3)
+    finally:
+        away.rename(sock)
 
 
 def test_prune_and_unmount(api_mount: Mount) -> None:
