@@ -32,6 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def ckptfs_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    if args[:1] == ("mount",) and "--metrics-addr" not in args:
+        # Many mounts run at once in the tests: none takes the default metrics port (two test_cli mounts on
+        # two workers failed with "Address already in use" so), as Mount.metrics_args.
+        args = (*args, "--metrics-addr", "off")
     return subprocess.run(
         [sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, env=env, timeout=timeout,
     )
