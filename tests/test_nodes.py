@@ -199,6 +199,38 @@ async def test_records_of_an_earlier_run_go_once_nothing_is_pending(
     await _until(lambda: not b.pending_records())
 
 
+async def test_a_record_written_while_the_earlier_runs_are_listed_is_not_taken_for_one_of_them(
+    tmp_path: Path, nursery: trio.Nursery, quick: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a CI failure of the test above it: the first open of a run does not wait for the listing of
+    the node's records from before, which then listed the record that open wrote and kept it as one from
+    before: such a record waits for every pending file of the node, so a log held open kept it, and every
+    other node's marker that waited for it, until the log closed."""
+    monkeypatch.setattr(own, "ROTATE_AFTER", 0.3)
+    b = Node(tmp_path, tmp_path / "store", "node-b")
+    listing = threading.Event()
+    inner_list = b.stack.store.list_notes
+
+    def slow_list(prefix: str = "") -> list[str]:
+        if prefix == f"{PENDING}node-b/":
+            listing.wait(30)  # the store answers the start's listing after the first open wrote its record
+        return inner_list(prefix)
+
+    monkeypatch.setattr(b.stack.store, "list_notes", slow_list)
+    await b.start(nursery)
+    log_fh, _ = b.stack.fs.create(ROOT_ID, b"train.log", 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
+    await b.stack.fs.announce_writer(log_fh)
+    [first] = b.pending_records()
+    listing.set()
+    await b.close_file("shard_b", b"b")
+    await _until(lambda: "shard_b" in b.stack.store_files())
+    assert not any(record["from_before"] for record in b.records.status()["records"])
+    # The log's successor record takes it over; the first record goes, though the log is still open.
+    await _until(lambda: first not in b.pending_records(), seconds=10)
+    assert b.pending_records()
+    b.stack.fs.release(log_fh)
+
+
 async def test_a_store_refusing_the_record_delays_a_close_at_most_announce_wait(
     tmp_path: Path, nursery: trio.Nursery, quick: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

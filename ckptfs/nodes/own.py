@@ -75,6 +75,9 @@ class NodeRecords:
         self.host = host or socket.gethostname()
         self._records: dict[int, _Record] = {}
         self._current: _Record | None = None
+        # Generations this run made: the listing of the records from before (_inherit) may end after the
+        # first open of this run wrote its record, and must not take that one for an earlier run's.
+        self._made_here: set[int] = set()
         # Generation -> the entries whose work it covers (an entry is in the newest that covered it).
         self._covered: dict[int, set[int]] = {}
         self._gen_of: dict[int, int] = {}  # inode id -> its generation in _covered
@@ -150,6 +153,7 @@ class NodeRecords:
             self.journal.set_meta(GEN_META, str(gen))
         record = _Record(gen, started=now, last_cover=now)
         self._records[gen] = record
+        self._made_here.add(gen)
         return record
 
     def _body(self, record: _Record, names: Iterable[str]) -> bytes:
@@ -229,14 +233,17 @@ class NodeRecords:
         now = trio.current_time()
         for name in names:
             gen_text = name.rsplit("/", 1)[-1]
-            if gen_text.isdigit():
+            # The first opens of this run do not wait for this listing: a record they wrote meanwhile is
+            # listed too, and is this run's, not one from before (it would wait for every pending file).
+            if gen_text.isdigit() and int(gen_text) not in self._made_here:
                 gen = int(gen_text)
                 body = await self._read(name)
                 entries = frozenset(body.get("entries") or ()) if body else frozenset()
                 self._records[gen] = _Record(gen, now, now, set(entries), entries, inherited=True)
-        if self._records:
+        inherited = sum(record.inherited for record in self._records.values())
+        if inherited:
             log.info("cross-node ordering: %d record(s) of this node from before; they go once what this node"
-                     " had pending is durable", len(self._records))
+                     " had pending is durable", inherited)
         forgotten = f"{FORGOTTEN}{self.node}"
         if await self.engine.call(self.store.get_note, forgotten) is not None:
             log.warning("this node (%s) had been given up on (ckptfs nodes --forget); it is back: markers of"
