@@ -176,6 +176,13 @@ class Mount:
         finally:
             _runtime_of_call.reset(token)
         assert self.proc is not None
+        if result.returncode != 0:
+            # Nothing told the daemon to exit (no control socket answered, or the call failed): unless it is
+            # exiting anyway, it stays; cleanup() stops it with SIGTERM instead of waiting `timeout` for it.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=1)
+            if self.proc.poll() is None:
+                return result
         self.proc.wait(timeout=timeout)
         self.proc = None
         return result
@@ -236,8 +243,12 @@ class Mount:
             with contextlib.suppress(Exception):
                 self.umount(timeout=60)
         if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()  # the daemon's own shutdown: drain what it can, unmount
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
             self.proc = None
         if self.holder_pid() is not None:  # a daemon its holder started serves the mount
             with contextlib.suppress(Exception):

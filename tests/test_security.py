@@ -99,7 +99,7 @@ def open_runtime_dir() -> Iterator[Path]:
 
 
 def test_control_socket_refuses_other_users(mount_factory, open_runtime_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    # (no holder: the fixture removes the runtime dir's sockets before the mount's teardown unmounts it)
+    # (no holder: the runtime dir fixture removes the sockets before the mount's teardown would unmount it)
     node = mount_factory(start=False, extra_args=("--no-keep-mount",))
     node.env["CKPTFS_RUNTIME_DIR"] = str(open_runtime_dir)
     node.start()
@@ -121,6 +121,7 @@ def test_control_socket_refuses_other_users(mount_factory, open_runtime_dir: Pat
     (node.mnt / "f").write_bytes(b"x")
     node.flush()
     assert node.status()["states"]
+    assert node.umount().returncode == 0  # while its control socket is there (the runtime dir goes first)
 
 
 def test_the_holder_socket_is_the_mount_owners_alone(mount_factory, open_runtime_dir: Path) -> None:  # type: ignore[no-untyped-def]
