@@ -5,6 +5,7 @@ Every test first checks that its fault fired."""
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Iterator
 
@@ -105,6 +106,18 @@ def test_an_interrupted_resumable_part_never_reaches_the_object(gcp_emulator: Gc
         part = store.put_part(upload, 1, 0, data, zlib.crc32(data))
         store.complete_upload(upload, [part], len(data), _crc(data))
         assert store.get_range("big", len(data) - 10, 100).data == data[-10:]
+
+
+@pytest.mark.parametrize("proxied", ["azurite"], indirect=True)
+def test_azures_own_retry_of_a_busy_answer_comes_within_seconds(proxied: tuple[str, ObjectStore, FaultProxy]) -> None:
+    """One busy answer, then the store's: the SDK's one retry gets it after a second or two. Its default
+    backoff is 15 s (+- 3 s), which stalled every part that met a busy answer or a dropped connection."""
+    _name, store, proxy = proxied
+    rule = proxy.add_rule(Rule("error", status=503, code="ServerBusy", match=r"^GET ", count=1))
+    started = time.monotonic()
+    store.check()
+    assert rule.fired == 1
+    assert time.monotonic() - started < 8
 
 
 def test_the_mount_check_waits_out_a_busy_store(proxied: tuple[str, ObjectStore, FaultProxy]) -> None:

@@ -106,6 +106,7 @@ MAX_BLOCKS = 50_000  # committed blocks per blob
 META_CHECKSUM = "ckptfs_checksum"
 META_SYMLINK = "ckptfs_symlink"
 MARKER_DIR = f"{TEMP_PREFIX}uploads/"
+AZURE_RETRY_BACKOFF = 1  # seconds before the SDK's own retry, +- as much at random (ExponentialRetry)
 COPY_POLL_SECONDS = 600.0  # a pending server-side copy is abandoned (and retried by the caller) after this
 
 
@@ -169,6 +170,10 @@ class AzureBlobStore(WholeCopies):
             "transport": RequestsTransport(session=session, session_owner=False,
                                            connection_timeout=self.connect_timeout, read_timeout=self.read_timeout),
             "retry_total": 1,  # ckptfs retries on its own (per part in transfer.py)
+            # The SDK's one retry comes after 0-2 s, as botocore's and GCS's first do: its default is 15 s
+            # (+-3), which stalled every part that met a busy answer or a dropped connection that long.
+            "initial_backoff": AZURE_RETRY_BACKOFF,
+            "random_jitter_range": AZURE_RETRY_BACKOFF,
             "max_single_get_size": MAX_BLOCK_SIZE,  # a ranged read is one GET
             "connection_timeout": self.connect_timeout,
             "read_timeout": self.read_timeout,
