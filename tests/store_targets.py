@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 import trio
 from emulators import AzuriteServer, GcsServer, S3Server, s3_bucket
@@ -63,9 +64,23 @@ def local_target(root: Path) -> Target:
     return Target("local", make(), make, leftovers)
 
 
+_s3_session: boto3.session.Session | None = None
+
+
+def shared_s3_session() -> boto3.session.Session:
+    """One boto3 session for the contract suites' S3Stores in this process (S3Store's `session`): a store made
+    with a session of its own costs a quarter of a CPU-second, most of it loading botocore's S3 model again.
+    Every S3 target uses the emulators' credentials, which the session keeps once resolved."""
+    global _s3_session
+    if _s3_session is None:
+        _s3_session = boto3.session.Session()
+    return _s3_session
+
+
 def s3_target_on(name: str, server: S3Server, bucket: str, prefix: str = "run/42") -> Target:
     def make(owner: str = "a", **kwargs: Any) -> ObjectStore:
-        return S3Store(bucket, prefix, endpoint_url=server.endpoint, owner=owner, **kwargs)
+        return S3Store(bucket, prefix, endpoint_url=server.endpoint, owner=owner, session=shared_s3_session(),
+                       **kwargs)
 
     raw = server.client()
 

@@ -165,7 +165,11 @@ class S3Store:
         max_pool_connections: int = 64,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
+        session: boto3.session.Session | None = None,
     ) -> None:
+        """`session`: the boto3 session its clients are made from, a new one by default. A process that opens
+        many stores (the tests' contract suites) may share one: a new session loads botocore's S3 model
+        again, about a quarter of a CPU-second; a shared one also keeps the credentials it resolved first."""
         self.bucket = bucket
         clean = prefix.strip("/")
         self.prefix = f"{clean}/" if clean else ""
@@ -178,7 +182,7 @@ class S3Store:
         self.endpoint_url = _without_userinfo(
             endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         )
-        self._session = boto3.session.Session()
+        self._session = session or boto3.session.Session()
         self.region = region or os.environ.get("AWS_REGION") or self._session.region_name or "us-east-1"
         config = botocore.config.Config(
             region_name=self.region,
