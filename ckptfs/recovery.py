@@ -14,18 +14,12 @@ import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-import trio
-
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError
 from ckptfs.journal import CLEAN, FILE, REMOTE, ROOT_ID, UPLOADING, Inode, Journal
 from ckptfs.journal.local import rewritten
 from ckptfs.transfer import Transfers
-
-# How long the start waits for the removal of what the last run's uploads left in the store before it
-# serves anyway (the drain removes them later).
-START_SWEEP_PATIENCE = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -150,18 +144,14 @@ async def recover(
         state = UploadState.parse(text)
         if state is not None:
             keep.add(state.upload_id)
-    # Housekeeping only (staged parts cost storage, nothing reads them): a store failing it, or throttling
-    # it for long, must not keep the mount from serving what the journal holds. The drain sweeps again
-    # later, sparing the uploads this run opens meanwhile.
     try:
-        with trio.move_on_after(START_SWEEP_PATIENCE) as waited:
-            report.aborted_uploads = await engine.leftovers.sweep_at_start(keep)
+        report.aborted_uploads = await engine.leftovers.sweep_at_start(keep)
     except BackendError as exc:
+        # Housekeeping only (staged parts cost storage, nothing reads them): a store failing it must not
+        # keep the mount from serving what the journal holds. The drain sweeps again later, sparing the
+        # uploads this run opens meanwhile.
         log.warning("cannot remove the interrupted uploads of the last run: %s; trying again in the background",
                     exc)
-    if waited.cancelled_caught:
-        log.warning("cannot remove the interrupted uploads of the last run: the store did not finish within"
-                    " %.0f s; trying again in the background", START_SWEEP_PATIENCE)
     if report.aborted_uploads:
         log.info("removed %d leftovers of uploads interrupted by the last stop", report.aborted_uploads)
     # The store's namespace is read lazily, a directory at a time, as the mount looks into it (DirLister).

@@ -586,8 +586,6 @@ def test_leftovers_the_start_could_not_remove_are_gone_after_the_next_flush(
     m.start()
     m.allowed_log_words += ["cannot remove the interrupted uploads"]
     assert storm.fired > 0 and "cannot remove the interrupted uploads" in m.log.read_text()
-    # The mount did not wait out the SDK's and the engine's retries of the storm (27 s): 5 s at most.
-    assert "the store did not finish within 5 s" in m.log.read_text()
     proxy.heal()
     big = os.urandom(12 * MiB)  # staged in parts while the sweep runs: it must survive it
     (m.mnt / "after.bin").write_bytes(big)
