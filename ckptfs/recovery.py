@@ -100,6 +100,12 @@ def repair_journal(
                                     " daemon died): uploading it again", inode.path)
                         journal.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
                         continue
+                    if changed_behind and inode.uploaded_version >= inode.version:
+                        # Uploaded while open (gateway mode), then written again: the store holds the
+                        # journal's version, so what the cache file has now is a newer one (else a flush
+                        # would take the file for durable while the drain still uploads it).
+                        journal.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
+                        continue
                 changed = (inode.closed_at is None and inode.state != CLEAN) or changed_behind
                 journal.mark_closed(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=now)
         known = {i.id for i in journal.all_inodes()}

@@ -13,6 +13,7 @@ import trio
 from fsharness import GID, UID, Stack, check_consistency, make_stack
 
 from ckptfs.journal import CLEAN, DIRTY, ROOT_ID
+from ckptfs.recovery import repair_journal
 
 
 def open_writer(stack: Stack, name: str) -> tuple[int, int]:
@@ -208,3 +209,26 @@ async def test_an_open_file_renamed_after_its_upload_goes_to_its_new_name(
     await stack.flush()
     assert stack.store_files() == {"shard.pt": b"T" * 3000}
     check_consistency(stack)
+
+
+async def test_a_file_written_after_its_upload_while_open_is_a_new_version_after_a_crash(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """Found by test_gateway_fuse's kill -9 test, which failed now and then: the store got the file while it
+    was open, it grew, and the daemon died. Recovery recorded the close with the cache file's size but kept
+    the version the store already held, so a flush right after the restart took the file for durable and
+    returned while the drain was still uploading the new bytes."""
+    stack = make_stack(tmp_path, idle_upload=0.05)
+    await nursery.start(stack.drain.run)
+    fh, ino = open_writer(stack, "shard.pt")
+    stack.fs.write(fh, 0, b"1" * 2000)
+    await store_has(stack, "shard.pt", b"1" * 2000)
+    stack.fs.write(fh, 2000, b"2" * 1000)  # then the daemon dies, the file still open
+
+    after = make_stack(tmp_path)
+    repair_journal(after.journal, after.cache, time.time())
+    inode = after.journal.get(ino)
+    assert inode is not None and inode.state == DIRTY and inode.version > inode.uploaded_version
+    await nursery.start(after.drain.run)
+    await after.flush()
+    assert after.store_files()["shard.pt"] == b"1" * 2000 + b"2" * 1000
