@@ -75,9 +75,10 @@ class NodeRecords:
         self.host = host or socket.gethostname()
         self._records: dict[int, _Record] = {}
         self._current: _Record | None = None
-        # Generations this run made: the listing of the records from before (_inherit) may end after the
-        # first open of this run wrote its record, and must not take that one for an earlier run's.
-        self._made_here: set[int] = set()
+        # The last generation an earlier run made: the listing of the records from before (_inherit) may end
+        # after the first open of this run wrote its record (a higher generation), and must not take that one
+        # for an earlier run's.
+        self._earlier_gens = int(journal.get_meta(GEN_META) or 0)
         # Generation -> the entries whose work it covers (an entry is in the newest that covered it).
         self._covered: dict[int, set[int]] = {}
         self._gen_of: dict[int, int] = {}  # inode id -> its generation in _covered
@@ -153,7 +154,6 @@ class NodeRecords:
             self.journal.set_meta(GEN_META, str(gen))
         record = _Record(gen, started=now, last_cover=now)
         self._records[gen] = record
-        self._made_here.add(gen)
         return record
 
     def _body(self, record: _Record, names: Iterable[str]) -> bytes:
@@ -235,7 +235,7 @@ class NodeRecords:
             gen_text = name.rsplit("/", 1)[-1]
             # The first opens of this run do not wait for this listing: a record they wrote meanwhile is
             # listed too, and is this run's, not one from before (it would wait for every pending file).
-            if gen_text.isdigit() and int(gen_text) not in self._made_here:
+            if gen_text.isdigit() and int(gen_text) <= self._earlier_gens:
                 gen = int(gen_text)
                 body = await self._read(name)
                 entries = frozenset(body.get("entries") or ()) if body else frozenset()
