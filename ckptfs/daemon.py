@@ -162,7 +162,10 @@ class Daemon:
             on_changed=self.drain.mount_changed,
         )
         self.fetcher = Fetcher(journal, cache, engine, evictor=self.evictor)
-        self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval, call=engine.call)
+        # A listing leaves nothing in the store: it need not wait while a sweep of leftovers lists (the one
+        # after start-up can take half a minute on a throttling store, and the mount serves meanwhile).
+        self.lister = DirLister(journal, cache, store, refresh_interval=config.refresh_interval,
+                                call=functools.partial(engine.call, gated=False))
         self.fs = Filesystem(journal, cache, self.fetcher.fetch, self.drain.mount_changed, self.evictor, self.lister,
                              streams=self.fetcher, wait_uploaded=lambda path: self.drain.wait_durable([path]),
                              discard_upload=self.drain.discard_upload, failure_of=self.drain.failure_of)
@@ -564,8 +567,8 @@ async def _run_on(
                 parts_in_flight=config.parts_in_flight,
             )
             restored = handle_table.open(keep=held is not None)
-            recovered = await recover(journal, cache, engine, time.time(), still_open={h.inode_id for h in restored},
-                                      still_writing={h.inode_id for h in restored if h.writable})
+            recovered = recover(journal, cache, engine, time.time(), still_open={h.inode_id for h in restored},
+                                still_writing={h.inode_id for h in restored if h.writable})
             atimes = cache.scan()
             for inode_id, text in journal.upload_states():
                 state = UploadState.parse(text)

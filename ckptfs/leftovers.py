@@ -3,8 +3,9 @@
 A staged upload or spill that nobody will finish stays in the store until it is aborted: those of a killed
 run, those whose best-effort cleanup failed in this one (an abort of the engine, a delete a store makes on
 its own and reports through its `left_behind`), those of a journal row that could not be read. `Leftovers`
-keeps what a sweep needs to tell them from the uploads still in use, and sweeps: at start-up
-(`sweep_at_start`, sparing what the journal resumes), in the background while a cleanup has failed
+keeps what a sweep needs to tell them from the uploads still in use, and sweeps: right after start-up
+(`hold_until_swept`, then the drain's `sweep_at_start`, sparing what the journal resumes: the mount serves
+meanwhile, and no store call that may leave something starts before it), in the background while a cleanup has failed
 (`next_sweep_at`, `sweep_in_background`: 30 s after the failure, doubling up to 10 min), and at the end of a
 flush (the drain calls `sweep_in_background` too).
 
@@ -74,6 +75,8 @@ class Leftovers:
         self._next_at = math.inf
         self._delay = SWEEP_RETRY_FIRST
         self._background = 0
+        # Set once the start-up sweep has run (whatever its outcome); None before hold_until_swept().
+        self._start_swept: trio.Event | None = None
 
     # -- what this process works on ----------------------------------------------------------------------
 
@@ -111,11 +114,38 @@ class Leftovers:
         sweep would find something?"""
         return self._failed or self.store.left_behind
 
-    async def sweep_at_start(self, keep: Iterable[str] = ()) -> int:
-        """At start-up: the staged uploads the journal resumes (`keep`, upload ids) are this process's from
-        now on; every other leftover of this owner in the store goes. How many went."""
+    def hold_until_swept(self, keep: Iterable[str] = ()) -> None:
+        """At start-up (recovery): the staged uploads the journal resumes (`keep`, upload ids) are this
+        process's from now on, and every other leftover of this owner in the store is to go. Until
+        sweep_at_start() has listed them, no store call that may leave something starts (as if a sweep were
+        listing already), so that nothing this run stages is taken for the last run's. The mount serves
+        meanwhile: under throttling the listing alone can take half a minute."""
         self._live.update(keep)
-        return await self.sweep() or 0  # never None: no patience limit
+        self._failed = True  # `due`: a flush waits for this sweep
+        self._listing = trio.Event()
+        self._start_swept = trio.Event()
+
+    async def sweep_at_start(self) -> int:
+        """The sweep hold_until_swept() announced, in the background (the drain's first task); how many
+        leftovers went. A store that refuses it is not an error: the background sweeps and the next flush
+        try again."""
+        removed = 0
+        try:
+            removed = await self.sweep() or 0  # never None: no patience limit, and nothing it waits out runs
+        except BackendError as exc:
+            log.warning("cannot remove the interrupted uploads of the last run: %s; trying again in the"
+                        " background", exc)
+        finally:
+            if self._start_swept is not None:
+                self._start_swept.set()
+        if removed:
+            log.info("removed %d leftovers of uploads interrupted by the last stop", removed)
+        return removed
+
+    async def wait_start_sweep(self) -> None:
+        """Return once the start-up sweep has run, or at once if none was announced."""
+        if self._start_swept is not None:
+            await self._start_swept.wait()
 
     async def sweep(self, *, patience: float = math.inf) -> int | None:
         """Remove this owner's staged uploads and spills that nobody will finish: those of a killed run, and
@@ -125,7 +155,8 @@ class Leftovers:
         async with self._lock:
             self._failed = True  # until this sweep succeeds
             self.store.left_behind = False  # what fails from now on, the next sweep sees
-            listed = trio.Event()
+            # The start's hold (hold_until_swept) is released by the first sweep that lists, this one.
+            listed = self._listing if self._listing is not None else trio.Event()
             self._listing = listed
             try:
                 with trio.move_on_after(patience):

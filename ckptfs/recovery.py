@@ -3,8 +3,8 @@
 At start-up, before the mount goes live (`recover`): after a clean stop there is nothing to do; after a
 crash or kill -9 it makes the journal consistent with the cache files (sizes of files that were open,
 uploads that were in flight, inodes that were unlinked but open) so that every pending upload resumes, and
-removes what interrupted uploads left in the store. While mounted, the store's namespace is read lazily by
-lister.DirLister.
+has the drain remove what interrupted uploads left in the store as soon as it starts. While mounted, the
+store's namespace is read lazily by lister.DirLister.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
-from ckptfs.errors import BackendError
 from ckptfs.journal import CLEAN, FILE, REMOTE, ROOT_ID, UPLOADING, Inode, Journal
 from ckptfs.journal.local import rewritten
 from ckptfs.transfer import Transfers
@@ -29,7 +28,6 @@ class RecoveryReport:
     resumed_uploads: int = 0
     purged_unlinked: int = 0
     orphan_cache_files: int = 0
-    aborted_uploads: int = 0
     lost: list[str] = field(default_factory=list)
     # What changed of entries the kernel may hold (after a takeover it keeps the last daemon's): names
     # removed (parent inode, name), and files whose attributes now come from the store's copy.
@@ -139,26 +137,20 @@ def _missing_cache_file(journal: Journal, inode: Inode, report: RecoveryReport) 
             report.removed_names.append((inode.parent, inode.name))
 
 
-async def recover(
+def recover(
     journal: Journal, cache: CacheDir, engine: Transfers, now: float, *, still_open: Collection[int] = (),
     still_writing: Collection[int] = (),
 ) -> RecoveryReport:
     report = repair_journal(journal, cache, now, still_open=still_open, still_writing=still_writing)
-    # Staged uploads the journal knows about resume; every other leftover of ours goes.
+    # Staged uploads the journal knows about resume; every other leftover of ours goes, swept by the drain
+    # in the background (Leftovers.hold_until_swept): housekeeping (staged parts cost storage, nothing reads
+    # them) that must not keep the mount from serving what the journal holds, as it did while a throttling
+    # store made the sweep's listing wait out the retries.
     keep = set()
     for _inode_id, text in journal.upload_states():
         state = UploadState.parse(text)
         if state is not None:
             keep.add(state.upload_id)
-    try:
-        report.aborted_uploads = await engine.leftovers.sweep_at_start(keep)
-    except BackendError as exc:
-        # Housekeeping only (staged parts cost storage, nothing reads them): a store failing it must not
-        # keep the mount from serving what the journal holds. The drain sweeps again later, sparing the
-        # uploads this run opens meanwhile.
-        log.warning("cannot remove the interrupted uploads of the last run: %s; trying again in the background",
-                    exc)
-    if report.aborted_uploads:
-        log.info("removed %d leftovers of uploads interrupted by the last stop", report.aborted_uploads)
+    engine.leftovers.hold_until_swept(keep)
     # The store's namespace is read lazily, a directory at a time, as the mount looks into it (DirLister).
     return report

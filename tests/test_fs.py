@@ -421,7 +421,7 @@ async def test_fresh_cache_imports_store_and_fetches_on_open(tmp_path: Path, nur
     (store_dir / "run" / "step_1" / "model.pt").write_bytes(b"weights" * 1000)
     (store_dir / "empty-dir").mkdir()
     stack = make_stack(tmp_path)
-    await recover(stack.journal, stack.cache, stack.drain.engine, 0.0)
+    recover(stack.journal, stack.cache, stack.drain.engine, 0.0)
     assert stack.journal.by_path("run") is None  # nothing is listed before the mount looks
     await list_tree(stack.fs)
     assert {i.path for i in stack.journal.all_inodes()} == {"", "run", "run/step_1", "run/step_1/model.pt", "empty-dir"}

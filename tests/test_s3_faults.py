@@ -60,6 +60,13 @@ def s3_mount(proxy: FaultProxy, bucket: str, mount_factory) -> Iterator[Any]:  #
     proxy.heal()
 
 
+def _wait_for_log(mount: Mount, text: str, *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in mount.log.read_text():
+        assert time.monotonic() < deadline, f"the daemon did not log {text!r} within {timeout:.0f} s"
+        time.sleep(0.2)
+
+
 def _objects(server: S3Server, bucket: str) -> dict[str, bytes]:
     """Every object under PREFIX but the store's own bookkeeping, read directly from SeaweedFS."""
     client = server.client()
@@ -565,6 +572,44 @@ def test_mount_starts_when_the_cleanup_of_old_uploads_keeps_failing(s3_mount, se
     assert stored == {"before.bin": b"written before the kill", "after.bin": b"written after the start"}
 
 
+
+def test_the_mount_serves_while_the_start_up_sweep_of_leftovers_waits_for_the_store(
+    s3_mount, seaweedfs_s3: S3Server, proxy: FaultProxy, bucket: str
+) -> None:
+    """The start listed the last run's leftovers before the mount served: under throttling it waited out
+    botocore's and the engine's retries of that listing (27 s, test_leftovers_the_start_could_not_remove_...).
+    Now the drain sweeps in the background: the mount serves at once (writes, reads, and listings, which do
+    not wait for the sweep), the drain's own store calls wait for its listing, and a flush for the sweep."""
+    stall = 25.0
+    m = s3_mount("--part-size", "5M", "--refresh-interval", "1")
+    (m.mnt / "before.bin").write_bytes(b"written before the stop")
+    m.flush(timeout=60)
+    m.umount()
+    with sqlite3.connect(m.cache / "journal.db") as db:
+        owner = db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()[0]
+    # What a kill -9 right after opening an upload leaves: an upload the journal never heard of.
+    S3Store(bucket, PREFIX.rstrip("/"), endpoint_url=seaweedfs_s3.endpoint, owner=owner).open_upload(
+        "lost.bin", None, None)
+    # Another node's object, which this node sees only when it lists the root again.
+    seaweedfs_s3.client().put_object(Bucket=bucket, Key=f"{PREFIX}other.bin", Body=b"theirs")
+    held = Rule("stall", match=r"^GET \S+prefix=[^ &]*ckptfs-tmp\.uploads", count=1, seconds=stall)
+    proxy.set_rules(held)
+    started = time.monotonic()
+    m.start()
+    (m.mnt / "after.bin").write_bytes(b"written while the sweep waits")
+    assert (m.mnt / "before.bin").read_bytes() == b"written before the stop"
+    time.sleep(1.1)  # the root's listing is stale (--refresh-interval 1): the next access lists it again
+    assert "other.bin" in os.listdir(m.mnt)
+    served = time.monotonic() - started
+    assert held.fired == 1 and served < stall, f"the mount served only after {served:.1f} s"
+    m.flush(timeout=120)  # waits for the start-up sweep
+    assert _multipart_uploads(seaweedfs_s3, bucket) == []
+    assert [key for key in _keys(seaweedfs_s3, bucket) if ".ckptfs-tmp." in key] == []
+    assert _objects(seaweedfs_s3, bucket) == {"before.bin": b"written before the stop", "other.bin": b"theirs",
+                                              "after.bin": b"written while the sweep waits"}
+    assert "removed 1 leftovers of uploads interrupted by the last stop" in m.log.read_text()
+
+
 def test_leftovers_the_start_could_not_remove_are_gone_after_the_next_flush(
     s3_mount, seaweedfs_s3: S3Server, proxy: FaultProxy, bucket: str
 ) -> None:
@@ -585,7 +630,9 @@ def test_leftovers_the_start_could_not_remove_are_gone_after_the_next_flush(
     proxy.set_rules(storm)
     m.start()
     m.allowed_log_words += ["cannot remove the interrupted uploads"]
-    assert storm.fired > 0 and "cannot remove the interrupted uploads" in m.log.read_text()
+    # The start-up sweep runs in the background: the storm outlasts its retries before the proxy heals.
+    _wait_for_log(m, "cannot remove the interrupted uploads", timeout=120)
+    assert storm.fired > 0
     proxy.heal()
     big = os.urandom(12 * MiB)  # staged in parts while the sweep runs: it must survive it
     (m.mnt / "after.bin").write_bytes(big)

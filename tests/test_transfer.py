@@ -23,7 +23,7 @@ from ckptfs.errors import NotFoundBackendError, PermanentBackendError, Transient
 from ckptfs.leftovers import SWEEP_RETRY_FIRST
 from ckptfs.local_io import SourceChangedError
 from ckptfs.memory import MemoryBudget
-from ckptfs.transfer import Priority, PutFile, SmallFile, plan_part_size
+from ckptfs.transfer import Priority, PutFile, SmallFile, Transfers, plan_part_size
 
 MiB = 1 << 20
 
@@ -159,14 +159,20 @@ async def test_a_vanished_source_raises_not_found(target: Target, tmp_path: Path
         await engine(target.store).stage_upload("k", str(tmp_path / "missing"), META)
 
 
+async def swept_at_start(transfers: Transfers, keep: set[str]) -> int:
+    """What a start does: recovery's hold of the store calls, then the drain's sweep of the last run's leftovers."""
+    transfers.leftovers.hold_until_swept(keep)
+    return await transfers.leftovers.sweep_at_start()
+
+
 async def test_abort_stale_uploads_removes_only_this_owners_leftovers(target: Target, tmp_path: Path) -> None:
     mine, theirs = target.make(owner="mine"), target.make(owner="theirs")
     write(tmp_path / "src", BIG)
     for key in ("a/one", "shared"):
         await _interrupted_upload(mine, key, tmp_path / "src", after_parts=1)
     their_state = await _interrupted_upload(theirs, "shared", tmp_path / "src", after_parts=1)
-    assert await engine(mine).leftovers.sweep_at_start(set()) >= 2
-    assert await engine(mine).leftovers.sweep_at_start(set()) == 0
+    assert await swept_at_start(engine(mine), set()) >= 2
+    assert await swept_at_start(engine(mine), set()) == 0
     # The other owner's upload to the same key survives and resumes.
     staged = await engine(theirs).stage_upload("shared", str(tmp_path / "src"), META, resume=their_state)
     assert staged.state is not None
@@ -182,7 +188,7 @@ async def test_resume_continues_from_the_finished_parts(s3_target: Target, tmp_p
     state = await _interrupted_upload(s3_target.store, "ckpt/big", tmp_path / "src")
     assert len(state.parts) >= 2
     restarted = engine(s3_target.make())  # a new process: same owner, new client
-    assert await restarted.leftovers.sweep_at_start({state.upload_id}) == 0
+    assert await swept_at_start(restarted, {state.upload_id}) == 0
     seen: list[UploadState] = []
     staged = await restarted.stage_upload("ckpt/big", str(tmp_path / "src"), META, resume=state,
                                           progress=seen.append)
@@ -210,7 +216,7 @@ async def test_resume_after_the_upload_was_aborted_starts_afresh(target: Target,
     data = write(tmp_path / "src", BIG)
     state = await _interrupted_upload(target.store, "big", tmp_path / "src")
     transfers = engine(target.store)
-    assert await transfers.leftovers.sweep_at_start(set()) == 1  # not kept: aborted
+    assert await swept_at_start(transfers, set()) == 1  # not kept: aborted
     staged = await transfers.stage_upload("big", str(tmp_path / "src"), META, resume=state)
     assert staged.state is not None and staged.state.upload_id != state.upload_id
     await transfers.commit_upload(staged)
@@ -254,7 +260,7 @@ async def test_a_failed_stage_aborts_its_upload_unless_the_caller_can_resume_it(
         await transfers.stage_upload("big", str(tmp_path / "src"), META, progress=lambda state: None)
     assert target.leftovers() != []  # the caller may resume it: it stays
     assert await transfers.leftovers.sweep() == 0  # and this process may still finish it
-    assert await engine(target.store).leftovers.sweep_at_start(set()) == 1  # the next start removes it
+    assert await swept_at_start(engine(target.store), set()) == 1  # the next start removes it
     assert target.leftovers() == []
 
 

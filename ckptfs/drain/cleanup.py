@@ -49,6 +49,13 @@ class Cleanup:
             self._discards_running -= 1
             self.progressed()
 
+    async def sweep_at_start(self) -> None:
+        """The sweep of the last run's leftovers that recovery announced (the drain's first task)."""
+        try:
+            await self.engine.leftovers.sweep_at_start()
+        finally:
+            self.notify()
+
     async def sweep(self) -> None:
         """Remove the leftovers a failed cleanup left (in the background, or at the end of a flush)."""
         try:

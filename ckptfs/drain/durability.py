@@ -132,16 +132,22 @@ class Durability:
         return paths_left + [f"(delete) {key}" for key in deletes.values()]
 
     async def flush(self, paths: list[str] | None, deadline: float) -> FlushResult:
-        """wait_durable() until the trio time `deadline` (math.inf: no limit), then a sweep of leftovers if
-        a cleanup failed: the store then holds nothing of ours but objects. A sweep that fails or cannot run
-        does not fail the flush (leftovers cost storage, not data); the drain tries again later."""
+        """wait_durable() until the trio time `deadline` (math.inf: no limit), then the start-up sweep of
+        the last run's leftovers if it still runs, then a sweep of leftovers if a cleanup failed: the store
+        then holds nothing of ours but objects. A sweep that fails or cannot run does not fail the flush
+        (leftovers cost storage, not data); the drain tries again later."""
         durable_now = False
         with trio.move_on_at(deadline):
             await self.wait_durable(paths)
             durable_now = True
         if not durable_now:
             return FlushResult(False, self.pending(paths))
-        if self.cleanup.engine.leftovers.due:
+        leftovers = self.cleanup.engine.leftovers
+        with trio.move_on_at(deadline):
+            # It runs in the background while the mount serves, and may take long on a throttling store:
+            # waited for until the deadline (SWEEP_AT_FLUSH bounds only the flush's own sweep below).
+            await leftovers.wait_start_sweep()
+        if leftovers.due:
             with trio.move_on_at(min(deadline, trio.current_time() + SWEEP_AT_FLUSH)):
                 await self.cleanup.sweep()
         return FlushResult(True, [])

@@ -220,6 +220,7 @@ class Drain:
         pause = SCAN_FAILURE_PAUSE
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.lane.run, nursery)
+            nursery.start_soon(self._guarded, "sweep", self.cleanup.sweep_at_start)
             task_status.started()
             while True:
                 try:

@@ -177,7 +177,7 @@ class NodeRecords:
                 record.rewrites += 1
             record.sample_stale = False
             try:
-                await self.engine.call(self.store.put_note, record_name(self.node, record.gen),
+                await self.engine.note_call(self.store.put_note, record_name(self.node, record.gen),
                                        self._body(record, names))
             except BackendError as exc:
                 self._announce_failed(str(exc))
@@ -229,7 +229,7 @@ class NodeRecords:
                     pause = CHECK_INTERVAL
 
     async def _inherit(self) -> None:
-        names = await self.engine.call(self.store.list_notes, f"{PENDING}{self.node}/")
+        names = await self.engine.note_call(self.store.list_notes, f"{PENDING}{self.node}/")
         now = trio.current_time()
         for name in names:
             gen_text = name.rsplit("/", 1)[-1]
@@ -245,13 +245,13 @@ class NodeRecords:
             log.info("cross-node ordering: %d record(s) of this node from before; they go once what this node"
                      " had pending is durable", inherited)
         forgotten = f"{FORGOTTEN}{self.node}"
-        if await self.engine.call(self.store.get_note, forgotten) is not None:
+        if await self.engine.note_call(self.store.get_note, forgotten) is not None:
             log.warning("this node (%s) had been given up on (ckptfs nodes --forget); it is back: markers of"
                         " other nodes wait for its records again", self.node)
-            await self.engine.call(self.store.delete_note, forgotten)
+            await self.engine.note_call(self.store.delete_note, forgotten)
 
     async def _read(self, name: str) -> dict[str, Any] | None:
-        data = await self.engine.call(self.store.get_note, name)
+        data = await self.engine.note_call(self.store.get_note, name)
         try:
             body = json.loads(data) if data else None
         except ValueError:
@@ -314,7 +314,7 @@ class NodeRecords:
             async with self._lock:
                 if record.published is not None or record.inherited:
                     try:
-                        await self.engine.call(self.store.delete_note, record_name(self.node, record.gen))
+                        await self.engine.note_call(self.store.delete_note, record_name(self.node, record.gen))
                     except BackendError as exc:
                         record.retiring = False  # tried again at the next check
                         self._store_refusals += 1

@@ -134,8 +134,8 @@ class PeerRecords:
 
     async def refresh(self) -> None:
         """List every node's records (reading the bodies of new ones) and the forgotten nodes."""
-        names = await self.engine.call(self.store.list_notes, PENDING)
-        forgotten = await self.engine.call(self.store.list_notes, FORGOTTEN)
+        names = await self.engine.note_call(self.store.list_notes, PENDING)
+        forgotten = await self.engine.note_call(self.store.list_notes, FORGOTTEN)
         existing: dict[str, PeerRecord] = {}
         waited = {n for s in self._snapshots.values() for n in s.records} | self._all_snapshot
         for name in names:
@@ -155,7 +155,7 @@ class PeerRecords:
         self._listed_event = trio.Event()
 
     async def _described(self, record: PeerRecord) -> PeerRecord:
-        data = await self.engine.call(self.store.get_note, record.name)
+        data = await self.engine.note_call(self.store.get_note, record.name)
         try:
             body = json.loads(data) if data else {}
         except ValueError:
@@ -228,7 +228,7 @@ class PeerRecords:
         await self.refresh()
         records = [r for r in self._existing.values() if r.node == node]
         body = json.dumps({"node": node, "by": socket.gethostname(), "at": time.time()}).encode()
-        await self.engine.call(self.store.put_note, f"{FORGOTTEN}{node}", body)
+        await self.engine.note_call(self.store.put_note, f"{FORGOTTEN}{node}", body)
         await self.refresh()
         self.on_change()
         return len(records)

@@ -129,6 +129,13 @@ class Transfers:
         `gated=False`: it leaves nothing in the store, and may run while a sweep lists (Leftovers)."""
         return await self._retry(fn, *args, limiter=self._control_threads, gated=gated)
 
+    async def note_call(self, fn: Callable[..., T], *args: Any) -> T:
+        """call() of a store note (put_note, get_note, list_notes, delete_note). A note is written whole
+        in one request (a file:// note's temp file carries this process's incarnation, which no sweep takes
+        for a leftover), so it runs while a sweep lists: a node's pending record must not wait for the
+        start-up sweep of the last run's leftovers, which a throttling store can make long."""
+        return await self.call(fn, *args, gated=False)
+
     async def _retry(
         self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter, abandon: bool = True,
         gated: bool = True,
