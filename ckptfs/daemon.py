@@ -50,7 +50,7 @@ from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import Inode, Journal, JournalError, JournalFull, journal_unusable
 from ckptfs.lister import DirLister
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
-from ckptfs.mountpoint import check_mountpoint, set_read_ahead
+from ckptfs.mountpoint import check_mountpoint, set_read_ahead, wait_until_mounted
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
 from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
 from ckptfs.pruner import Pruner
@@ -301,13 +301,13 @@ class Daemon:
                     await nursery.start(self._supervised, "node records", self.records.run)
                     await nursery.start(self._supervised, "other nodes' records", self.peers.run)
                 await nursery.start(self._serve_control)
-                root = await trio.to_thread.run_sync(os.stat, self.mountpoint)
+                device = await wait_until_mounted(self.mountpoint)
                 if self.held is None:
                     self._probe_passthrough()  # the kernel answered INIT before that stat
                     await self.keeper.start_holder()
                 read_ahead = parse_size(self.config.read_ahead)
                 if read_ahead:
-                    set_read_ahead(root.st_dev, read_ahead)
+                    set_read_ahead(device, read_ahead)
                 log.info("%s %s on %s (cache %s)", "took over the mount of" if self.held else "mounted",
                          self.store.url, self.mountpoint, self.cache.root)
                 ready()

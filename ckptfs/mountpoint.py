@@ -1,6 +1,7 @@
 """The mountpoint as the kernel and the disk under it see it: whether it can be mounted on (a stale
-FUSE mount detached, a guard removed), the read-ahead of a live mount, and the unmount of a connection
-libfuse did not mount itself (one taken over). No FUSE session here: only the mountpoint's path and device.
+FUSE mount detached, a guard removed), when a new mount is up, the read-ahead of a live mount, and the
+unmount of a connection libfuse did not mount itself (one taken over). No FUSE session here: only the
+mountpoint's path and device.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import stat
 import subprocess
 import threading
 from pathlib import Path
+
+import trio
 
 from ckptfs import guard, holder
 from ckptfs.errors import CkptfsError
@@ -99,6 +102,38 @@ def read_ahead_path(dev: int) -> str:
     """The sysfs file of the kernel's read-ahead for the filesystem on device `dev` (FUSE mounts have a
     backing device info of their own, named by the anonymous device number)."""
     return f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+
+
+async def wait_until_mounted(mountpoint: Path) -> int:
+    """Return once the kernel serves the mount on `mountpoint` (its INIT answered, its root's attributes
+    read from the daemon): the mount's device number. The daemon calling this serves the mount meanwhile.
+
+    The stat runs in a child process, not in a thread of the daemon: a thread blocked in a FUSE request that
+    its own daemon has read cannot be killed. If the daemon died before answering (kill -9, a bug), such a
+    thread kept the process from finishing its exit, so /dev/fuse stayed open, nothing answered any more,
+    and process and mount hung until someone aborted the connection in /sys/fs/fuse/connections. A child
+    is left behind instead (never waited for once cancelled); the connection's end releases it."""
+    proc = await trio.lowlevel.open_process(["stat", "--format=%d", "--", str(mountpoint)],
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        output = await _read_to_end(proc.stdout)
+        errors = await _read_to_end(proc.stderr)
+        code = await proc.wait()
+    except BaseException:
+        proc.kill()
+        raise
+    if code != 0:
+        raise CkptfsError(f"the mount on {mountpoint} did not come up: {errors.decode(errors='replace').strip()}")
+    return int(output)
+
+
+async def _read_to_end(stream: trio.abc.ReceiveStream) -> bytes:
+    chunks = []
+    while chunk := await stream.receive_some():
+        chunks.append(chunk)
+    await stream.aclose()
+    return b"".join(chunks)
 
 
 def set_read_ahead(dev: int, nbytes: int) -> None:
