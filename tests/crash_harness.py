@@ -76,6 +76,8 @@ from ckptfs.drain import BURST_QUIET  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20
+# The cache budget of rounds that kill while a file larger than it is written (spill rounds).
+SPILL_CACHE_SIZE = 24 * MiB
 MARKER = "latest"
 MARKER_PREFIX = b"ckpt-marker "
 TEMP_PREFIX = ".ckptfs-tmp."
@@ -129,6 +131,10 @@ class PlanBuilder:
         # Gateway rounds: half the files stay open a moment after their last write, as an NFS server keeps
         # them, so that the drain uploads them while open (drawn only then: other rounds replay unchanged).
         self.hold_open = False
+        # The cache budget of the round: a file above it cannot be opened for writing without O_TRUNC, nor
+        # truncated above 0, once its data left the cache (EFBIG: docs/SEMANTICS.md, "What needs the whole
+        # content waits for it"). Spill rounds set it; mutate() then renames such a file instead.
+        self.cache_budget = math.inf
 
     # sizes: mostly small so rounds are fast; now and then a large one
     def size(self) -> int:
@@ -190,6 +196,8 @@ class PlanBuilder:
         path = self.rng.choice(candidates)
         kind = self.rng.choice(["append", "truncate", "overwrite", "unlink", "rename", "rename_over"])
         size = self.files[path]
+        if kind in ("append", "truncate", "overwrite") and size > self.cache_budget:
+            kind = "rename"  # it needs the whole content in the cache, which cannot hold it
         if kind == "append":
             n = self.rng.randint(1, 256 * KiB)
             self.add({"op": "open", "path": path, "trunc": False})
@@ -1693,7 +1701,7 @@ class Harness:
         extra: tuple[str, ...] = ("--part-size", cfg.part_size, "--upload-while-writing", cfg.upload_while_writing,
                                   "--passthrough", cfg.passthrough)
         if cfg.kill == "spill":
-            extra = ("--cache-size", "24M", "--part-size", "5M", "--min-free", "0")
+            extra = ("--cache-size", str(SPILL_CACHE_SIZE), "--part-size", "5M", "--min-free", "0")
         if self.proxy is not None:
             self.proxy.set_rules(*fault_rules(cfg.faults))
         rules = list(self.proxy.rules) if self.proxy is not None else []
@@ -1732,6 +1740,8 @@ class Harness:
         pre_ops = len(model.applied)
         plan_builder = PlanBuilder(rng, f"{index}b", names, dirs, scale, cfg.unlisted_dir_ops)
         plan_builder.hold_open = self.args.gateway
+        if cfg.kill == "spill":
+            plan_builder.cache_budget = SPILL_CACHE_SIZE
         if cfg.prephase != "none":  # renames, deletes and changes of files already in the store
             for _ in range(rng.randint(1, 3)):
                 plan_builder.mutate()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -21,10 +22,12 @@ from crash_harness import (
     EIO_ANSWERED,
     KNOWN_TRACEBACKS,
     MARKER_PREFIX,
+    SPILL_CACHE_SIZE,
     CrossNodeCheck,
     Model,
     NodeState,
     Op,
+    PlanBuilder,
     RoundFailed,
     Tree,
     check_kill_point,
@@ -394,3 +397,15 @@ def test_a_live_file_store_is_read_while_its_staging_directory_comes_and_goes(tm
     finally:
         stop.set()
         churner.join()
+
+
+def test_a_spill_rounds_plan_never_needs_a_file_larger_than_the_cache_in_the_cache() -> None:
+    """Seed 9415 round 2 (seaweedfs, faults, keep-mount) appended to the 39 MB file it had spilled, which
+    the mount's 24 MiB cache cannot fetch whole: EFBIG, as documented, taken for a lost write. A spill
+    round's plan renames such a file where it would append to, overwrite or truncate it."""
+    for seed in range(200):
+        builder = PlanBuilder(random.Random(seed), "t", {"big.bin": SPILL_CACHE_SIZE + 1}, set())
+        builder.cache_budget = SPILL_CACHE_SIZE
+        for _ in range(4):  # renamed or removed, never written to (the only file: nothing renamed over it)
+            builder.mutate()
+        assert all(op["op"] in ("rename", "unlink") for op in builder.ops), (seed, builder.ops)
