@@ -5,9 +5,9 @@ run, those whose best-effort cleanup failed in this one (an abort of the engine,
 its own and reports through its `left_behind`), those of a journal row that could not be read. `Leftovers`
 keeps what a sweep needs to tell them from the uploads still in use, and sweeps: right after start-up
 (`hold_until_swept`, then the drain's `sweep_at_start`, sparing what the journal resumes: the mount serves
-meanwhile, and no store call that may leave something starts before it), in the background while a cleanup has failed
-(`next_sweep_at`, `sweep_in_background`: 30 s after the failure, doubling up to 10 min), and at the end of a
-flush (the drain calls `sweep_in_background` too).
+meanwhile, and no store call that may leave something starts before it), in the background while a
+cleanup has failed (`next_sweep_at`, `sweep_in_background`: 30 s after the failure, doubling up to 10 min),
+and at the end of a flush (the drain calls `sweep_in_background` too).
 
 What a store call has half made looks like a leftover in a listing (a file:// temp file of a put, the
 multipart upload of an S3 copy, an upload whose id `open_upload` has not returned yet), so a sweep lists
@@ -129,6 +129,8 @@ class Leftovers:
         """The sweep hold_until_swept() announced, in the background (the drain's first task); how many
         leftovers went. A store that refuses it is not an error: the background sweeps and the next flush
         try again."""
+        if self._start_swept is None or self._start_swept.is_set():
+            return 0  # none announced, or run already (a drain started again): the background sweeps go on
         removed = 0
         try:
             removed = await self.sweep() or 0  # never None: no patience limit, and nothing it waits out runs

@@ -445,6 +445,41 @@ async def test_a_sweep_never_lists_while_a_store_call_runs(target: Target, tmp_p
     assert target.leftovers() == []
 
 
+async def test_after_a_start_store_calls_wait_for_the_start_up_sweep_and_notes_do_not(tmp_path: Path) -> None:
+    """Recovery holds every store call that may leave something until the drain's start-up sweep has listed
+    the last run's leftovers (what this run stages must not be taken for one of them), while the mount
+    serves; a note does not wait. The sweep runs once: a drain started again does not sweep unannounced."""
+    local = local_target(tmp_path / "store")
+    write(tmp_path / "big", BIG)
+    await _interrupted_upload(local.store, "lost", tmp_path / "big")
+    data = write(tmp_path / "src", 1000)
+    gates = _Gates(local.store)
+    gates.put_release.set()
+    transfers = engine(gates)  # type: ignore[arg-type]
+    transfers.leftovers.hold_until_swept(set())
+
+    async def put(key: str) -> None:
+        await transfers.commit_upload(await transfers.stage_upload(key, str(tmp_path / "src"), META))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(put, "mine")
+        with trio.fail_after(10):
+            await transfers.note_call(local.store.put_note, "pending/n", b"x")
+        await trio.sleep(0.3)
+        assert not gates.put_entered.is_set()  # waits for the start-up sweep
+        nursery.start_soon(transfers.leftovers.sweep_at_start)
+        await trio.to_thread.run_sync(gates.list_entered.wait, 10)
+        gates.list_release.set()
+    assert gates.puts_running_at_list == [0]
+    assert local.store.get_note("pending/n") == b"x"
+    local.store.delete_note("pending/n")
+    assert local.leftovers() == []
+    assert (await fetch(local.store, "mine", tmp_path))[0] == data
+    await _interrupted_upload(local.store, "lost-later", tmp_path / "big")
+    assert await transfers.leftovers.sweep_at_start() == 0  # not announced again: the background sweeps' work
+    assert local.leftovers() != []
+
+
 class _FailingAborts:
     """A store whose aborts fail (transiently) until `healed`."""
 

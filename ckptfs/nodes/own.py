@@ -178,7 +178,7 @@ class NodeRecords:
             record.sample_stale = False
             try:
                 await self.engine.note_call(self.store.put_note, record_name(self.node, record.gen),
-                                       self._body(record, names))
+                                            self._body(record, names))
             except BackendError as exc:
                 self._announce_failed(str(exc))
                 self._check.set()  # the checker writes it again
