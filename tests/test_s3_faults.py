@@ -60,6 +60,17 @@ def s3_mount(proxy: FaultProxy, bucket: str, mount_factory) -> Iterator[Any]:  #
     proxy.heal()
 
 
+def _stop_leaving_an_upload_behind(m: Mount, server: S3Server, bucket: str) -> None:
+    """before.bin written and flushed, the mount stopped, and what a kill -9 right after opening an upload
+    leaves in the store: an upload of lost.bin by this cache dir that its journal never heard of."""
+    (m.mnt / "before.bin").write_bytes(b"written before the stop")
+    m.flush(timeout=60)
+    m.umount()
+    with sqlite3.connect(m.cache / "journal.db") as db:
+        owner = db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()[0]
+    S3Store(bucket, PREFIX.rstrip("/"), endpoint_url=server.endpoint, owner=owner).open_upload("lost.bin", None, None)
+
+
 def _wait_for_log(mount: Mount, text: str, *, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while text not in mount.log.read_text():
@@ -582,14 +593,7 @@ def test_the_mount_serves_while_the_start_up_sweep_of_leftovers_waits_for_the_st
     not wait for the sweep), the drain's own store calls wait for its listing, and a flush for the sweep."""
     stall = 25.0
     m = s3_mount("--part-size", "5M", "--refresh-interval", "1")
-    (m.mnt / "before.bin").write_bytes(b"written before the stop")
-    m.flush(timeout=60)
-    m.umount()
-    with sqlite3.connect(m.cache / "journal.db") as db:
-        owner = db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()[0]
-    # What a kill -9 right after opening an upload leaves: an upload the journal never heard of.
-    S3Store(bucket, PREFIX.rstrip("/"), endpoint_url=seaweedfs_s3.endpoint, owner=owner).open_upload(
-        "lost.bin", None, None)
+    _stop_leaving_an_upload_behind(m, seaweedfs_s3, bucket)
     # Another node's object, which this node sees only when it lists the root again.
     seaweedfs_s3.client().put_object(Bucket=bucket, Key=f"{PREFIX}other.bin", Body=b"theirs")
     held = Rule("stall", match=r"^GET \S+prefix=[^ &]*ckptfs-tmp\.uploads", count=1, seconds=stall)
@@ -617,14 +621,7 @@ def test_leftovers_the_start_could_not_remove_are_gone_after_the_next_flush(
     (and its marker) in the store until the next start (crash harness, SeaweedFS with faults, seed 10400
     round 51). Now the flush sweeps them, sparing what the running daemon has staged itself."""
     m = s3_mount("--part-size", "5M")
-    (m.mnt / "before.bin").write_bytes(b"written before the stop")
-    m.flush(timeout=60)
-    m.umount()
-    with sqlite3.connect(m.cache / "journal.db") as db:
-        owner = db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()[0]
-    # What a kill -9 right after opening an upload leaves: an upload the journal never heard of.
-    S3Store(bucket, PREFIX.rstrip("/"), endpoint_url=seaweedfs_s3.endpoint, owner=owner).open_upload(
-        "lost.bin", None, None)
+    _stop_leaving_an_upload_behind(m, seaweedfs_s3, bucket)
     assert _multipart_uploads(seaweedfs_s3, bucket) == [f"{PREFIX}lost.bin"]
     storm = Rule("error", match=r"ckptfs-tmp\.uploads", code="SlowDown")
     proxy.set_rules(storm)
