@@ -40,6 +40,10 @@ SWEEP_RETRY_CAP = 600.0
 # long waiting for the running ones (a stalled upload must not stall the others, nor a flush), and else
 # tries again later.
 SWEEP_PATIENCE = 5.0
+# A flush's sweep that the store refused is tried again this long after, doubling up to the cap, until the
+# flush's bound (drain/durability.py: SWEEP_AT_FLUSH).
+REFUSED_RETRY_FIRST = 1.0
+REFUSED_RETRY_CAP = 8.0
 # A spill's hidden key: SPILL_PREFIX<owner>.<random> (its final key is known only when the file closes).
 SPILL_PREFIX = f"{TEMP_PREFIX}spill."
 
@@ -197,25 +201,37 @@ class Leftovers:
             self._next_at = trio.current_time() + self._delay
         return self._next_at
 
-    async def sweep_in_background(self) -> None:
+    async def sweep_in_background(self, *, refused_retry_until: float = -math.inf) -> None:
         """A sweep of the leftovers a failed cleanup left, for the drain: once next_sweep_at() has come, and
         at the end of a flush. A store that refuses it is not an error here: the next one is scheduled,
-        backing off."""
+        backing off. `refused_retry_until` (a trio time; a flush's, and a clean stop's, after which nothing of
+        this owner sweeps until its cache dir is mounted again): a refusal is tried again until then,
+        REFUSED_RETRY_FIRST later and doubling, so that one 503 of a storm does not leave a staged upload
+        behind the flush. Store calls that keep the sweep from listing are not retried here."""
         self._background += 1
         self._next_at = math.inf
+        pause = REFUSED_RETRY_FIRST
         try:
-            removed = await self.sweep(patience=SWEEP_PATIENCE)
-        except BackendError as exc:
-            log.warning("cannot remove the leftovers of interrupted uploads from the store: %s; trying again"
-                        " in %.0f s", exc, self._delay)
-            self._next_at = trio.current_time() + self._delay
-            self._delay = min(self._delay * 2, SWEEP_RETRY_CAP)
-        else:
-            if removed is None:  # the store calls running did not let it list: not the store's fault
-                self._next_at = trio.current_time() + SWEEP_RETRY_FIRST
-            else:
-                self._delay = SWEEP_RETRY_FIRST
-            if removed:
-                log.info("removed %d leftovers of interrupted uploads from the store", removed)
+            while True:
+                try:
+                    removed = await self.sweep(patience=SWEEP_PATIENCE)
+                except BackendError as exc:
+                    if trio.current_time() + pause < refused_retry_until:
+                        log.debug("sweep of leftovers refused (%s); trying again in %.0f s", exc, pause)
+                        await trio.sleep(pause)
+                        pause = min(pause * 2, REFUSED_RETRY_CAP)
+                        continue
+                    log.warning("cannot remove the leftovers of interrupted uploads from the store: %s; trying"
+                                " again in %.0f s", exc, self._delay)
+                    self._next_at = trio.current_time() + self._delay
+                    self._delay = min(self._delay * 2, SWEEP_RETRY_CAP)
+                else:
+                    if removed is None:  # the store calls running did not let it list: not the store's fault
+                        self._next_at = trio.current_time() + SWEEP_RETRY_FIRST
+                    else:
+                        self._delay = SWEEP_RETRY_FIRST
+                    if removed:
+                        log.info("removed %d leftovers of interrupted uploads from the store", removed)
+                return
         finally:
             self._background -= 1

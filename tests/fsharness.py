@@ -70,6 +70,8 @@ class RecordingStore:
         self.putting = threading.Event()
         self.failures: list[Exception] = []
         self.list_failures: list[Exception] = []  # raised by list_dir, one per call, before `failures`
+        self.leftover_list_failures: list[Exception] = []  # raised by list_leftovers, one per call
+        self.leftover_listings = 0
         # Ranged reads: every (key, offset) asked for, and a gate that holds each range whose offset is
         # not in `open_offsets` until the test sets it (streaming tests: what a read waits for).
         self.ranges: list[tuple[str, int]] = []
@@ -146,6 +148,10 @@ class RecordingStore:
         self._record("abort", upload.key)
 
     def list_leftovers(self) -> list[UploadRef]:
+        with self._lock:
+            self.leftover_listings += 1
+            if self.leftover_list_failures:
+                raise self.leftover_list_failures.pop(0)
         return self.inner.list_leftovers()
 
     def get_range(

@@ -913,3 +913,22 @@ async def test_an_upload_that_commits_while_its_directory_is_listed_is_not_taken
     assert entry is not None and entry.id == inode_id, "the mount lost a file it had just uploaded"
     assert entry.state == CLEAN and entry.size == len(b"new bytes")
     assert stack.store_files() == {"a": b"new bytes"}
+
+
+async def test_a_flushs_sweep_of_leftovers_that_the_store_refuses_is_tried_again(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """A flush ends with a sweep when a cleanup failed. It made one attempt (the engine's retries of each
+    call aside): a store refusing it for those few seconds, as in a storm of 503s, left the staged upload
+    in the store after a flush that succeeded (crash harness, SeaweedFS with faults, seed 9422 round 0).
+    A refusal is now tried again, a second later and doubling, within the flush's bound."""
+    stack = make_stack(tmp_path)
+    await nursery.start(stack.drain.run)
+    stack.store.inner.open_upload("lost.bin", None, None)  # what an abort that failed leaves
+    stack.drain.engine.leftovers.cleanup_failed()
+    # The first sweep's every try, and the second sweep's first, refused.
+    stack.store.leftover_list_failures = [TransientBackendError("503 slow down")] * 6
+    assert (await stack.drain.flush(None, trio.current_time() + 60)).ok
+    assert stack.store.leftover_listings == 7
+    assert stack.store.inner.list_leftovers() == []
+    assert not stack.drain.engine.leftovers.due

@@ -8,6 +8,7 @@ The scheduler (scheduler.py) starts both from its rounds; durability.py waits fo
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 from ckptfs.backends.base import UploadState
@@ -56,10 +57,11 @@ class Cleanup:
         finally:
             self.notify()
 
-    async def sweep(self) -> None:
-        """Remove the leftovers a failed cleanup left (in the background, or at the end of a flush)."""
+    async def sweep(self, *, refused_retry_until: float = -math.inf) -> None:
+        """Remove the leftovers a failed cleanup left (in the background, or at the end of a flush: then a
+        store's refusal is tried again until `refused_retry_until`, a trio time)."""
         try:
-            await self.engine.leftovers.sweep_in_background()
+            await self.engine.leftovers.sweep_in_background(refused_retry_until=refused_retry_until)
         finally:
             self.notify()
 

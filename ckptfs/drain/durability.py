@@ -23,7 +23,7 @@ from ckptfs.journal import Inode, Journal
 FLUSH_POLL = 0.05
 FULL_CHECK_INTERVAL = 1.0
 # A flush ends with a sweep if a cleanup failed (so that it leaves nothing of ours but objects behind), for
-# at most this long.
+# at most this long; a store that refuses it is asked again until then (Leftovers.sweep_in_background).
 SWEEP_AT_FLUSH = 60.0
 
 
@@ -148,8 +148,9 @@ class Durability:
             # waited for until the deadline (SWEEP_AT_FLUSH bounds only the flush's own sweep below).
             await leftovers.wait_start_sweep()
         if leftovers.due:
-            with trio.move_on_at(min(deadline, trio.current_time() + SWEEP_AT_FLUSH)):
-                await self.cleanup.sweep()
+            bound = min(deadline, trio.current_time() + SWEEP_AT_FLUSH)
+            with trio.move_on_at(bound):
+                await self.cleanup.sweep(refused_retry_until=bound)
         return FlushResult(True, [])
 
     def _outstanding(self, paths: list[str] | None) -> dict[int, int]:
