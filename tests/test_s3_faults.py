@@ -584,7 +584,6 @@ def test_mount_starts_when_the_cleanup_of_old_uploads_keeps_failing(s3_mount, se
     assert stored == {"before.bin": b"written before the kill", "after.bin": b"written after the start"}
 
 
-
 def test_the_mount_serves_while_the_start_up_sweep_of_leftovers_waits_for_the_store(
     s3_mount, seaweedfs_s3: S3Server, proxy: FaultProxy, bucket: str
 ) -> None:
