@@ -69,19 +69,30 @@ def fuse_requests(port: int) -> dict[str, float]:
     return counts
 
 
-def file_store_objects(root: Path) -> dict[str, bytes]:
-    """Every object of a file:// store at `root` (no temp entries), by key, read while the store is live: the
-    store's staging directory comes and goes with every upload (Path.rglob failed when it went between the
-    listing of its parent and its own), so what vanishes while it is walked is skipped."""
-    out = {}
+def live_files(root: Path, *, skip_temps: bool = True) -> list[Path]:
+    """Every file below `root`, walked while a daemon changes it: the store's staging directory comes and goes
+    with every upload, and a notes directory with its last note (Path.rglob failed when a directory went
+    between the listing of its parent and its own), so what vanishes while it is walked is skipped.
+    `skip_temps`: no entry named .ckptfs-tmp.* (the store's temp files, staging and notes)."""
+    found = []
     for top, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if ".ckptfs-tmp." not in d]
+        if skip_temps:
+            dirnames[:] = [d for d in dirnames if ".ckptfs-tmp." not in d]
         for name in filenames:
             path = Path(top, name)
-            if ".ckptfs-tmp." in name or path.is_symlink():
+            if (skip_temps and ".ckptfs-tmp." in name) or path.is_symlink():
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                out[str(path.relative_to(root))] = path.read_bytes()
+            found.append(path)
+    return found
+
+
+def file_store_objects(root: Path) -> dict[str, bytes]:
+    """Every object of a file:// store at `root` (no temp entries), by key, read while the store is live
+    (live_files): an object that vanishes before it is read is skipped."""
+    out = {}
+    for path in live_files(root):
+        with contextlib.suppress(FileNotFoundError):
+            out[str(path.relative_to(root))] = path.read_bytes()
     return dict(sorted(out.items()))
 
 

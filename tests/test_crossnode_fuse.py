@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import Mount
+from conftest import Mount, live_files
 from emulators import AzuriteServer, GcsServer, S3Server, azurite, fake_gcs, s3_bucket, seaweedfs_s3  # noqa: F401
 from rank_server import SERVER, Rank
 from test_multinode import RANK_IMPORTS, _free_port
@@ -75,8 +75,7 @@ def _store_view(
         shared.mkdir()
 
         def files() -> set[str]:
-            return {str(p.relative_to(shared)) for p in shared.rglob("*")
-                    if p.is_file() and ".ckptfs-tmp." not in str(p)}
+            return {str(p.relative_to(shared)) for p in live_files(shared)}
         return f"file://{shared}", (), files
     server: S3Server = request.getfixturevalue("seaweedfs_s3")
     bucket_cm = s3_bucket(server)
@@ -217,11 +216,11 @@ def test_a_single_node_pays_one_record_per_quiet_spell_and_leaves_none(
     (m.mnt / "step_1" / ".metadata").write_bytes(b"m")
     m.flush()
     notes = m.store / ".ckptfs-tmp.notes" / "pending"
-    _wait(lambda: not any(p.is_file() for p in notes.rglob("*")) if notes.exists() else True, what="no records")
+    _wait(lambda: not live_files(notes, skip_temps=False), what="no records")
     status = m.status()["nodes"]
     assert status["cross_node_ordering"] and status["records"] == [] and status["unannounced"] is None
     assert m.umount().returncode == 0
-    assert not any(p.is_file() for p in notes.rglob("*")) if notes.exists() else True
+    assert not live_files(notes, skip_temps=False)
     # With it turned off nothing is written at all.
     off: Mount = mount_factory("off", extra_args=("--no-cross-node-ordering",))
     (off.mnt / "f").write_bytes(b"y")
