@@ -201,6 +201,20 @@ class Leftovers:
             self._next_at = trio.current_time() + self._delay
         return self._next_at
 
+    async def _sweep_asking_again(self, until: float) -> int | None:
+        """sweep(patience=SWEEP_PATIENCE), asked again after a refusal (REFUSED_RETRY_FIRST later, doubling)
+        while the next try starts before the trio time `until`; the last refusal is raised."""
+        pause = REFUSED_RETRY_FIRST
+        while True:
+            try:
+                return await self.sweep(patience=SWEEP_PATIENCE)
+            except BackendError as exc:
+                if trio.current_time() + pause >= until:
+                    raise
+                log.debug("sweep of leftovers refused (%s); trying again in %.0f s", exc, pause)
+                await trio.sleep(pause)
+                pause = min(pause * 2, REFUSED_RETRY_CAP)
+
     async def sweep_in_background(self, *, refused_retry_until: float = -math.inf) -> None:
         """A sweep of the leftovers a failed cleanup left, for the drain: once next_sweep_at() has come, and
         at the end of a flush. A store that refuses it is not an error here: the next one is scheduled,
@@ -210,28 +224,19 @@ class Leftovers:
         behind the flush. Store calls that keep the sweep from listing are not retried here."""
         self._background += 1
         self._next_at = math.inf
-        pause = REFUSED_RETRY_FIRST
         try:
-            while True:
-                try:
-                    removed = await self.sweep(patience=SWEEP_PATIENCE)
-                except BackendError as exc:
-                    if trio.current_time() + pause < refused_retry_until:
-                        log.debug("sweep of leftovers refused (%s); trying again in %.0f s", exc, pause)
-                        await trio.sleep(pause)
-                        pause = min(pause * 2, REFUSED_RETRY_CAP)
-                        continue
-                    log.warning("cannot remove the leftovers of interrupted uploads from the store: %s; trying"
-                                " again in %.0f s", exc, self._delay)
-                    self._next_at = trio.current_time() + self._delay
-                    self._delay = min(self._delay * 2, SWEEP_RETRY_CAP)
-                else:
-                    if removed is None:  # the store calls running did not let it list: not the store's fault
-                        self._next_at = trio.current_time() + SWEEP_RETRY_FIRST
-                    else:
-                        self._delay = SWEEP_RETRY_FIRST
-                    if removed:
-                        log.info("removed %d leftovers of interrupted uploads from the store", removed)
-                return
+            removed = await self._sweep_asking_again(refused_retry_until)
+        except BackendError as exc:
+            log.warning("cannot remove the leftovers of interrupted uploads from the store: %s; trying again"
+                        " in %.0f s", exc, self._delay)
+            self._next_at = trio.current_time() + self._delay
+            self._delay = min(self._delay * 2, SWEEP_RETRY_CAP)
+        else:
+            if removed is None:  # the store calls running did not let it list: not the store's fault
+                self._next_at = trio.current_time() + SWEEP_RETRY_FIRST
+            else:
+                self._delay = SWEEP_RETRY_FIRST
+            if removed:
+                log.info("removed %d leftovers of interrupted uploads from the store", removed)
         finally:
             self._background -= 1
