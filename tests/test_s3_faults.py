@@ -24,6 +24,7 @@ from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
 from faultproxy import FaultProxy, Rule
 
 from ckptfs.backends.s3 import S3Store
+from ckptfs.errors import BackendError
 
 MiB = 1 << 20
 PREFIX = "run-1/"
@@ -638,3 +639,22 @@ def test_leftovers_the_start_could_not_remove_are_gone_after_the_next_flush(
     assert [key for key in _keys(seaweedfs_s3, bucket) if ".ckptfs-tmp." in key] == []
     stored = _objects(seaweedfs_s3, bucket)
     assert stored == {"before.bin": b"written before the stop", "after.bin": big}
+
+
+def test_an_upload_marker_whose_write_lost_its_answer_is_swept_at_the_flush(
+    seaweedfs_s3: S3Server, proxy: FaultProxy, bucket: str
+) -> None:
+    """The write of a multipart upload's owner marker took effect but its answer was lost; the engine's retry
+    wrote another marker, and nothing said the first was left behind, so no sweep ran and a flush left it in
+    the store (crash harness, SeaweedFS with lost answers, seed 9442 round 29). Now the store says so."""
+    # Both tries of the SDK (it sends a request once more itself) lose their answers.
+    proxy.set_rules(Rule("lost_response", match=r"^PUT \S+ckptfs-tmp\.uploads", count=2))
+    store = S3Store(bucket, PREFIX.rstrip("/"), endpoint_url=proxy.endpoint, owner="o")
+    with pytest.raises(BackendError):
+        store.open_upload("a.bin", None, None)
+    markers = [key for key in _keys(seaweedfs_s3, bucket) if ".ckptfs-tmp.uploads/o/" in key]
+    assert len(markers) == 1, markers  # written, though the client never heard so
+    assert store.left_behind  # so the engine sweeps (Leftovers.due), at the latest at the next flush
+    for ref in store.list_leftovers():
+        store.abort_upload(ref)
+    assert [key for key in _keys(seaweedfs_s3, bucket) if ".ckptfs-tmp." in key] == []

@@ -7,8 +7,10 @@ after, and deleted after complete/abort. `leftovers` reads this owner's markers 
 name (for a marker without id: the uploads of that key that no marker of any owner claims). So it never
 aborts another node's upload, and a crash at any point leaves nothing unaccounted for.
 
-A create whose answer may have been lost (it failed without an answer from the server, or the SDK sent it
-again) may have made an upload whose id nobody knows. Its marker without id then stays, and the store says
+A marker whose write failed without an answer may be in the store too, named by nobody: the store says
+something is left behind, and the next sweep removes it. A create whose answer may have been lost (it
+failed without an answer from the server, or the SDK sent it again) may have made an upload whose id nobody
+knows. Its marker without id then stays, and the store says
 something is left behind (`left_behind`): the engine's next sweep lists the leftovers, finds that upload
 (unclaimed, of that key) and aborts it. So a create retried by the SDK or by the engine leaves no orphan,
 and every call here is one request, one attempt (the engine retries).
@@ -58,7 +60,12 @@ class UploadMarkers:
         id, marker name)."""
         store = self._store
         marker = f"{store.owner}/{secrets.token_hex(8)}"
-        self.put(marker, key, None)
+        try:
+            self.put(marker, key, None)
+        except BackendError as exc:
+            if not _answered(exc):  # it may have been written: the next sweep removes it (a retry writes another)
+                store.left_behind = True
+            raise
         try:
             response = create()
         except BackendError as exc:
