@@ -24,6 +24,9 @@ META = ObjectMeta(mtime_ns=1_700_000_000_000_000_001, mode=0o600)
 # The request line of each store's commit (GCS compose, Azure Put Block List) and of a part upload.
 COMMIT = {"fake-gcs": r"^POST \S*/compose", "azurite": r"^PUT \S*comp=blocklist"}
 PART = {"fake-gcs": r"^POST \S*uploadType=multipart HTTP", "azurite": r"^PUT \S*comp=block&"}
+# The request line of an upload's start: GCS's manifest (its name is in the body: the only request of a start),
+# Azure's owner marker.
+START = {"fake-gcs": r"^POST \S*uploadType=multipart", "azurite": r"^PUT \S*\.ckptfs-tmp\.uploads/"}
 
 
 @pytest.fixture(params=["fake-gcs", "azurite"])
@@ -129,3 +132,23 @@ def test_the_mount_check_waits_out_a_busy_store(proxied: tuple[str, ObjectStore,
         store.check()  # one attempt
     check_store(store)
     assert rule.fired == 6
+
+
+def test_an_upload_whose_start_lost_every_answer_is_known_to_be_left_behind(
+    proxied: tuple[str, ObjectStore, FaultProxy]
+) -> None:
+    """The start of an upload (GCS's manifest, Azure's marker) is a create-only write of a random name: one
+    that took effect while every answer to it was lost fails, the engine's retry starts another name, and the
+    first stayed in the store with nothing saying so, so no sweep ran and a flush left it (the S3 marker's
+    case, crash harness seed 9442 round 29). Now the store says something is left behind."""
+    name, store, proxy = proxied
+    proxy.add_rule(Rule("lost_response", match=START[name]))
+    with pytest.raises(TransientBackendError):
+        store.open_upload("a.bin", META, None)
+    proxy.heal()
+    assert store.left_behind
+    refs = store.list_leftovers()
+    assert refs  # the start that took effect
+    for ref in refs:
+        store.abort_upload(ref)
+    assert store.list_leftovers() == []

@@ -275,6 +275,9 @@ class AzureBlobStore(WholeCopies):
             self._upload_blob(self._marker_name(upload), body, None, f"start upload of {key}", overwrite=False)
         except TransientBackendError as exc:
             if error_code_of(exc)[0] != "BlobAlreadyExists":
+                # It may have been written with every answer lost; a retry starts another: the next sweep
+                # removes this one.
+                self.left_behind = True
                 raise
         return upload
 

@@ -70,6 +70,9 @@ class ComposedUploads:
             self._store._upload_bytes(manifest, body, f"start upload of {key}", if_generation_match=0)
         except TransientBackendError as exc:
             if status_of(exc) != 412:
+                # It may have been written with every answer lost; a retry starts another: the next sweep
+                # removes this one.
+                self._store.left_behind = True
                 raise
         return upload
 
