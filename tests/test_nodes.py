@@ -231,6 +231,7 @@ async def test_a_record_written_while_the_earlier_runs_are_listed_is_not_taken_f
     b.stack.fs.release(log_fh)
 
 
+@pytest.mark.serial  # five closes within 0.5 s
 async def test_a_store_refusing_the_record_delays_a_close_at_most_announce_wait(
     tmp_path: Path, nursery: trio.Nursery, quick: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
