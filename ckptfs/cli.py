@@ -348,6 +348,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = client.canonical_mountpoint(args.mountpoint)
     client.unmount(mountpoint, timeout=timeout)  # NotDrainedError: exit 3 with the daemon's count
     print(f"ckptfs: {mountpoint} drained and unmounted")
+    if guard.is_guarded(mountpoint):
+        print(f"ckptfs: a read-only guard now covers {mountpoint}, so that a job still saving there gets EROFS"
+              f" instead of writing onto the disk below; while it is there, removing {mountpoint} (rm -rf of a"
+              f" directory above it) fails with EBUSY. `ckptfs unguard {mountpoint}` lifts it")
     return 0
 
 
@@ -439,15 +443,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"reads      {_human_bytes(reads['bytes_downloaded'])} downloaded in {reads['chunks_fetched']} chunks;"
               f" {reads['partial_files']} partial files ({_human_bytes(reads['partial_bytes'])});"
               f" {reads['readers_waiting']} reads waiting; {reads['checksum_failures']} checksum failures")
+    # What is on and what is off, one line each, with why (and how to get what is off)
     passthrough = status.get("passthrough")
     if passthrough:
         print(f"passthrough {passthrough['why']} ({passthrough['opens']} opens)")
     keep = status.get("keep_mount")
     if keep:
-        kept = (f"holder pid {keep['holder_pid']}" if keep.get("holder_pid") else
-                "systemd's descriptor store" if keep.get("systemd_keeps") else None)
-        took = f"; took the mount over ({keep['handles_taken_over']} open files)" if keep.get("took_over") else ""
-        print(f"keep mount {'kept by ' + kept if kept else 'off: the mount ends with this daemon'}{took}")
+        took = f" ({keep['handles_taken_over']} open files)" if keep.get("took_over") else ""
+        print(f"keep mount {keep['why']}{took}")
+    if status.get("guard"):
+        print(f"guard      {status['guard']['why']}")
     nodes = status.get("nodes")
     if nodes and nodes.get("cross_node_ordering"):
         unannounced = f"; records not written: {nodes['unannounced']}" if nodes.get("unannounced") else ""

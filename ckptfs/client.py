@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,8 +42,35 @@ SOCKET_WAIT_SECONDS = 10.0
 
 
 def runtime_dir() -> Path:
-    """Where control sockets live: $CKPTFS_RUNTIME_DIR, else /run/ckptfs."""
-    return Path(os.environ.get("CKPTFS_RUNTIME_DIR", "/run/ckptfs"))
+    """Where control sockets live: $CKPTFS_RUNTIME_DIR; else /run/ckptfs for root; for another user (who
+    cannot write /run) $XDG_RUNTIME_DIR/ckptfs, the per-user runtime dir of a login session, else
+    /tmp/ckptfs-<uid>, as tmux does (ensure_runtime_dir checks that one is the user's own)."""
+    configured = os.environ.get("CKPTFS_RUNTIME_DIR")
+    if configured:
+        return Path(configured)
+    uid = os.geteuid()
+    if uid == 0:
+        return Path("/run/ckptfs")
+    session = os.environ.get("XDG_RUNTIME_DIR")
+    if session and os.path.isabs(session):
+        return Path(session) / "ckptfs"
+    return Path(f"/tmp/ckptfs-{uid}")
+
+
+def ensure_runtime_dir(path: Path) -> None:
+    """Create the runtime dir `path` (0700) if missing. The /tmp fallback is refused if another user owns it
+    or can write into it: anyone could have made it first, to answer in a daemon's place."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.lstat()
+    except OSError as exc:
+        raise UsageError(f"cannot create the runtime dir {path} ({exc.strerror}); set CKPTFS_RUNTIME_DIR to a"
+                         " directory of yours") from None
+    shared_parent = path.parent == Path("/tmp")
+    if shared_parent and (info.st_uid != os.geteuid() or info.st_mode & 0o022 or not stat.S_ISDIR(info.st_mode)):
+        raise UsageError(f"the runtime dir {path} is not this user's own (owner uid {info.st_uid}, mode"
+                         f" {stat.S_IMODE(info.st_mode):o}); remove it, or set CKPTFS_RUNTIME_DIR to a directory"
+                         " of yours")
 
 
 def canonical_mountpoint(mountpoint: StrPath) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 import tomllib
 import urllib.parse
@@ -170,11 +171,22 @@ class Config:
         return self.cache_dir if self.cache_dir is not None else default_cache_dir(self.source)
 
 
+def default_cache_root() -> Path:
+    """/var/cache/ckptfs for root; for another user, who cannot write there, their own cache directory
+    ($XDG_CACHE_HOME/ckptfs, else ~/.cache/ckptfs)."""
+    if os.geteuid() == 0:
+        return DEFAULT_CACHE_ROOT
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "ckptfs"
+    return Path.home() / ".cache" / "ckptfs"
+
+
 def default_cache_dir(source: str) -> Path:
-    """A readable, collision-free directory name for a source URL."""
+    """A readable, collision-free directory name for a source URL, under default_cache_root()."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "-", source).strip("-")[:80]
     digest = hashlib.sha256(source.encode()).hexdigest()[:8]
-    return DEFAULT_CACHE_ROOT / f"{readable}-{digest}"
+    return default_cache_root() / f"{readable}-{digest}"
 
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -30,6 +30,7 @@ from ckptfs import ctl, guard, holder
 from ckptfs.backends import check_store, open_store
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
+from ckptfs.client import ensure_runtime_dir, runtime_dir
 from ckptfs.config import Config, parse_size
 from ckptfs.control import RETIRE_RECORDS_WAIT, ControlRequests, deadline_after
 from ckptfs.drain import Drain, FlushResult
@@ -205,10 +206,11 @@ class Daemon:
         self.fuse_ops: FuseOperations | None = None
         self.control = ControlRequests(self, self.drain, self.lister, self.pruner, cache_root=cache.root,
                                        node_id=self.node_id, records=self.records, peers=self.peers)
+        self.guarded, self.guard_why = guard.availability(config.guard_mountpoint)
         # The mount outliving this daemon (takeover.py): holder, systemd's store, the handles taken over.
         self.keeper = ConnectionKeeper(
             pyfuse3, self.fs, self.notifier, mountpoint=self.mountpoint, cache_root=cache.root,
-            keep_mount=config.keep_mount, guard_mountpoint=config.guard_mountpoint, handle_table=handle_table,
+            keep_mount=config.keep_mount, guard_mountpoint=self.guarded, handle_table=handle_table,
             held=held, restored=restored or [], restart_argv=restart_argv)
 
     def _in_use(self, inode_id: int) -> bool:
@@ -305,6 +307,7 @@ class Daemon:
                 if self.held is None:
                     self._probe_passthrough()  # the kernel answered INIT before that stat
                     await self.keeper.start_holder()
+                log.info("guard %s", self.guard_why)
                 read_ahead = parse_size(self.config.read_ahead)
                 if read_ahead:
                     set_read_ahead(device, read_ahead)
@@ -428,13 +431,13 @@ class Daemon:
         """Every statistic of the mount, read once (snapshot.py derives the status, metrics and STATUS=)."""
         keeper = self.keeper
         keep_mount = KeepMount(keeper.link.holder_pid if keeper.link is not None else None, keeper.systemd_keeps,
-                               self.held is not None, keeper.handles_taken_over)
+                               self.held is not None, keeper.handles_taken_over, keeper.why)
         return gather(
             journal=self.journal, drain=self.drain, engine=self.engine, fetcher=self.fetcher, evictor=self.evictor,
             cache=self.cache, fs=self.fs, faults=self.faults, node_id=self.node_id, records=self.records,
             peers=self.peers, source=self.store.url, mountpoint=str(self.mountpoint), started_at=self.started_at,
             shutting_down=self._stop_requested.is_set(), keep_mount=keep_mount,
-            passthrough_why=self.passthrough_why,
+            passthrough_why=self.passthrough_why, guard_why=self.guard_why,
             store_ops=self.store.op_stats if isinstance(self.store, InstrumentedStore) else None,
             fuse_ops=self.fuse_ops.op_stats if self.fuse_ops is not None else None,
         )
@@ -521,17 +524,19 @@ async def run(
     start this daemon again (keep_mount; None: no holder)."""
     return_freed_part_buffers()
     raise_open_file_limit()
+    ensure_runtime_dir(runtime_dir())  # the control socket's (and the holder's): a clear error before mounting
     store = InstrumentedStore(open_store(config.source, endpoint_url=config.endpoint_url))
     await trio.to_thread.run_sync(check_store, store)
     # Before anything touches the mountpoint: if a holder keeps its connection, a stat would wait for a
     # daemon, and this is the one. (A daemon that cannot start fails before it attaches: its holder counts
     # that, and gives up after a few.)
-    held, from_systemd = find_held_connection(config.mountpoint)
+    held, from_systemd = find_held_connection(config.mountpoint, pyfuse3)
     unguarded = held is None and check_mountpoint(config.mountpoint)
     try:
         return await _run_on(config, store, held, from_systemd, ready, restart_argv)
     except BaseException:
-        if unguarded and config.guard_mountpoint and guard.mounted_at(config.mountpoint) is None:
+        guarded, _ = guard.availability(config.guard_mountpoint)
+        if unguarded and guarded and guard.mounted_at(config.mountpoint) is None:
             guard.place(config.mountpoint)  # a start that failed before mounting: the guard goes back
         raise
 

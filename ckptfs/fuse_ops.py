@@ -199,8 +199,9 @@ def probe_passthrough(mode: str, probe_path: str) -> tuple[KernelBackingFiles | 
     if mode == "off":
         return None, "off: passthrough = off"
     if not passthrough_build():
-        return None, ("off: this pyfuse3 is the stock build, without passthrough support"
-                      " (scripts/install.sh builds one against libfuse >= 3.17)")
+        return None, ("off: this pyfuse3 is the stock build, without passthrough support (scripts/install.sh"
+                      " builds one against libfuse >= 3.17; elsewhere `pip install` the pyfuse3 wheel that"
+                      " scripts/build-wheels.sh makes: docs/INSTALL.md)")
     if not passthrough_granted():
         return None, ("off: the kernel did not grant FUSE passthrough (it needs Linux >= 6.9"
                       " with CONFIG_FUSE_PASSTHROUGH)")

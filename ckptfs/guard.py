@@ -141,6 +141,19 @@ def guarded_mountpoints(under: str | os.PathLike[str] = "/") -> list[Path]:
     return found
 
 
+def availability(configured: bool) -> tuple[bool, str]:
+    """Whether a daemon places the guard when its mount ends, and why (or why not), for its log and status."""
+    if not configured:
+        return False, f"off: guard_mountpoint = false; {_UNGUARDED}"
+    if os.geteuid() != 0:
+        return False, f"off: the daemon is not root, and the guard is a mount (it needs CAP_SYS_ADMIN); {_UNGUARDED}"
+    return True, ("on: when the mount ends, a read-only guard covers the bare mountpoint"
+                  " (`ckptfs unguard MOUNTPOINT` lifts it)")
+
+
+_UNGUARDED = "when the mount ends, writes into the bare mountpoint land on the disk below"
+
+
 def readme_text(mountpoint: Path) -> str:
     return f"""ckptfs does not serve this directory ({mountpoint}) right now.
 
@@ -149,6 +162,9 @@ the bare mountpoint after its mount ended, or that `ckptfs guard` placed before 
 Writing here fails with EROFS ("Read-only file system") on purpose: without the guard, a job that
 keeps saving checkpoints would write them onto the disk below the mountpoint, where they are never
 uploaded and are hidden by the next mount.
+
+While it is there, {mountpoint} is a mount point: `rm -rf` of a directory above it fails with
+EBUSY ("Device or resource busy"), and so does rmdir of {mountpoint} itself.
 
 To clear it:
   ckptfs mount SOURCE {mountpoint}   (or systemctl start ckptfs@NAME): replaces the guard by itself

@@ -39,6 +39,11 @@ class KeepMount:
     systemd_keeps: bool
     took_over: bool
     handles_taken_over: int
+    why: str  # "on: ..." or "off: ..." with what it takes to get it (takeover.ConnectionKeeper.why)
+
+    @property
+    def enabled(self) -> bool:
+        return self.why.startswith("on")
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class MountStats:
     nodes: NodesView
     passthrough_enabled: bool
     passthrough_why: str
+    guard_why: str  # "on: ..." or "off: ..." (guard.availability)
     passthrough_opens: int
     passthrough_files: int
     passthrough_refused: int
@@ -99,7 +105,7 @@ def gather(
     *, journal: Journal, drain: Drain, engine: Transfers, fetcher: Fetcher, evictor: Evictor, cache: CacheDir,
     fs: Filesystem, faults: Faults, node_id: str, records: NodeRecords | None, peers: PeerRecords | None,
     source: str, mountpoint: str, started_at: float, shutting_down: bool, keep_mount: KeepMount,
-    passthrough_why: str, store_ops: OpStats | None, fuse_ops: OpStats | None,
+    passthrough_why: str, guard_why: str, store_ops: OpStats | None, fuse_ops: OpStats | None,
 ) -> MountStats:
     if records is not None and peers is not None:
         nodes = NodesView(node_id, records.status(), records.announce_failures, peers.waiting_markers(),
@@ -113,7 +119,7 @@ def gather(
         moves_pending=len(journal.misplaced()), deletes_pending=len(journal.pending_deletes()),
         in_flight=drain.in_flight(), oldest_dirty_closed_at=journal.oldest_dirty_closed_at(),
         open_for_write=fs.open_writers(), nodes=nodes,
-        passthrough_enabled=fs.backing is not None, passthrough_why=passthrough_why,
+        passthrough_enabled=fs.backing is not None, passthrough_why=passthrough_why, guard_why=guard_why,
         passthrough_opens=fs.passthrough_opens, passthrough_files=fs.passthrough_files(),
         passthrough_refused=fs.passthrough_errors,
         cache_used=cache.used, cache_limit=cache.limit, cache_squeezed=cache.squeezed,
@@ -147,7 +153,10 @@ def status_json(stats: MountStats) -> dict[str, Any]:
             "systemd_keeps": stats.keep_mount.systemd_keeps,
             "took_over": stats.keep_mount.took_over,
             "handles_taken_over": stats.keep_mount.handles_taken_over,
+            "enabled": stats.keep_mount.enabled,
+            "why": stats.keep_mount.why,
         },
+        "guard": {"enabled": stats.guard_why.startswith("on"), "why": stats.guard_why},
         "states": {s: stats.states.get(s, {"files": 0, "bytes": 0}) for s in STATES},
         "queue": {
             "uploads": stats.uploads_pending,

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 # FUSE_NOTIFY_RESEND (Linux >= 6.9): the kernel queues again every request its daemon read and did not answer
 RESEND_NOTIFICATION = struct.pack("<IiQ", 16, 7, 0)  # struct fuse_out_header: len, notify code, unique 0
+_WITHOUT_KEEP_MOUNT = "a daemon that dies leaves the mount at 'Transport endpoint is not connected'"
 
 
 class Restart(Exception):  # not an error: how daemon.run() hands the connection to its caller
@@ -51,9 +52,35 @@ class FuseConnection(Protocol):
     def close(self, unmount: bool = ...) -> None: ...
 
 
-def find_held_connection(mountpoint: Path) -> tuple[holder.Held | None, bool]:
+# What a pyfuse3 needs to hand its FUSE connection on and to take one over: the project's additions
+# (scripts/pyfuse3-passthrough.patch). The stock pyfuse3 has none of them.
+KEEP_MOUNT_CALLS = ("fuse_fd", "init_request", "takeover")
+GET_PATCHED_PYFUSE3 = ("scripts/install.sh builds the patched pyfuse3; elsewhere `pip install` the pyfuse3 wheel"
+                       " that scripts/build-wheels.sh makes (docs/INSTALL.md)")
+
+
+def can_keep(connection: object) -> bool:
+    """Whether this pyfuse3 (`connection`) can hand its connection to a holder and take one over."""
+    return all(callable(getattr(connection, name, None)) for name in KEEP_MOUNT_CALLS)
+
+
+def find_held_connection(mountpoint: Path, connection: object) -> tuple[holder.Held | None, bool]:
     """The connection a daemon before left for this one to take over, if any, and whether it came from
-    systemd's store (which then still keeps it). Looked for before anything touches the mountpoint."""
+    systemd's store (which then still keeps it). Looked for before anything touches the mountpoint.
+    `connection`: the pyfuse3 module, which must be able to take a connection over if one is held."""
+    held, from_systemd = _find_held(mountpoint)
+    if held is not None and not can_keep(connection):
+        os.close(held.fd)
+        if held.link is not None:
+            held.link.handover()  # the holder waits for a daemon that can take it, instead of starting this one
+        raise CkptfsError(
+            f"the FUSE connection of {mountpoint} is kept for a daemon to take over, but this pyfuse3 is the stock"
+            f" build, which cannot take a connection over: {GET_PATCHED_PYFUSE3}; or run `ckptfs mount` from the"
+            " installation that mounted it")
+    return held, from_systemd
+
+
+def _find_held(mountpoint: Path) -> tuple[holder.Held | None, bool]:
     held = holder.inherited()  # from the daemon before in this process (`ckptfs restart`)
     from_systemd = False
     if held is None:
@@ -93,6 +120,20 @@ class ConnectionKeeper:
         self.handles_taken_over = 0
         # keep_mount under systemd: the unit's file descriptor store keeps the connection (no holder there)
         self.systemd_keeps = False
+        # Whether the mount outlives this daemon, and why (or why not): `ckptfs status` and the log say it.
+        self.why = "off: not started yet"
+        if not keep_mount:
+            self.why = f"off: keep_mount = false; {_WITHOUT_KEEP_MOUNT}"
+        elif not can_keep(connection):
+            self.why = (f"off: this pyfuse3 is the stock build, which cannot hand the FUSE connection on;"
+                        f" {_WITHOUT_KEEP_MOUNT}. To get it: {GET_PATCHED_PYFUSE3}")
+        elif restart_argv is None and held is None:
+            self.why = f"off: this daemon was not started by `ckptfs mount`; {_WITHOUT_KEEP_MOUNT}"
+
+    @property
+    def keeps(self) -> bool:
+        """Something besides this daemon keeps the connection (a holder or systemd's store)."""
+        return self.link is not None or self.systemd_keeps
 
     def kept_by_systemd(self, kept: bool) -> None:
         """The connection this daemon takes over came from systemd's store, which still keeps it."""
@@ -112,16 +153,19 @@ class ConnectionKeeper:
             log.warning("taking over the mount of %s: %s", self.mountpoint, resent)
         kept_by = (f"holder pid {self.link.holder_pid}" if self.link is not None
                    else "systemd" if self.notifier.enabled else "this process")
+        self.why = f"on: took the mount over from the daemon before (kept by {kept_by})"
         log.info("took over the FUSE connection of %s from the daemon before (kept by %s): %d open files (%d for"
                  " writing), %s", self.mountpoint, kept_by, restored, writers, resent)
 
     async def start_holder(self) -> None:
         """Hand a duplicate of the connection to a holder process, so that the mount outlives this daemon."""
-        if not self.keep_mount or self.restart_argv is None:
+        if not self.keep_mount or self.restart_argv is None or not can_keep(self.connection):
+            log.log(logging.WARNING if self.keep_mount else logging.INFO, "keep_mount %s", self.why)
             return
         init_request = self.connection.init_request()
         if init_request is None:
-            log.warning("keep_mount is off for this mount: pyfuse3 did not keep the kernel's INIT request")
+            self.why = f"off: pyfuse3 did not keep the kernel's INIT request; {_WITHOUT_KEEP_MOUNT}"
+            log.warning("keep_mount %s", self.why)
             return
         fuse_fd = self.connection.fuse_fd()
         if self.notifier.enabled:
@@ -134,8 +178,13 @@ class ConnectionKeeper:
             finally:
                 os.close(memfd)
             if self.systemd_keeps:
-                log.info("the mount outlives this daemon: systemd's file descriptor store keeps the FUSE"
-                         " connection for the daemon Restart= starts (the unit needs FileDescriptorStoreMax=2)")
+                self.why = ("on: systemd's file descriptor store keeps the FUSE connection for the daemon Restart="
+                            " starts")
+                log.info("keep_mount %s (the unit needs FileDescriptorStoreMax=2)", self.why)
+            else:
+                self.why = ("off: systemd's file descriptor store refused the FUSE connection (the unit needs"
+                            f" FileDescriptorStoreMax=2); {_WITHOUT_KEEP_MOUNT}")
+                log.warning("keep_mount %s", self.why)
             return
         argv = list(self.restart_argv)
         if "--cache-dir" not in argv:
@@ -144,10 +193,12 @@ class ConnectionKeeper:
             self.link = await trio.to_thread.run_sync(
                 lambda: holder.start(self.mountpoint, fuse_fd, init_request, argv=argv))
         except CkptfsError as exc:
-            log.warning("keep_mount is off for this mount: %s; a daemon that dies leaves the mount at"
-                        " 'Transport endpoint is not connected'", exc)
+            self.why = f"off: {exc}; {_WITHOUT_KEEP_MOUNT}"
+            log.warning("keep_mount %s", self.why)
             return
-        log.info("the mount outlives this daemon: holder pid %d keeps the FUSE connection", self.link.holder_pid)
+        self.why = (f"on: holder pid {self.link.holder_pid} keeps the FUSE connection; a daemon that dies is started"
+                    " again")
+        log.info("keep_mount %s", self.why)
 
     def let_go(self, *, unmounted: bool, journal_failed: bool, restarting: bool, exiting_now: bool) -> Restart | None:
         """The end of serving: unmount after a clean stop; leave the connection aborted when the journal

@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "guard": {"client", "errors"},
     "mountpoint": {"errors", "guard", "holder"},
     "takeover": {"errors", "fs", "guard", "handles", "holder", "mountpoint", "systemd"},
-    "daemon": {"backends", "cache", "config", "control", "ctl", "drain", "errors", "evict", "fetch", "fs",
+    "daemon": {"backends", "cache", "client", "config", "control", "ctl", "drain", "errors", "evict", "fetch", "fs",
                "fuse_ops", "guard", "handles", "holder", "journal", "lister", "metrics", "mountpoint", "nodes",
                "process", "pruner", "recovery", "snapshot", "systemd", "takeover", "transfer"},
     "cli": {"client", "config", "daemon", "errors", "takeover"},

@@ -3,6 +3,7 @@ the version of the schema a journal has, and the migrations that bring an older 
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -18,6 +19,9 @@ def create_tables(db: sqlite3.Connection) -> None:
     """The canonical schema, created in one transaction with the root directory.
     Every column says what it means, its sentinels and who sets it."""
     now = time.time_ns()
+    # The mount's root belongs to whoever runs the daemon: a user mounting their own FUSE filesystem (no
+    # root) can then create files in it, as the kernel checks the root's owner and mode for them.
+    uid, gid = os.getuid(), os.getgid()
     db.executescript(
         """
         BEGIN;
@@ -115,7 +119,7 @@ def create_tables(db: sqlite3.Connection) -> None:
         """
         f"""
         INSERT INTO inodes (id, parent, name, path, kind, mode, uid, gid, mtime_ns, ctime_ns, state, remote_key)
-            VALUES ({ROOT_ID}, NULL, NULL, '', 'dir', {0o40755}, 0, 0, {now}, {now}, 'clean', NULL);
+            VALUES ({ROOT_ID}, NULL, NULL, '', 'dir', {0o40755}, {uid}, {gid}, {now}, {now}, 'clean', NULL);
         PRAGMA user_version = {SCHEMA_VERSION};
         COMMIT;
         """
