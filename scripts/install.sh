@@ -76,6 +76,29 @@ fi
 .venv/bin/python -c "import ckptfs, pyfuse3, trio" || { echo "error: install failed" >&2; exit 1; }
 if [ "${deps_ok:-1}" = 1 ]; then echo "$deps_line" >"$deps_stamp"; fi
 
+# The tests' second venv, .venv-stock: the same packages but the stock pyfuse3 of PyPI (built on the system
+# libfuse 3.14: no passthrough, no keep_mount), where scripts/test.sh runs the core mount tests again, so that
+# a plain `pip install` keeps working. uv installs it from its cache in seconds; pip is the fallback.
+if [[ ",$extras," == *",test,"* ]]; then
+  stock=.venv-stock
+  if [ "$(cat "$stock/.ckptfs-deps" 2>/dev/null)" != "$deps_line" ] || [ ! -x "$stock/bin/python" ]; then
+    rm -rf "$stock"
+    "$python" -m venv "$stock"
+    stock_ok=0
+    if [ -x .venv/bin/uv ] && uv_lines=$(.venv/bin/python scripts/uv-options.py); then
+      mapfile -t uv_options < <(printf "%s" "$uv_lines")
+      .venv/bin/uv pip install -q --python "$stock/bin/python" --index-strategy unsafe-best-match \
+        "${uv_options[@]}" -e "$spec" "pyfuse3==3.5.0" && stock_ok=1
+    fi
+    if [ "$stock_ok" = 0 ]; then
+      "$stock/bin/pip" install -q -e "$spec" "pyfuse3==3.5.0" > >(grep -v "^WARNING: Location" || true) 2>&1
+    fi
+    "$stock/bin/python" -c 'import pyfuse3, sys; sys.exit(getattr(pyfuse3, "PASSTHROUGH_BUILD", False))' ||
+      { echo "error: $stock holds the patched pyfuse3, not PyPI's" >&2; exit 1; }
+    echo "$deps_line" >"$stock/.ckptfs-deps"
+  fi
+fi
+
 if [ -n "$npm_pid" ] && ! wait "$npm_pid"; then
   cat .azurite/npm.log >&2
   echo "error: npm could not install Azurite" >&2

@@ -11,3 +11,9 @@ echo "== mypy"; mypy
 # A daemon the tests start imports ckptfs anew each time: let it compile the modules once, not each time.
 unset PYTHONDONTWRITEBYTECODE
 echo "== pytest"; pytest -q -p no:cacheprovider -n "${CKPTFS_TEST_WORKERS:-4}" --dist worksteal "$@"
+# The core mount tests again with the stock pyfuse3 of PyPI (.venv-stock, made by install.sh): what a plain
+# `pip install` gets must mount. Only for the whole suite: arguments pick tests of the first pass.
+if [ $# -eq 0 ]; then
+  echo "== pytest, stock pyfuse3 (.venv-stock)"
+  .venv-stock/bin/pytest -q -p no:cacheprovider -m core -n "${CKPTFS_TEST_WORKERS:-4}" --dist worksteal
+fi

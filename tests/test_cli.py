@@ -112,6 +112,7 @@ def test_status_flush_umount_without_daemon(dirs: dict[str, Path]) -> None:
         _one_line_error(ckptfs_cli(*args, env=env), "no ckptfs daemon is serving")
 
 
+@pytest.mark.core
 def test_daemon_mode_status_flush_umount(dirs: dict[str, Path]) -> None:
     import os
 
@@ -139,6 +140,10 @@ def test_daemon_mode_status_flush_umount(dirs: dict[str, Path]) -> None:
         umount = ckptfs_cli("umount", str(dirs["mnt"]), env=env)
     assert umount.returncode == 0, umount.stderr
     assert guard.is_guarded(dirs["mnt"])  # unmounted, and the bare directory guarded
+    # ... and umount's last line says so: why, what it does to an rm -rf, and how to lift it
+    last = umount.stdout.strip().splitlines()[-1]
+    assert "read-only guard now covers" in last and "EBUSY" in last and f"ckptfs unguard {dirs['mnt']}" in last
+    assert "EBUSY" in (dirs["mnt"] / guard.README).read_text()
 
 
 def test_umount_returns_once_the_daemon_let_go_of_its_cache_dir_and_metrics_port(dirs: dict[str, Path]) -> None:
@@ -181,6 +186,7 @@ def test_flush_timeout_exit_code(mount: Mount) -> None:
     mount.flush()
 
 
+@pytest.mark.core
 def test_sigterm_drains_then_unmounts(mount_factory) -> None:  # type: ignore[no-untyped-def]
     import signal
 

@@ -45,6 +45,7 @@ def assert_same_state(actual: dict[str, torch.Tensor], expected: dict[str, torch
         assert torch.equal(actual[name], tensor), name
 
 
+@pytest.mark.core
 def test_torch_save_load_transformer(mount: Mount) -> None:
     model = small_transformer()
     state = model.state_dict()
@@ -214,6 +215,7 @@ def atomic_save(obj: object, final: Path, tmp: Path) -> None:
 
 
 @pytest.mark.parametrize("tmp_naming", ["fixed", "unique"])
+@pytest.mark.core
 def test_write_temp_then_rename_saver(mount: Mount, tmp_naming: str) -> None:
     final = mount.mnt / "model.pt"
     models = [small_transformer(seed=i).state_dict() for i in range(3)]

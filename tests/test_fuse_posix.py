@@ -481,6 +481,7 @@ def test_unlink_before_upload(mount_factory) -> None:  # type: ignore[no-untyped
 # -- rename --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.core
 def test_rename_replaces_existing_file(mount: Mount) -> None:
     old, new = mount.mnt / "a.bin", mount.mnt / "b.bin"
     old.write_bytes(b"new content")
@@ -520,6 +521,7 @@ def test_rename_open_file(mount: Mount) -> None:
     assert mount.store_files() == {"done": b"first half second half"}
 
 
+@pytest.mark.core
 def test_rename_directory_with_contents(mount: Mount) -> None:
     src = mount.mnt / "ckpt-tmp"
     (src / "sub").mkdir(parents=True)
@@ -616,6 +618,7 @@ def test_rename_chain_and_back(mount: Mount) -> None:
     assert (mount.mnt / "z").read_bytes() == b"x"
 
 
+@pytest.mark.core
 def test_renameat2_flags(mount: Mount) -> None:
     a, b, c = mount.mnt / "a", mount.mnt / "b", mount.mnt / "c"
     a.write_bytes(b"A")

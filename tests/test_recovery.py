@@ -11,6 +11,7 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
 from conftest import Mount
 
 
@@ -29,6 +30,7 @@ def _assert_no_torn_objects(m: Mount, written: dict[str, bytes], history: dict[s
         assert data in history[key], f"store object {key} ({len(data)} bytes) is not a complete written version"
 
 
+@pytest.mark.core
 def test_kill9_at_random_moments_loses_nothing(mount_factory) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(42)
     m: Mount = mount_factory(upload_delay=0.02)
@@ -69,6 +71,7 @@ def test_kill9_at_random_moments_loses_nothing(mount_factory) -> None:  # type: 
     assert not [p for p in m.store.rglob("*") if ".ckptfs-tmp." in str(p) and not p.is_dir()]
 
 
+@pytest.mark.core
 def test_kill9_during_large_upload_then_resume(mount_factory) -> None:  # type: ignore[no-untyped-def]
     m: Mount = mount_factory(upload_delay=0)
     data = os.urandom(1 << 20) * 300  # 300 MiB: the upload takes long enough to interrupt
@@ -111,6 +114,7 @@ def test_kill9_while_a_file_being_written_is_uploaded_then_resume(mount_factory)
     assert "uploaded big.pt (41943040 bytes, started while it was written)" in m.log.read_text()
 
 
+@pytest.mark.core
 def test_restart_after_clean_umount_keeps_everything(mount_factory) -> None:  # type: ignore[no-untyped-def]
     m: Mount = mount_factory()
     (m.mnt / "d").mkdir()
@@ -123,6 +127,7 @@ def test_restart_after_clean_umount_keeps_everything(mount_factory) -> None:  # 
     assert m.status()["states"]["clean"]["files"] == 1
 
 
+@pytest.mark.core
 def test_fresh_node_sees_and_reads_existing_store(mount_factory) -> None:  # type: ignore[no-untyped-def]
     writer: Mount = mount_factory("writer")
     (writer.mnt / "step_1").mkdir()
