@@ -153,7 +153,10 @@ class ConnectionKeeper:
             log.warning("taking over the mount of %s: %s", self.mountpoint, resent)
         kept_by = (f"holder pid {self.link.holder_pid}" if self.link is not None
                    else "systemd" if self.notifier.enabled else "this process")
-        self.why = f"on: took the mount over from the daemon before (kept by {kept_by})"
+        if self.keeps:
+            self.why = f"on: took the mount over from the daemon before (kept by {kept_by})"
+        elif self.keep_mount:
+            self.why = f"off: nothing but this daemon keeps the connection it took over; {_WITHOUT_KEEP_MOUNT}"
         log.info("took over the FUSE connection of %s from the daemon before (kept by %s): %d open files (%d for"
                  " writing), %s", self.mountpoint, kept_by, restored, writers, resent)
 

@@ -282,8 +282,10 @@ def test_restart_of_a_mount_without_holder(mount_factory) -> None:  # type: igno
         f.write("2")
     m.flush()
     assert m.store_files() == {"a.txt": b"12"}
-    assert m.status()["keep_mount"] == {"holder_pid": None, "systemd_keeps": False, "took_over": True,
-                                        "handles_taken_over": 1}
+    keep = m.status()["keep_mount"]
+    assert keep.pop("why").startswith("off: keep_mount = false")
+    assert keep == {"holder_pid": None, "systemd_keeps": False, "took_over": True, "handles_taken_over": 1,
+                    "enabled": False}
 
 
 def test_a_runtime_dir_as_long_as_the_control_socket_allows(mount_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
