@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the mount outlives the daemon: a holder process keeps the FUSE connection and starts"
                             " a daemon that died again, which takes it over (the default; --no-keep-mount: a dead"
                             " daemon leaves the mount at 'Transport endpoint is not connected')")
+    mount.add_argument("--keep-mount-on-stop", action=argparse.BooleanOptionalAction, default=None,
+                       help="on SIGTERM, when the node's holder service (`ckptfs holder`) keeps the connection, leave"
+                            " the mount to it for the next daemon instead of draining and unmounting (Kubernetes)")
     mount.add_argument("--guard-mountpoint", action=argparse.BooleanOptionalAction, default=None,
                        help="after a clean unmount, guard the bare mountpoint so that writes into it fail with EROFS"
                             " (the default; --no-guard-mountpoint: leave the bare directory writable)")
@@ -110,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=what)
         command.add_argument("mountpoint", type=Path, nargs="?")
         command.add_argument("--config", type=Path, help="take the mountpoint (and guard_mountpoint) from this file")
+
+    sub.add_parser("holder", help="serve as this node's holder service: keep the FUSE connections that daemons hand"
+                   " in, so that a mount outlives its daemon's pod (Kubernetes: its own DaemonSet); in the"
+                   " foreground until SIGTERM")
 
     status = sub.add_parser("status", help="files and bytes per state, queue, oldest dirty age, last error")
     status.add_argument("mountpoint", type=Path)
@@ -159,6 +166,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "passthrough": args.passthrough,
         "cross_node_ordering": args.cross_node_ordering,
         "keep_mount": args.keep_mount,
+        "keep_mount_on_stop": args.keep_mount_on_stop,
         "guard_mountpoint": args.guard_mountpoint,
         "endpoint_url": args.endpoint_url,
         "transfers": args.transfers,
@@ -515,7 +523,17 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_holder(args: argparse.Namespace) -> int:
+    from ckptfs import holder
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    client.ensure_runtime_dir(client.runtime_dir())
+    return holder.serve_node()
+
+
 COMMANDS = {
+    "holder": cmd_holder,
     "mount": cmd_mount, "umount": cmd_umount, "restart": cmd_restart,
     "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
     "prune": cmd_prune, "nodes": cmd_nodes, "guard": cmd_guard, "unguard": cmd_unguard,

@@ -131,6 +131,13 @@ class Config:
     """The mount outlives the daemon (holder.py): a holder process keeps the FUSE connection, and a daemon
     that dies is started again and takes it over; the job's requests wait instead of failing."""
 
+    keep_mount_on_stop: bool = False
+    """On SIGTERM, when the node's holder service keeps the FUSE connection (`ckptfs holder`, Kubernetes),
+    stop serving and leave the mount to it instead of draining and unmounting: the next daemon (the
+    DaemonSet's next pod) takes it over, and the job's requests wait meanwhile. Flush before (a preStop
+    hook): what was not uploaded stays journaled in the cache dir for the next daemon. Without a holder
+    service SIGTERM drains and unmounts as always."""
+
     guard_mountpoint: bool = True
     """After a clean unmount, mount a read-only guard (a tiny tmpfs, guard.py) over the mountpoint, so that a
     job that keeps saving gets EROFS instead of writing onto the disk below, never uploaded. `ckptfs mount`
@@ -253,7 +260,8 @@ def _coerce(name: str, value: Any) -> Any:
         if mode not in ("auto", "off"):
             raise UsageError(f"passthrough must be auto or off, not {value!r}")
         return mode
-    if name in ("allow_other", "daemon", "cross_node_ordering", "keep_mount", "guard_mountpoint", "gateway"):
+    if name in ("allow_other", "daemon", "cross_node_ordering", "keep_mount", "keep_mount_on_stop", "guard_mountpoint",
+                "gateway"):
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be true or false")
         return value

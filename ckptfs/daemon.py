@@ -140,6 +140,7 @@ class Daemon:
         self.recovered = RecoveryReport()  # what recovery changed (set by run() below)
         self._exiting_now = False  # a second signal: unmount without draining (not a failure to recover from)
         self._restarting = False  # `ckptfs restart`: hand the connection to a new daemon instead of unmounting
+        self._leaving = False  # SIGTERM with keep_mount_on_stop: leave the connection to the holder service
         self.restart: Restart | None = None  # set once handed over
         self.metrics = metrics
         self.engine = engine
@@ -323,8 +324,10 @@ class Daemon:
                     nursery.start_soon(self._supervised, "retention", functools.partial(
                         self.pruner.run, self.config.keep_last, self.config.keep))
                 nursery.start_soon(self._watch_signals, nursery)
+                if self.keeper.kept_by_service:
+                    nursery.start_soon(self._supervised, "holder service watch", self.keeper.watch_service)
                 await self._stop_requested.wait()
-                if self._restarting:
+                if self._restarting or self._leaving:
                     await self._stop_serving()
                 else:
                     await self._shutdown()
@@ -342,8 +345,13 @@ class Daemon:
             raise CkptfsError(f"the journal {self.journal.path} cannot be used any more: {_innermost(exc)}; fix"
                               " the cache filesystem, then mount again (the mount is left aborted)") from None
         finally:
-            self.restart = self.keeper.let_go(unmounted=unmounted, journal_failed=journal_failed,
-                                              restarting=self._restarting, exiting_now=self._exiting_now)
+            if self._leaving and not journal_failed:
+                self.keeper.leave_to_holder()
+            else:
+                self.restart = self.keeper.let_go(unmounted=unmounted, journal_failed=journal_failed,
+                                                  restarting=self._restarting, exiting_now=self._exiting_now)
+        if self._leaving:
+            return 0
         if not unmounted or self.result is None or not self.result.ok:
             return EXIT_NOT_DRAINED
         return 0
@@ -407,7 +415,14 @@ class Daemon:
     async def _watch_signals(self, nursery: trio.Nursery) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                if not self._stop_requested.is_set():
+                if not self._stop_requested.is_set() and self.config.keep_mount_on_stop and self.keeper.kept_by_service:
+                    log.info("%s: leaving the mount of %s to the node's holder service for the next daemon (what is"
+                             " not uploaded stays journaled in %s)", signal.Signals(signum).name, self.mountpoint,
+                             self.cache.root)
+                    self._leaving = True
+                    self.notifier.notify(stopping=1, status="leaving the mount to the holder service")
+                    self._stop_requested.set()
+                elif not self._stop_requested.is_set():
                     log.info(
                         "%s: draining for up to %ss, then unmounting", signal.Signals(signum).name,
                         self.config.drain_timeout,
@@ -481,9 +496,10 @@ class Daemon:
         """`ckptfs restart`: stop reading requests, let the ones being served finish (for a while), answer
         the control clients; the connection, the open handles and the journal stay as they are for the new
         daemon (uploads cut short resume there)."""
-        log.info("restarting: the FUSE connection of %s goes to a new daemon started from the code installed"
-                 " now", self.mountpoint)
-        self.notifier.notify(status="restarting: handing the mount to a new daemon")
+        if self._restarting:
+            log.info("restarting: the FUSE connection of %s goes to a new daemon started from the code installed"
+                     " now", self.mountpoint)
+            self.notifier.notify(status="restarting: handing the mount to a new daemon")
         pyfuse3.terminate()
         with trio.move_on_after(RESTART_REQUESTS_WAIT):
             await self._fuse_done.wait()

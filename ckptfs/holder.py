@@ -18,9 +18,17 @@ instead of landing on the bare mountpoint), "handover" when a daemon gives the c
 MAX_QUICK_DEATHS in a row that die soon after taking over) make the holder give up: it closes the
 descriptor, which aborts the connection as a daemon's death did before there was a holder.
 
+On Kubernetes the holder must outlive the daemon's pod, so it cannot be the daemon's child: `ckptfs holder`
+runs as the node's holder service (its own DaemonSet, rarely replaced, holding no store credentials) and
+listens on RUNTIME_DIR/holder.sock, a hostPath directory the daemon's pod shares. A daemon that finds it
+hands its connection in there instead of starting a holder of its own (`hand_to_service`); the service
+starts the mount's holder as its child, which never starts a daemon (the DaemonSet does) but waits for the
+next one to attach, however long that takes. A daemon whose service went away (the holder's pod replaced)
+hands its connection in again once a new one listens (docs/design/keep-mount.md).
+
 This module is both sides: `start` and `attach` run in the daemon (plain blocking sockets), `main` is the
-holder. The holder imports nothing of the daemon: it must stay small and must not break when the daemon's
-code is replaced under it.
+holder and `serve_node` the node's holder service. The holder imports nothing of the daemon: it must stay
+small and must not break when the daemon's code is replaced under it.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptfs.client import socket_path
+from ckptfs.client import runtime_dir, socket_path
 from ckptfs.errors import CkptfsError
 
 log = logging.getLogger("ckptfs.holder")  # also when run as __main__
@@ -68,9 +76,31 @@ def holder_path(mountpoint: str | Path) -> Path:
 class Link:
     """A daemon's attachment to the holder of its connection."""
 
-    def __init__(self, sock: socket.socket, holder_pid: int) -> None:
+    def __init__(self, sock: socket.socket, holder_pid: int, *, service: bool = False) -> None:
         self._sock: socket.socket | None = sock
         self.holder_pid = holder_pid
+        self.service = service  # the holder belongs to the node's holder service: it starts no daemon
+
+    def fileno(self) -> int:
+        """The link's socket (readable once the holder is gone: it never sends anything), -1 once closed."""
+        return self._sock.fileno() if self._sock is not None else -1
+
+    def broken(self) -> bool:
+        """The holder closed its end (it died, or its service stopped)."""
+        if self._sock is None:
+            return True
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        """Close a link whose holder is gone (no goodbye to say)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def _say(self, op: str) -> None:
         if self._sock is None:
@@ -150,7 +180,8 @@ def attach(mountpoint: str | Path) -> Held | None:
         sock.close()
         raise CkptfsError(str(reply.get("error", "the holder refused to hand over the connection")))
     sock.settimeout(None)
-    return Held(fds[0], base64.b64decode(reply["init"]), Link(sock, int(reply["holder_pid"])))
+    link = Link(sock, int(reply["holder_pid"]), service=bool(reply.get("service", False)))
+    return Held(fds[0], base64.b64decode(reply["init"]), link)
 
 
 def attach_link(mountpoint: str | Path) -> Link | None:
@@ -215,9 +246,18 @@ def start(mountpoint: Path, fd: int, init_request: bytes, *, argv: list[str]) ->
         "mountpoint": str(mountpoint), "fd": fd, "init": base64.b64encode(init_request).decode(),
         "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ),
     }
+    _spawn(config, fd, own_session=True)
+    link = attach_link(mountpoint)  # (ours is the descriptor we mounted with)
+    if link is None:
+        raise CkptfsError(f"the holder of the FUSE connection started but {holder_path(mountpoint)} is missing")
+    return link
+
+
+def _spawn(config: dict[str, Any], fd: int, *, own_session: bool) -> subprocess.Popen[bytes]:
+    """Start a holder process for the connection `fd` described by `config`; return once it listens."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckptfs.holder"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        pass_fds=(fd,), start_new_session=True, close_fds=True,
+        pass_fds=(fd,), start_new_session=own_session, close_fds=True,
     )
     assert proc.stdin is not None and proc.stdout is not None
     try:
@@ -231,10 +271,137 @@ def start(mountpoint: Path, fd: int, init_request: bytes, *, argv: list[str]) ->
     if ready != b"ready":
         proc.wait()
         raise CkptfsError(f"the holder of the FUSE connection did not start (exit {proc.returncode})")
-    link = attach_link(mountpoint)  # (ours is the descriptor we mounted with)
+    return proc
+
+
+# -- the node's holder service (`ckptfs holder`, Kubernetes) ---------------------------------------------
+
+SERVICE_SOCKET = "holder.sock"
+
+
+def service_path() -> Path:
+    """Where the node's holder service listens: in the runtime dir, which the daemon's pod shares."""
+    return runtime_dir() / SERVICE_SOCKET
+
+
+def hand_to_service(mountpoint: Path, fd: int, init_request: bytes) -> Link | None:
+    """Hand the connection `fd` to the node's holder service and attach to the holder it starts for it.
+    None if no service listens; CkptfsError if one does and refuses."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(ATTACH_TIMEOUT)
+    try:
+        try:
+            sock.connect(str(service_path()))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return None
+        request = {"op": "hold", "mountpoint": str(mountpoint), "init": base64.b64encode(init_request).decode()}
+        sock.sendmsg([json.dumps(request).encode() + b"\n"],
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        data, fds = _recv_line(sock)
+        for extra in fds:
+            os.close(extra)
+        reply: dict[str, Any] = json.loads(data) if data else {"ok": False, "error": "no answer"}
+    except (OSError, ValueError) as exc:
+        raise CkptfsError(f"the holder service at {service_path()} does not answer: {exc}") from None
+    finally:
+        sock.close()
+    if not reply.get("ok"):
+        raise CkptfsError(f"the holder service at {service_path()} refused the connection: {reply.get('error')}")
+    link = attach_link(mountpoint)
     if link is None:
-        raise CkptfsError(f"the holder of the FUSE connection started but {holder_path(mountpoint)} is missing")
+        raise CkptfsError(f"the holder service took the connection but {holder_path(mountpoint)} is missing")
     return link
+
+
+class _Service:
+    """The node's holder service: one holder process (a child) per connection handed in."""
+
+    def __init__(self) -> None:
+        self.path = service_path()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.holders: dict[str, subprocess.Popen[bytes]] = {}  # mountpoint -> its holder
+        self.stopping = False
+
+    def bind(self) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self.listener.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        self.listener.listen(16)
+
+    def run(self) -> int:
+        log.info("holder service: listening on %s", self.path)
+        while not self.stopping:
+            with contextlib.suppress(InterruptedError):
+                readable, _, _ = select.select([self.listener], [], [], 1.0)
+                if readable:
+                    self._accept()
+            self._reap()
+        log.info("holder service: stopping; %d holders end with it (a daemon still serving keeps its mount and"
+                 " hands it to the next service)", len(self.holders))
+        for proc in self.holders.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        for proc in self.holders.values():
+            proc.wait()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        return 0
+
+    def stop(self, signum: int, _frame: object) -> None:
+        self.stopping = True
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        conn.settimeout(5)
+        fds: list[int] = []
+        reply: dict[str, Any]
+        try:
+            pid, uid, _gid = PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+            data, fds = _recv_line(conn)
+            if not data:
+                return
+            request = json.loads(data)
+            if uid not in (0, os.getuid()):
+                raise PermissionError(f"uid {uid} may not hand a connection to this service")
+            if request.get("op") != "hold" or len(fds) != 1:
+                raise ValueError(f"unknown request {request.get('op')!r} with {len(fds)} descriptors")
+            mountpoint = str(request["mountpoint"])
+            before = self.holders.pop(mountpoint, None)
+            if before is not None and before.poll() is None:
+                before.terminate()  # the daemon handed its connection in again: this one is the newer
+                before.wait()
+            config = {"mountpoint": mountpoint, "fd": fds[0], "init": str(request["init"]), "argv": None,
+                      "cwd": "/", "env": dict(os.environ)}
+            self.holders[mountpoint] = _spawn(config, fds[0], own_session=False)
+            log.info("holder service: holding the FUSE connection of %s for daemon pid %d (holder pid %d)",
+                     mountpoint, pid, self.holders[mountpoint].pid)
+            reply = {"ok": True, "holder_pid": self.holders[mountpoint].pid}
+        except (OSError, ValueError, KeyError, CkptfsError) as exc:
+            log.warning("holder service: refused a request: %s", exc)
+            reply = {"ok": False, "error": str(exc)}
+        finally:
+            for fd in fds:
+                os.close(fd)  # the holder has its own duplicate
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps(reply).encode() + b"\n")
+        conn.close()
+
+    def _reap(self) -> None:
+        for mountpoint, proc in list(self.holders.items()):
+            if proc.poll() is not None:
+                log.info("holder service: the holder of %s exited (status %d)", mountpoint, proc.returncode)
+                del self.holders[mountpoint]
+
+
+def serve_node() -> int:
+    """`ckptfs holder`: serve as this node's holder service until SIGTERM or SIGINT."""
+    service = _Service()
+    signal.signal(signal.SIGTERM, service.stop)
+    signal.signal(signal.SIGINT, service.stop)
+    service.bind()
+    return service.run()
 
 
 # -- the holder process -----------------------------------------------------------------------------------
@@ -250,7 +417,8 @@ class _Holder:
         self.mountpoint = str(config["mountpoint"])
         self.fd: int = int(config["fd"])
         self.init = str(config["init"])
-        self.argv = _daemon_argv(list(config["argv"]))
+        # None: held for the node's holder service, which starts no daemon (Kubernetes starts the next one)
+        self.argv = _daemon_argv(list(config["argv"])) if config["argv"] is not None else None
         self.cwd = str(config["cwd"])
         self.env = dict(config["env"])
         self.path = holder_path(self.mountpoint)
@@ -308,7 +476,8 @@ class _Holder:
                                          f" {self.mountpoint})"}).encode() + b"\n")
                 conn.close()
                 return
-            reply = json.dumps({"ok": True, "init": self.init, "holder_pid": os.getpid()}).encode() + b"\n"
+            reply = json.dumps({"ok": True, "init": self.init, "holder_pid": os.getpid(),
+                                "service": self.argv is None}).encode() + b"\n"
             conn.sendmsg([reply], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.fd]))])
         except (OSError, ValueError) as exc:
             log.warning("holder of %s: refused a request: %s", self.mountpoint, exc)
@@ -343,7 +512,12 @@ class _Holder:
             return 0
         if op == "handover":
             log.info("holder of %s: daemon pid %d hands the connection over", self.mountpoint, self.attached_pid)
-            self.restart_at = time.monotonic() + HANDOVER_WAIT
+            if self.argv is not None:
+                self.restart_at = time.monotonic() + HANDOVER_WAIT
+            return None
+        if self.argv is None:
+            log.warning("holder of %s: daemon pid %d went away; the mount stays and its requests wait for the next"
+                        " daemon to take it over", self.mountpoint, self.attached_pid)
             return None
         if time.monotonic() - self.attached_at < STABLE_AFTER:
             self.quick_deaths += 1
@@ -376,6 +550,7 @@ class _Holder:
 
     def _start_daemon(self) -> bool:
         """Start a daemon that takes the connection over. False when too many failed: given up."""
+        assert self.argv is not None
         if self.start_failures >= MAX_START_FAILURES:
             self._give_up(f"{self.start_failures} daemons in a row exited before serving")
             return False

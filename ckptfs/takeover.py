@@ -10,6 +10,7 @@ module gets the few session calls it needs as a `FuseConnection` (the pyfuse3 mo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -135,6 +136,15 @@ class ConnectionKeeper:
         """Something besides this daemon keeps the connection (a holder or systemd's store)."""
         return self.link is not None or self.systemd_keeps
 
+    @property
+    def kept_by_service(self) -> bool:
+        """The node's holder service keeps the connection (Kubernetes): it waits for the next daemon."""
+        return self.link is not None and self.link.service
+
+    def _init_request(self) -> bytes | None:
+        """The kernel's INIT request of this connection (replayed by whoever takes it over next)."""
+        return self.held.init_request if self.held is not None else self.connection.init_request()
+
     def kept_by_systemd(self, kept: bool) -> None:
         """The connection this daemon takes over came from systemd's store, which still keeps it."""
         self.systemd_keeps = kept and self.notifier.enabled
@@ -161,8 +171,10 @@ class ConnectionKeeper:
                  " writing), %s", self.mountpoint, kept_by, restored, writers, resent)
 
     async def start_holder(self) -> None:
-        """Hand a duplicate of the connection to a holder process, so that the mount outlives this daemon."""
-        if not self.keep_mount or self.restart_argv is None or not can_keep(self.connection):
+        """Hand a duplicate of the connection to a holder process, so that the mount outlives this daemon:
+        systemd's store under systemd, else the node's holder service if one listens (Kubernetes), else a
+        holder of this daemon's own."""
+        if not self.keep_mount or not can_keep(self.connection):
             log.log(logging.WARNING if self.keep_mount else logging.INFO, "keep_mount %s", self.why)
             return
         init_request = self.connection.init_request()
@@ -189,6 +201,16 @@ class ConnectionKeeper:
                             f" FileDescriptorStoreMax=2); {_WITHOUT_KEEP_MOUNT}")
                 log.warning("keep_mount %s", self.why)
             return
+        try:
+            if await self._hand_to_service(fuse_fd, init_request):
+                return
+        except CkptfsError as exc:
+            log.warning("the node's holder service did not take the connection (%s); starting a holder of this"
+                        " daemon's own", exc)
+        if self.restart_argv is None:
+            self.why = f"off: this daemon was not started by `ckptfs mount`; {_WITHOUT_KEEP_MOUNT}"
+            log.warning("keep_mount %s", self.why)
+            return
         argv = list(self.restart_argv)
         if "--cache-dir" not in argv:
             argv += ["--cache-dir", str(self.cache_root)]
@@ -202,6 +224,51 @@ class ConnectionKeeper:
         self.why = (f"on: holder pid {self.link.holder_pid} keeps the FUSE connection; a daemon that dies is started"
                     " again")
         log.info("keep_mount %s", self.why)
+
+    async def _hand_to_service(self, fuse_fd: int, init_request: bytes) -> bool:
+        """Hand the connection to the node's holder service; False if none listens."""
+        link = await trio.to_thread.run_sync(
+            lambda: holder.hand_to_service(self.mountpoint, fuse_fd, init_request))
+        if link is None:
+            return False
+        self.link = link
+        self.why = (f"on: the node's holder service keeps the FUSE connection (holder pid {link.holder_pid}); the"
+                    " next daemon takes it over")
+        log.info("keep_mount %s", self.why)
+        return True
+
+    async def watch_service(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """While the node's holder service keeps the connection: when its holder goes (the service's pod
+        replaced), hand the connection in again as soon as a service listens, so that the mount outlives
+        this daemon again."""
+        task_status.started()
+        while True:
+            link = self.link
+            if link is None or not link.service:
+                return
+            await trio.lowlevel.wait_readable(link.fileno())
+            if not link.broken():
+                await trio.sleep(1)  # the holder said something unexpected: look again later
+                continue
+            link.close()
+            self.link = None
+            self.why = ("off: the node's holder service went away; until one listens again a daemon that dies"
+                        " leaves the mount at 'Transport endpoint is not connected'")
+            log.warning("keep_mount %s", self.why)
+            init_request = self._init_request()
+            while self.link is None and init_request is not None:
+                await trio.sleep(1)
+                with contextlib.suppress(CkptfsError):
+                    await self._hand_to_service(self.connection.fuse_fd(), init_request)
+
+    def leave_to_holder(self) -> None:
+        """Stop serving and leave the connection to the holder service's holder, for the next daemon (a
+        Kubernetes rollout): the mount, its open files and the requests not yet answered stay."""
+        self.connection.close(unmount=False)
+        self.fs.backing = None
+        if self.link is not None:
+            self.link.handover()
+            self.link = None
 
     def let_go(self, *, unmounted: bool, journal_failed: bool, restarting: bool, exiting_now: bool) -> Restart | None:
         """The end of serving: unmount after a clean stop; leave the connection aborted when the journal
