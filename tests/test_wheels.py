@@ -24,13 +24,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PREFIX = Path("/opt/ckptfs-fuse")
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0
-    or not getattr(pyfuse3, "PASSTHROUGH_BUILD", False)
-    or not (PREFIX / "lib" / "libfuse3.so.4").exists(),
-    reason="no patched pyfuse3 to pack on this machine: scripts/build-fuse.sh needs root, and fell back to the "
-    "stock pyfuse3 (see its warning and .build/build-fuse.log)",
-)
+
+def _why_no_wheel() -> str | None:
+    """Why the pyfuse3 wheel cannot be made on this machine (None: it can)."""
+    if os.geteuid() != 0:
+        return "scripts/build-wheels.sh needs root (scripts/build-fuse.sh builds libfuse 3.17 into /opt)"
+    if not getattr(pyfuse3, "PASSTHROUGH_BUILD", False) or not (PREFIX / "lib" / "libfuse3.so.4").exists():
+        return ("scripts/build-fuse.sh could not build the patched pyfuse3 here and fell back to the stock one"
+                " (.build/build-fuse.log): there is no wheel to pack")
+    return None
+
+
+NO_WHEEL = _why_no_wheel()
+pytestmark = pytest.mark.skipif(NO_WHEEL is not None, reason=NO_WHEEL or "")
 
 
 def _kernel_has_passthrough() -> bool:
