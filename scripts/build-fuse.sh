@@ -14,18 +14,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
-prefix=/opt/ckptfs-fuse
-pyfuse3_version=3.5.0
+# prefix, pyfuse3_version, version, patch_file, patch_sha, pyfuse3_wheel_dir: shared with build-wheels.sh
+source scripts/fuse-build-vars.sh
 pyfuse3_sha256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
-local_label=ckptfs6      # bump when scripts/pyfuse3-passthrough.patch changes
 cython_version=3.2.4     # the Cython that generated the C in pyfuse3 3.5.0's sdist
-version=$pyfuse3_version+$local_label
 build=$repo/.build
 log=$build/build-fuse.log
 py=$repo/.venv/bin/python
-patch_file=$repo/scripts/pyfuse3-passthrough.patch
 stamp=$repo/.venv/.ckptfs-fuse
-patch_sha=$(sha256sum <"$patch_file" | cut -c1-12)
 stamp_line="pyfuse3 $version patch $patch_sha prefix $prefix"
 
 is_done() {
@@ -99,7 +95,7 @@ build_libfuse() {
 build_pyfuse3() {
   local libver wheels
   libver=$(cat "$prefix/VERSION")
-  wheels=$prefix/wheels/pyfuse3-$version-$patch_sha-libfuse$libver
+  wheels=$(pyfuse3_wheel_dir)
   if ! compgen -G "$wheels/pyfuse3-*.whl" >/dev/null; then
     step "getting the pyfuse3 $pyfuse3_version sdist"
     mkdir -p "$build/dl"
