@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -259,6 +260,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return _detach(config)
     if args.restartable:
         _restart_with_malloc_pad()
+    end_on_sigterm_as_init()
     import trio
 
     from ckptfs import daemon, takeover
@@ -282,6 +284,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if waiting[0]:  # a failure after the mount was live goes to the log only
             os.write(ready_fd, f"error {exc.exit_code} {exc}\n".encode())
         raise
+
+
+def end_on_sigterm_as_init() -> None:
+    """As PID 1 (a container's entrypoint), the kernel drops every signal the process has no handler for:
+    a SIGTERM before the daemon's own handler is set (once the mount is live, after the journal's
+    recovery) would do nothing, and `podman stop` or a pod's deletion would wait its whole grace period for
+    a SIGKILL. Until then, SIGTERM ends the process as it ends any other (the journal is kill -9 safe)."""
+    if os.getpid() == 1:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: os._exit(128 + signum))
 
 
 def _with_malloc_pad(environ: os._Environ[str] | dict[str, str]) -> os._Environ[str] | dict[str, str]:
