@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfs import client, guard
-from ckptfs.config import Config, load_config
+from ckptfs.config import CONFIG_ENV, Config, env_name, load_config, load_settings
 from ckptfs.errors import CkptfsError, NotDurableError, UsageError
 
 log = logging.getLogger("ckptfs")
@@ -37,16 +38,21 @@ MALLOC_TUNABLE = "glibc.malloc.top_pad"
 MALLOC_TOP_PAD = 16 << 20
 
 
+MOUNTPOINT_HELP = "(default: $CKPTFS_MOUNTPOINT, or the mountpoint of the config file $CKPTFS_CONFIG)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptfs", description="Checkpoint filesystem: local-speed writes, "
                                      "background upload to object storage.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     mount = sub.add_parser("mount", help="mount SOURCE on MOUNTPOINT (foreground unless --daemon)")
-    mount.add_argument("source", nargs="?", help="file:///DIR, s3://BUCKET[/PREFIX], gs://..., az://...")
-    mount.add_argument("mountpoint", nargs="?", type=Path)
+    mount.add_argument("source", nargs="?", help="file:///DIR, s3://BUCKET[/PREFIX], gs://..., az://..."
+                       " (default: $CKPTFS_SOURCE, or the config file's)")
+    mount.add_argument("mountpoint", nargs="?", type=Path, help="(default: $CKPTFS_MOUNTPOINT, or the config file's)")
     mount.add_argument("--cache-dir", type=Path)
-    mount.add_argument("--config", type=Path, help="TOML file; flags override its keys")
+    mount.add_argument("--config", type=Path, help=f"TOML file (default: ${CONFIG_ENV}); CKPTFS_<KEY> environment"
+                       " variables override its keys, flags override both")
     mount.add_argument("--cache-size")
     mount.add_argument("--min-free")
     mount.add_argument("--dirty-wait", type=float)
@@ -98,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     umount = sub.add_parser("umount", help="drain, then unmount")
     umount.add_argument("mountpoint", type=Path, nargs="?")
     umount.add_argument("--timeout", type=float, help="seconds to wait for the drain (default: no limit, or"
-                        " the config file's drain_timeout)")
+                        " the configured drain_timeout: config file or $CKPTFS_DRAIN_TIMEOUT)")
     umount.add_argument("--config", type=Path, help="take the mountpoint (and drain_timeout) from this file")
 
     restart = sub.add_parser("restart", help="replace the daemon by one of the code installed now (an upgrade),"
@@ -119,20 +125,20 @@ def _parser() -> argparse.ArgumentParser:
                    " foreground until SIGTERM")
 
     status = sub.add_parser("status", help="files and bytes per state, queue, oldest dirty age, last error")
-    status.add_argument("mountpoint", type=Path)
+    status.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
     status.add_argument("--json", action="store_true")
 
     prune = sub.add_parser("prune", help="delete all but the newest N checkpoints, in the mount and the store")
-    prune.add_argument("mountpoint", type=Path)
+    prune.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
     prune.add_argument("--keep-last", type=int, required=True, metavar="N")
     prune.add_argument("--keep", action="append", default=[], metavar="GLOB", help="never delete these (repeatable)")
     prune.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
 
     refresh = sub.add_parser("refresh", help="show objects other nodes wrote (or deleted) now")
-    refresh.add_argument("mountpoint", type=Path)
+    refresh.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
 
     flush = sub.add_parser("flush", help="wait until everything (or PATHs) is durable in the store")
-    flush.add_argument("mountpoint", type=Path)
+    flush.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
     flush.add_argument("paths", nargs="*", type=Path)
     flush.add_argument("--timeout", type=float, help="seconds (default: no limit)")
     flush.add_argument("--all-nodes", action="store_true",
@@ -140,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
 
     nodes = sub.add_parser("nodes", help="the nodes whose work on this prefix is not durable yet (cross-node"
                            " ordering of commit markers); --forget gives up on a node lost for good")
-    nodes.add_argument("mountpoint", type=Path)
+    nodes.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
     nodes.add_argument("--forget", metavar="NODE", help="give up on NODE: markers stop waiting for it; a marker"
                        " that waited for it is held (not uploaded) unless NODE comes back and drains")
     nodes.add_argument("--json", action="store_true")
@@ -180,7 +186,24 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "daemon": args.daemon,
         "log_level": args.log_level,
     }
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, os.environ)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The configured keys a command other than mount uses (its MOUNTPOINT argument over the environment
+    and the config file: --config, else $CKPTFS_CONFIG), as `ckptfs mount` would have them."""
+    settings = load_settings(getattr(args, "config", None), {"mountpoint": args.mountpoint}, os.environ)
+    if settings.get("mountpoint") is None:
+        also = ", or --config FILE naming one" if hasattr(args, "config") else ""
+        raise UsageError(f"{args.command} needs a MOUNTPOINT (or {env_name('mountpoint')} in the environment{also})")
+    args.mountpoint = settings["mountpoint"]
+    return settings
+
+
+def _mountpoint_from_environment(args: argparse.Namespace) -> None:
+    """A command given no MOUNTPOINT uses the configured one (a container's CKPTFS_MOUNTPOINT)."""
+    if args.mountpoint is None:
+        _settings(args)
 
 
 class RepeatFilter(logging.Filter):
@@ -245,6 +268,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return _detach(config)
     if args.restartable:
         _restart_with_malloc_pad()
+    end_on_sigterm_as_init()
     import trio
 
     from ckptfs import daemon, takeover
@@ -268,6 +292,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if waiting[0]:  # a failure after the mount was live goes to the log only
             os.write(ready_fd, f"error {exc.exit_code} {exc}\n".encode())
         raise
+
+
+def end_on_sigterm_as_init() -> None:
+    """As PID 1 (a container's entrypoint), the kernel drops every signal the process has no handler for:
+    a SIGTERM before the daemon's own handler is set (once the mount is live, after the journal's
+    recovery) would do nothing, and `podman stop` or a pod's deletion would wait its whole grace period for
+    a SIGKILL. Until then, SIGTERM ends the process as it ends any other (the journal is kill -9 safe)."""
+    if os.getpid() == 1:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: os._exit(128 + signum))
 
 
 def _with_malloc_pad(environ: os._Environ[str] | dict[str, str]) -> os._Environ[str] | dict[str, str]:
@@ -335,10 +368,7 @@ def _detach(config: Config) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    if args.config is not None:
-        args.mountpoint = load_config(args.config, {"mountpoint": args.mountpoint}).mountpoint
-    if args.mountpoint is None:
-        raise UsageError("restart needs a MOUNTPOINT (or --config FILE naming one)")
+    _settings(args)
     mountpoint = client.canonical_mountpoint(args.mountpoint)
     pid = client.restart(mountpoint)
     print(f"ckptfs: {mountpoint} is served by a new daemon (pid {pid}); nothing was unmounted")
@@ -347,12 +377,10 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     timeout = args.timeout
-    if args.config is not None:
-        config = load_config(args.config, {"mountpoint": args.mountpoint})
-        args.mountpoint = config.mountpoint
-        timeout = config.drain_timeout if timeout is None else timeout
-    if args.mountpoint is None:
-        raise UsageError("umount needs a MOUNTPOINT (or --config FILE naming one)")
+    if timeout is None:
+        timeout = _settings(args).get("drain_timeout")
+    else:
+        _settings(args)
     mountpoint = client.canonical_mountpoint(args.mountpoint)
     client.unmount(mountpoint, timeout=timeout)  # NotDrainedError: exit 3 with the daemon's count
     print(f"ckptfs: {mountpoint} drained and unmounted")
@@ -363,21 +391,16 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _guard_target(args: argparse.Namespace) -> tuple[Path, Config | None]:
-    """The mountpoint a guard/unguard command names, directly or through --config."""
-    config = None
-    if args.config is not None:
-        config = load_config(args.config, {"mountpoint": args.mountpoint})
-        args.mountpoint = config.mountpoint
-    if args.mountpoint is None:
-        raise UsageError(f"{args.command} needs a MOUNTPOINT (or --config FILE naming one)")
-    return client.canonical_mountpoint(args.mountpoint), config
+def _guard_target(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """The mountpoint a guard/unguard command names, directly or through the configuration."""
+    settings = _settings(args)
+    return client.canonical_mountpoint(args.mountpoint), settings
 
 
 def cmd_guard(args: argparse.Namespace) -> int:
-    mountpoint, config = _guard_target(args)
-    if config is not None and not config.guard_mountpoint:
-        print(f"ckptfs: guard_mountpoint = false in {args.config}: {mountpoint} is left unguarded")
+    mountpoint, settings = _guard_target(args)
+    if not settings.get("guard_mountpoint", True):
+        print(f"ckptfs: guard_mountpoint is false in the configuration: {mountpoint} is left unguarded")
         return 0
     top = guard.mounted_at(mountpoint)
     if top is not None and top.is_guard:
@@ -544,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.restartable = argv is None  # sys.argv is this command line: the daemon may re-execute it
     try:
+        if args.command in ("status", "flush", "refresh", "prune", "nodes"):
+            _mountpoint_from_environment(args)
         return COMMANDS[args.command](args)
     except CkptfsError as exc:
         print(f"ckptfs: {exc}", file=sys.stderr)
