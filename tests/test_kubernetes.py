@@ -340,7 +340,8 @@ def test_daemon_is_the_design() -> None:
     objs = render()
     d = daemon(objs)
     spec, c = pod_spec(d), container(d, "ckptfs")
-    assert d["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    rolling = {"maxUnavailable": 1, "maxSurge": 0}
+    assert d["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": rolling}
     assert c["args"] == ["mount"] and "command" not in c
     assert c["securityContext"] == {"privileged": True}
     env = daemon_env(objs)
