@@ -30,6 +30,8 @@ What Kubernetes maps how:
 
 A hostPath with Bidirectional or HostToContainer propagation must be on a shared mount on the host
 (`mount --bind D D && mount --make-rshared D`, shared/containers.md): PodmanRun.propagated lists them.
+The restart policy is kept (--restart=always for a DaemonSet: podman restarts a killed container as the kubelet
+would), so `--rm` cannot be added; remove containers with `podman rm -f`.
 """
 
 from __future__ import annotations
@@ -264,9 +266,9 @@ def _environment(manifests: Sequence[Manifest], namespace: str, spec: Manifest, 
             if ref.get("optional"):
                 continue
             raise Unsupported(f"envFrom: {kind} {ref['name']} is not in the manifests")
-        for key, value in data.items():
+        for key, content in data.items():
             if _ENV_NAME.match(prefix + key):  # Kubernetes skips the keys that are no variable names
-                environment[prefix + key] = value.decode()
+                environment[prefix + key] = content.decode()
     for variable in spec.get("env", []):
         if set(variable) != {"name", "value"}:
             raise Unsupported(f"env {variable.get('name')}: only plain values can be expressed under podman")
