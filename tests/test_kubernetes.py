@@ -76,10 +76,13 @@ def _set_args(values: Sequence[str]) -> list[str]:
     args = []
     for value in values:
         key, _, text = value.partition("=")
-        # --set-string keeps "true" and numbers strings where the chart expects strings; the TOML file's
-        # newlines and commas need --set-literal.
-        flag = "--set-literal" if "\n" in text or "," in text else "--set-string"
-        if key.startswith("daemon.privileged") or key.endswith(".enabled"):
+        # The TOML file's newlines and commas need --set-literal; maps of strings (environment, labels, node
+        # selector) --set-string, so that "true" stays a string; the rest is typed as values.schema.json says.
+        if "\n" in text or "," in text:
+            flag = "--set-literal"
+        elif key.startswith(("config.env.", "nodeSelector.")) or ".labels." in key:
+            flag = "--set-string"
+        else:
             flag = "--set"
         args += [flag, f"{key}={text}"]
     return args
@@ -502,6 +505,12 @@ def test_toml_config_is_mounted_and_settings_are_environment() -> None:
     (["mount.name=a/b"], "mount.name must be one directory name"),
     (["mount.root=relative"], "mount.root must be an absolute host path"),
     (["metrics.serviceMonitor.enabled=true", "metrics.service.enabled=false"], "needs metrics.service.enabled"),
+    # values.schema.json: a misspelt or mistyped value fails instead of being ignored
+    (["daemon.privilegd=false"], "Additional property privilegd is not allowed"),
+    (["drain.timeout=soon"], "drain.timeout: Invalid type"),
+    (["image.pullPolicy=Sometimes"], "image.pullPolicy must be one of"),
+    (["source=http://bucket"], "source: Does not match pattern"),
+    (["credentials.awsRoleArn=my-role"], "credentials.awsRoleArn: Does not match pattern"),
 ])
 def test_chart_refuses_values_that_break_the_design(values: list[str], message: str) -> None:
     assert message in render_error(*values)
