@@ -653,6 +653,23 @@ def test_podman_refuses_what_it_cannot_express(change: Mapping[str, Any], where:
         _run(_patched(plain_manifests(), change, where), "ckptfs", "ckptfs")
 
 
+def test_podman_expresses_host_network_ports_and_environment_precedence() -> None:
+    objs = _patched(plain_manifests(), {"hostNetwork": True, "hostPID": True}, "pod")
+    args = _run(objs, "ckptfs", "ckptfs").args
+    assert args[args.index("--network") + 1] == "host" and args[args.index("--pid") + 1] == "host"
+    objs = _patched(plain_manifests(), {
+        "ports": [{"name": "metrics", "containerPort": 9477, "hostPort": 19477, "protocol": "TCP"}],
+        "env": [{"name": "CKPTFS_DRAIN_TIMEOUT", "value": "5"}],
+        "envFrom": [{"configMapRef": {"name": "ckptfs-env"}}, {"prefix": "X_", "configMapRef": {"name": "ckptfs-env"}}],
+    })
+    args = _run(objs, "ckptfs", "ckptfs").args
+    assert args[args.index("-p") + 1] == "19477:9477/tcp"
+    env = [a for a, flag in zip(args[1:], args, strict=False) if flag == "-e"]
+    # env wins over envFrom, whatever the order; a prefix makes other names
+    assert [e for e in env if e.startswith("CKPTFS_DRAIN_TIMEOUT=")] == ["CKPTFS_DRAIN_TIMEOUT=5"]
+    assert "X_CKPTFS_DRAIN_TIMEOUT=120" in env
+
+
 def test_podman_refuses_unknown_objects() -> None:
     objs = plain_manifests()
     with pytest.raises(Unsupported, match="no DaemonSet named nothing"):
