@@ -568,6 +568,19 @@ class _Holder:
             self.restart_at = time.monotonic() + RESTART_DELAY
         return True
 
+    def stop(self, signum: int, _frame: object) -> None:
+        """SIGTERM from the node's holder service, which stops (Kubernetes: the holder's pod deleted). A daemon
+        that serves keeps its own descriptor and hands it to the next service; a mount no daemon serves is
+        detached, so that its users get errors at once rather than wait for a daemon no one will start."""
+        if self.attached is None:
+            log.warning("holder of %s: stopping while no daemon serves it: detaching the mount", self.mountpoint)
+            with contextlib.suppress(OSError):
+                subprocess.run(["fusermount3", "-u", "-z", "-q", self.mountpoint], check=False, timeout=10)
+        else:
+            log.info("holder of %s: stopping; daemon pid %d keeps serving it", self.mountpoint, self.attached_pid)
+        self._let_go()
+        sys.exit(0)
+
     def _let_go(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self.fd)
@@ -583,6 +596,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = json.loads(sys.stdin.buffer.read())
     holder = _Holder(config)
+    if holder.argv is None:
+        signal.signal(signal.SIGTERM, holder.stop)
     holder.bind()
     sys.stdout.write("ready\n")
     sys.stdout.flush()

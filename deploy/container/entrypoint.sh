@@ -18,8 +18,14 @@ case "$1" in
     # --foreground: the container lives as long as the daemon (daemon = true in a config would detach it)
     shift
     set -- ckptfs mount --foreground "$@"
+    # A hostPath mount root starts empty: make the mountpoint in it, unless something is mounted there
+    # already (a mount a holder keeps for this daemon to take over: looking at it would wait for a daemon).
+    if [ -n "${CKPTFS_MOUNTPOINT:-}" ] &&
+       ! awk -v p="$CKPTFS_MOUNTPOINT" '$5 == p {found = 1} END {exit !found}' /proc/self/mountinfo; then
+      mkdir -p "$CKPTFS_MOUNTPOINT"
+    fi
     ;;
-  umount | restart | status | flush | refresh | prune | nodes | guard | unguard)
+  holder | umount | restart | status | flush | refresh | prune | nodes | guard | unguard)
     set -- ckptfs "$@"
     ;;
 esac
