@@ -212,7 +212,8 @@ class Daemon:
         self.keeper = ConnectionKeeper(
             pyfuse3, self.fs, self.notifier, mountpoint=self.mountpoint, cache_root=cache.root,
             keep_mount=config.keep_mount, guard_mountpoint=self.guarded, handle_table=handle_table,
-            held=held, restored=restored or [], restart_argv=restart_argv)
+            held=held, restored=restored or [], restart_argv=restart_argv,
+            wait_for_service=config.keep_mount_on_stop)
 
     def _in_use(self, inode_id: int) -> bool:
         return self.fs.in_use(inode_id)
@@ -324,7 +325,7 @@ class Daemon:
                     nursery.start_soon(self._supervised, "retention", functools.partial(
                         self.pruner.run, self.config.keep_last, self.config.keep))
                 nursery.start_soon(self._watch_signals, nursery)
-                if self.keeper.kept_by_service:
+                if self.keeper.wants_service:
                     nursery.start_soon(self._supervised, "holder service watch", self.keeper.watch_service)
                 await self._stop_requested.wait()
                 if self._restarting or self._leaving:

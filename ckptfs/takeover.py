@@ -104,6 +104,7 @@ class ConnectionKeeper:
     def __init__(
         self, connection: FuseConnection, fs: Filesystem, notifier: Notifier, *, mountpoint: Path, cache_root: Path,
         keep_mount: bool, guard_mountpoint: bool, handle_table: HandleTable | None, held: holder.Held | None,
+        wait_for_service: bool = False,
         restored: list[OpenHandle], restart_argv: list[str] | None,
     ) -> None:
         self.connection = connection
@@ -117,6 +118,9 @@ class ConnectionKeeper:
         self.held = held
         self.restored = restored
         self.restart_argv = restart_argv
+        # keep_mount_on_stop: the connection is for the node's holder service only (a holder of this daemon's
+        # own would die with its pod); without one yet, wait for it rather than start one
+        self.wait_for_service = wait_for_service
         self.link: holder.Link | None = held.link if held is not None else None
         self.handles_taken_over = 0
         # keep_mount under systemd: the unit's file descriptor store keeps the connection (no holder there)
@@ -205,8 +209,12 @@ class ConnectionKeeper:
             if await self._hand_to_service(fuse_fd, init_request):
                 return
         except CkptfsError as exc:
-            log.warning("the node's holder service did not take the connection (%s); starting a holder of this"
-                        " daemon's own", exc)
+            log.warning("the node's holder service did not take the connection (%s)", exc)
+        if self.wait_for_service:
+            self.why = (f"off: waiting for the node's holder service (`ckptfs holder`, {holder.service_path()}); until"
+                        f" it takes the connection, {_WITHOUT_KEEP_MOUNT}")
+            log.warning("keep_mount %s", self.why)
+            return
         if self.restart_argv is None:
             self.why = f"off: this daemon was not started by `ckptfs mount`; {_WITHOUT_KEEP_MOUNT}"
             log.warning("keep_mount %s", self.why)
@@ -237,12 +245,20 @@ class ConnectionKeeper:
         log.info("keep_mount %s", self.why)
         return True
 
+    @property
+    def wants_service(self) -> bool:
+        """The connection is (or is to be) kept by the node's holder service: watch_service looks after it."""
+        return self.kept_by_service or (self.wait_for_service and self.link is None and self.keep_mount
+                                        and can_keep(self.connection))
+
     async def watch_service(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """While the node's holder service keeps the connection: when its holder goes (the service's pod
         replaced), hand the connection in again as soon as a service listens, so that the mount outlives
-        this daemon again."""
+        this daemon again. Also the first hand-in of a daemon that started before the service."""
         task_status.started()
         while True:
+            if self.link is None:
+                await self._hand_in_when_a_service_listens()
             link = self.link
             if link is None or not link.service:
                 return
@@ -255,11 +271,13 @@ class ConnectionKeeper:
             self.why = ("off: the node's holder service went away; until one listens again a daemon that dies"
                         " leaves the mount at 'Transport endpoint is not connected'")
             log.warning("keep_mount %s", self.why)
-            init_request = self._init_request()
-            while self.link is None and init_request is not None:
-                await trio.sleep(1)
-                with contextlib.suppress(CkptfsError):
-                    await self._hand_to_service(self.connection.fuse_fd(), init_request)
+
+    async def _hand_in_when_a_service_listens(self) -> None:
+        init_request = self._init_request()
+        while self.link is None and init_request is not None:
+            await trio.sleep(1)
+            with contextlib.suppress(CkptfsError):
+                await self._hand_to_service(self.connection.fuse_fd(), init_request)
 
     def leave_to_holder(self) -> None:
         """Stop serving and leave the connection to the holder service's holder, for the next daemon (a
