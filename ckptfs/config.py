@@ -139,9 +139,9 @@ class Config:
 
     keep_mount_on_stop: bool = False
     """On SIGTERM, when the node's holder service keeps the FUSE connection (`ckptfs holder`, Kubernetes),
-    stop serving and leave the mount to it instead of draining and unmounting: the next daemon (the
-    DaemonSet's next pod) takes it over, and the job's requests wait meanwhile. Flush before (a preStop
-    hook): what was not uploaded stays journaled in the cache dir for the next daemon. A daemon that starts
+    drain for up to drain_timeout while serving as before (writes are not refused), then leave the mount to
+    the holder instead of unmounting: the next daemon (the DaemonSet's next pod) takes it over, and the job's
+    requests wait meanwhile. What is not uploaded by then stays journaled in the cache dir for the next daemon. A daemon that starts
     before the service waits for it (it starts no holder of its own, which would die with its pod). Without a
     holder service SIGTERM drains and unmounts as always."""
 

@@ -4,7 +4,9 @@ Start-up order: validate the mountpoint and the store, take the cache dir lock, 
 mount, start the drain and the control socket, confirm the mount answers, then report ready.
 Shutdown order (SIGTERM/SIGINT, `ckptfs umount`, or an external unmount): stop new opens for writing, drain
 with a deadline, unmount, close the journal. A second signal skips the drain; nothing written is lost,
-because whatever was not uploaded stays journaled for the next start.
+because whatever was not uploaded stays journaled for the next start. SIGTERM with keep_mount_on_stop while
+the node's holder service keeps the connection (Kubernetes): drain with a deadline while serving as before,
+then leave the connection to the holder for the next daemon instead of unmounting.
 
 This is the only module besides fuse_ops.py that imports pyfuse3, and the only owner of the root nursery.
 It wires and starts; what it starts lives in modules of their own: mountpoint.py (can it be mounted on),
@@ -328,6 +330,8 @@ class Daemon:
                 if self.keeper.wants_service:
                     nursery.start_soon(self._supervised, "holder service watch", self.keeper.watch_service)
                 await self._stop_requested.wait()
+                if self._leaving:
+                    await self._drain_before_leaving()
                 if self._restarting or self._leaving:
                     await self._stop_serving()
                 else:
@@ -417,12 +421,11 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 if not self._stop_requested.is_set() and self.config.keep_mount_on_stop and self.keeper.kept_by_service:
-                    log.info("%s: leaving the mount of %s to the node's holder service for the next daemon (what is"
-                             " not uploaded stays journaled in %s)", signal.Signals(signum).name, self.mountpoint,
-                             self.cache.root)
+                    log.info("%s: draining for up to %ss, then leaving the mount of %s to the node's holder service"
+                             " for the next daemon", signal.Signals(signum).name, self.config.drain_timeout,
+                             self.mountpoint)
                     self._leaving = True
-                    self.notifier.notify(stopping=1, status="leaving the mount to the holder service")
-                    self._stop_requested.set()
+                    self.request_stop(self.config.drain_timeout)
                 elif not self._stop_requested.is_set():
                     log.info(
                         "%s: draining for up to %ss, then unmounting", signal.Signals(signum).name,
@@ -492,6 +495,20 @@ class Daemon:
         self._control_stop.set()
         with trio.move_on_after(5):
             await self._control_done.wait()
+
+    async def _drain_before_leaving(self) -> None:
+        """SIGTERM with keep_mount_on_stop: upload what is pending for up to drain_timeout while the mount
+        goes on serving as before (the job keeps saving: nothing refuses its writes), then leave. What is
+        not uploaded by then stays journaled for the next daemon, which the node may never start (a node
+        drained for good)."""
+        self.notifier.notify(stopping=1, status="draining before leaving the mount to the holder service")
+        self.result = await self.drain.flush(None, deadline_after(self._stop_timeout))
+        if self.result.ok:
+            log.info("drained; leaving the mount of %s to the holder service", self.mountpoint)
+        else:
+            log.warning("%d entries not yet durable in %s; the mount goes to the holder service anyway and they"
+                        " stay journaled at %s for the next daemon", len(self.result.remaining), self.store.url,
+                        self.cache.root)
 
     async def _stop_serving(self) -> None:
         """`ckptfs restart`: stop reading requests, let the ones being served finish (for a while), answer
