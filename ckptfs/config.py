@@ -141,9 +141,9 @@ class Config:
     """On SIGTERM, when the node's holder service keeps the FUSE connection (`ckptfs holder`, Kubernetes),
     drain for up to drain_timeout while serving as before (writes are not refused), then leave the mount to
     the holder instead of unmounting: the next daemon (the DaemonSet's next pod) takes it over, and the job's
-    requests wait meanwhile. What is not uploaded by then stays journaled in the cache dir for the next daemon. A daemon that starts
-    before the service waits for it (it starts no holder of its own, which would die with its pod). Without a
-    holder service SIGTERM drains and unmounts as always."""
+    requests wait meanwhile. What is not uploaded by then stays journaled in the cache dir for the next
+    daemon. A daemon that starts before the service waits for it (it starts no holder of its own, which would
+    die with its pod). Without a holder service SIGTERM drains and unmounts as always."""
 
     guard_mountpoint: bool = True
     """After a clean unmount, mount a read-only guard (a tiny tmpfs, guard.py) over the mountpoint, so that a

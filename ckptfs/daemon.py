@@ -53,7 +53,7 @@ from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import Inode, Journal, JournalError, JournalFull, journal_unusable
 from ckptfs.lister import DirLister
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
-from ckptfs.mountpoint import check_mountpoint, set_read_ahead, wait_until_mounted
+from ckptfs.mountpoint import check_fusermount, check_mountpoint, set_read_ahead, wait_until_mounted
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
 from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
 from ckptfs.pruner import Pruner
@@ -559,6 +559,7 @@ async def run(
     return_freed_part_buffers()
     raise_open_file_limit()
     ensure_runtime_dir(runtime_dir())  # the control socket's (and the holder's): a clear error before mounting
+    check_fusermount()
     store = InstrumentedStore(open_store(config.source, endpoint_url=config.endpoint_url))
     await trio.to_thread.run_sync(check_store, store)
     # Before anything touches the mountpoint: if a holder keeps its connection, a stat would wait for a

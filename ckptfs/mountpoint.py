@@ -10,6 +10,7 @@ import ctypes
 import errno
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import threading
@@ -38,7 +39,7 @@ def check_mountpoint(mountpoint: Path) -> bool:
         if exc.errno == errno.ENOTCONN:
             # A FUSE mount whose daemon died (kill -9, OOM): detach it so this daemon can take over.
             log.warning("mountpoint %s is a stale FUSE mount (its daemon died); detaching it", mountpoint)
-            subprocess.run(["fusermount3", "-u", "-z", "-q", str(mountpoint)], check=False)
+            _fusermount_unmount(mountpoint)
             return check_mountpoint(mountpoint) or removed
         raise CkptfsError(f"mountpoint {mountpoint} cannot be used: {exc.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
@@ -153,8 +154,30 @@ def set_read_ahead(dev: int, nbytes: int) -> None:
         log.debug("read-ahead of the mount: %d KiB", kib)
 
 
+FUSERMOUNT_MISSING = ("fusermount3 is not installed: install the fuse3 package (apt-get install fuse3; dnf install"
+                      " fuse3): it mounts for a user who is not root and unmounts")
+
+
+def check_fusermount() -> None:
+    """A daemon that is not root mounts through libfuse's fusermount3 (setuid root): a clear error now, not
+    libfuse's line about an exec that failed."""
+    if os.geteuid() != 0 and shutil.which("fusermount3") is None:
+        raise CkptfsError(FUSERMOUNT_MISSING)
+
+
+def _fusermount_unmount(mountpoint: Path) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(["fusermount3", "-u", "-z", "-q", str(mountpoint)], capture_output=True, text=True,
+                              check=False)
+    except FileNotFoundError:
+        raise CkptfsError(f"cannot unmount {mountpoint}: {FUSERMOUNT_MISSING}") from None
+
+
 def unmount(mountpoint: Path) -> None:
-    result = subprocess.run(["fusermount3", "-u", "-z", "-q", str(mountpoint)], capture_output=True, text=True,
-                            check=False)
+    try:
+        result = _fusermount_unmount(mountpoint)
+    except CkptfsError as exc:
+        log.warning("%s", exc)
+        return
     if result.returncode != 0 and os.path.ismount(mountpoint):
         log.warning("cannot unmount %s: %s", mountpoint, result.stderr.strip())

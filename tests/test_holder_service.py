@@ -138,7 +138,7 @@ def test_a_daemon_hands_its_connection_to_the_next_service_when_its_holder_goes(
     assert (m.mnt / "a").read_bytes() == b"a" and (m.mnt / "b").read_bytes() == b"b"
 
 
-def test_a_daemon_that_starts_before_the_service_waits_for_it(mount_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]  # noqa: E501
+def test_a_daemon_that_starts_before_the_service_waits_for_it(mount_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     m: Mount = mount_factory(start=False, extra_args=("--keep-mount-on-stop",))
     m.runtime.mkdir(mode=0o700)
     m.start()

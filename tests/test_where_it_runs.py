@@ -246,3 +246,16 @@ exec setpriv --reuid={user.pw_uid} --regid={user.pw_gid} --clear-groups \\
     finally:
         subprocess.run(["pkill", "-KILL", "-u", str(user.pw_uid), "-f", f"ckptfs.*{base}"], check=False)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_machine_without_fusermount3_gets_one_clear_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from ckptfs import mountpoint
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no fusermount3 on it
+    monkeypatch.setattr(os, "geteuid", lambda: 1234)
+    with pytest.raises(CkptfsError, match="fusermount3 is not installed: install the fuse3 package"):
+        mountpoint.check_fusermount()
+    with pytest.raises(CkptfsError, match="fusermount3 is not installed"):  # before: FileNotFoundError, a traceback
+        mountpoint._fusermount_unmount(tmp_path)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    mountpoint.check_fusermount()  # root mounts without it
