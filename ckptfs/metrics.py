@@ -61,6 +61,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("ckptfs_passthrough_enabled", "gauge",
               "1 when the kernel reads and writes cached files itself (FUSE passthrough), 0 when it is off."),
     MetricDef("ckptfs_passthrough_opens", "counter", "Opens served with FUSE passthrough since start."),
+    MetricDef("ckptfs_keep_mount_enabled", "gauge",
+              "1 when something besides the daemon keeps the FUSE connection (a holder, the node's holder service,"
+              " systemd), so that the mount outlives the daemon; 0 when it does not (ckptfs status says why)."),
+    MetricDef("ckptfs_guard_enabled", "gauge",
+              "1 when the daemon guards the bare mountpoint after the mount ends; 0 when it cannot or may not."),
     MetricDef("ckptfs_node_records", "gauge",
               "This node's pending records in the store (cross-node ordering): it has work not yet durable."),
     MetricDef("ckptfs_node_record_failures", "counter",

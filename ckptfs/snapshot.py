@@ -263,6 +263,8 @@ def metrics_snapshot(stats: MountStats) -> Snapshot:
         "ckptfs_drain_errors": [((job,), n) for job, n in sorted(drain.errors_by_job.items())],
         "ckptfs_internal_errors": [((where,), n) for where, n in sorted(stats.faults.counts.items())],
         "ckptfs_passthrough_enabled": [((), 1.0 if stats.passthrough_enabled else 0.0)],
+        "ckptfs_keep_mount_enabled": [((), 1.0 if stats.keep_mount.enabled else 0.0)],
+        "ckptfs_guard_enabled": [((), 1.0 if stats.guard_why.startswith("on") else 0.0)],
         "ckptfs_passthrough_opens": [((), stats.passthrough_opens)],
         "ckptfs_drain_parked": [((), len(stats.failing))],
         "ckptfs_node_records": [((), len(stats.nodes.records["records"]) if stats.nodes.records else 0)],
