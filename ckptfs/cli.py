@@ -82,8 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                             " a daemon that died again, which takes it over (the default; --no-keep-mount: a dead"
                             " daemon leaves the mount at 'Transport endpoint is not connected')")
     mount.add_argument("--keep-mount-on-stop", action=argparse.BooleanOptionalAction, default=None,
-                       help="on SIGTERM, when the node's holder service (`ckptfs holder`) keeps the connection, leave"
-                            " the mount to it for the next daemon instead of draining and unmounting (Kubernetes)")
+                       help="on SIGTERM, when the node's holder service (`ckptfs holder`) keeps the connection, drain"
+                            " (serving on), then leave the mount to it for the next daemon instead of unmounting"
+                            " (Kubernetes)")
     mount.add_argument("--guard-mountpoint", action=argparse.BooleanOptionalAction, default=None,
                        help="after a clean unmount, guard the bare mountpoint so that writes into it fail with EROFS"
                             " (the default; --no-guard-mountpoint: leave the bare directory writable)")

@@ -350,8 +350,17 @@ class Daemon:
             raise CkptfsError(f"the journal {self.journal.path} cannot be used any more: {_innermost(exc)}; fix"
                               " the cache filesystem, then mount again (the mount is left aborted)") from None
         finally:
-            if self._leaving and not journal_failed:
+            if self._leaving and not journal_failed and self.keeper.kept_by_service:
                 self.keeper.leave_to_holder()
+            elif self._leaving and not journal_failed:
+                # The service went away while this daemon drained: nothing would keep the connection, and
+                # closing it would leave the mount at ENOTCONN. Unmount as a plain SIGTERM does.
+                log.warning("the node's holder service went away while draining: unmounting %s instead of"
+                            " leaving it", self.mountpoint)
+                self._leaving = False
+                unmounted = True
+                self.restart = self.keeper.let_go(unmounted=True, journal_failed=False, restarting=False,
+                                                  exiting_now=self._exiting_now)
             else:
                 self.restart = self.keeper.let_go(unmounted=unmounted, journal_failed=journal_failed,
                                                   restarting=self._restarting, exiting_now=self._exiting_now)

@@ -169,3 +169,27 @@ def test_a_holder_of_the_service_that_stops_while_no_daemon_serves_detaches_the_
     service.stop()  # uninstall: nothing serves the mount any more, nobody would start a daemon
     _wait_for(lambda: not guard_free(m.mnt), "the mount detached")
     assert "detaching the mount" in service.log.read_text()
+
+
+def test_a_service_that_goes_while_the_daemon_drains_to_leave_makes_it_unmount_instead(
+    node: tuple[Mount, Service],
+) -> None:
+    """Leaving the connection to a holder that is gone would abort it (ENOTCONN for the job): unmount."""
+    m, service = node
+    m.start()
+    m.allowed_log_words += ["holder service went away"]
+    with open(m.mnt / "open.bin", "wb") as f:  # the drain waits for its close
+        f.write(b"o" * 1000)
+        f.flush()
+        assert m.proc is not None
+        m.proc.send_signal(signal.SIGTERM)
+        _wait_for(lambda: "SIGTERM: draining for up to" in m.log.read_text(), "the drain before leaving")
+        service.stop()
+        _wait_for(lambda: "holder service went away" in m.log.read_text(), "the daemon to see its holder go")
+    assert m.proc.wait(timeout=60) == 0
+    m.proc = None
+    assert "unmounting" in m.log.read_text() and (m.store / "open.bin").read_bytes() == b"o" * 1000
+    from ckptfs import guard
+
+    top = guard.mounted_at(m.mnt)
+    assert top is not None and top.is_guard, top  # unmounted and guarded, not a stale mount at ENOTCONN
