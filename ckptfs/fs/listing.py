@@ -38,19 +38,21 @@ class Listing:
         """Before a lookup in or a readdir of a directory: the store's entries of it are in the journal."""
         await self.lister.ensure(inode_id)
 
-    async def _list_required(self, inode_id: int) -> None:
+    async def _list_required(self, inode_id: int, *, fresh: bool = False) -> None:
         try:
-            await self.lister.ensure(inode_id, required=True)
+            await self.lister.ensure(inode_id, required=True, fresh=fresh)
         except BackendError as exc:
             raise FsError(errno_for_backend_error(exc), f"cannot list the store: {exc}") from None
 
     async def _list_tree(self, inode_id: int) -> None:
-        """Every directory at and below `inode_id` is listed from the store, so the journal knows the whole
-        subtree. Re-read after each await: entries may come and go while a listing runs."""
+        """Every directory at and below `inode_id` is listed from the store now, so the journal knows the
+        whole subtree, other nodes' files in it included: a directory this node made counts as listed here,
+        but another node may have written into it since (Orbax's multi-host save: every host writes into one
+        tmp dir, then one host renames it). Re-read after each await: entries may come and go meanwhile."""
         pending = [inode_id]
         while pending:
             folder = pending.pop()
-            await self._list_required(folder)
+            await self._list_required(folder, fresh=True)
             pending.extend(c.id for c in self.journal.all_children(folder) if c.kind == DIR)
 
     async def prepare_rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes
@@ -83,11 +85,12 @@ class Listing:
         return entries
 
     async def prepare_rmdir(self, parent_id: int, raw_name: bytes) -> None:
-        """Before rmdir(): the directory is listed, so one with objects only in the store is ENOTEMPTY."""
+        """Before rmdir(): the directory is listed now, so one with objects only in the store (another node's
+        files in a directory this node made, too) is ENOTEMPTY."""
         await self._list_required(parent_id)
         inode = self._maybe_child(parent_id, raw_name)
         if inode is not None and inode.kind == DIR:
-            await self._list_required(inode.id)
+            await self._list_required(inode.id, fresh=True)
 
     def _maybe_child(self, parent_id: int, raw_name: bytes) -> Inode | None:
         try:
