@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--min-free")
     mount.add_argument("--dirty-wait", type=float)
     mount.add_argument("--refresh-interval", type=float)
+    mount.add_argument("--rename-wait", type=float, metavar="SECS",
+                       help="how long a rename or rmdir of a directory waits for other nodes' pending work in its"
+                            " checkpoint (default 30)")
     mount.add_argument("--keep-last", type=int, help="retention: keep the newest N checkpoints (0: off)")
     mount.add_argument("--keep", action="append", help="retention: never delete names matching this glob")
     mount.add_argument("--upload-delay", type=float)
@@ -163,6 +166,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "min_free": args.min_free,
         "dirty_wait": args.dirty_wait,
         "refresh_interval": args.refresh_interval,
+        "rename_wait": args.rename_wait,
         "keep_last": args.keep_last,
         "keep": args.keep,
         "upload_delay": args.upload_delay,

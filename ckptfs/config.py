@@ -133,6 +133,12 @@ class Config:
     """Commit markers also wait for the files other nodes (mounts of the same prefix) closed before them
     (docs/design/cross-node.md): each node keeps a small record of its pending work in the store."""
 
+    rename_wait: float = 30.0
+    """Seconds a rename or rmdir of a directory waits, with cross-node ordering, for the work other nodes have
+    pending in its checkpoint (the top-level directory it is in): what they closed before it is then in the
+    store and moves with it (Orbax's multi-host save renames a tmp dir every host wrote into). Past it the
+    operation goes on, and what they upload there later lands under the old name (logged, and in status)."""
+
     keep_mount: bool = True
     """The mount outlives the daemon (holder.py): a holder process keeps the FUSE connection, and a daemon
     that dies is started again and takes it over; the job's requests wait instead of failing."""
@@ -233,7 +239,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 def _coerce(name: str, value: Any) -> Any:
     if name in ("mountpoint", "cache_dir") and value is not None:
         return Path(value)
-    if name in ("upload_delay", "small_file_wait", "drain_timeout", "dirty_wait", "refresh_interval", "idle_upload"):
+    if name in ("upload_delay", "small_file_wait", "drain_timeout", "dirty_wait", "refresh_interval", "idle_upload",
+                "rename_wait"):
         try:
             value = float(value)
         except (TypeError, ValueError):

@@ -187,6 +187,9 @@ class Daemon:
             self.drain.waits_for_nodes = self.peers.blocks
             self.drain.why_marker_waits = self.peers.why
             self.fs.announcer = self.records
+            self.fs.listing.other_nodes = self.peers
+        self.fs.listing.rename_wait = config.rename_wait
+        self.fs.listing.on_straggler = lambda message: self.faults.record("rename", message)
         self.pruner = Pruner(journal, self.fs, self.lister, is_commit_marker=self.drain.is_commit_marker,
                              peers=self.peers, faults=self.faults)
         self.lister.forget_kernel_data = forget_kernel_data

@@ -6,6 +6,8 @@ what this node knew, and the other host's shard stayed under the old name in the
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from emulators import seaweedfs_s3  # noqa: F401
 from test_crossnode_fuse import _store_view, _wait
 
 TMP = "step_1.orbax-checkpoint-tmp-1700000000"
+HOLD = ("--upload-delay", "3600")  # a host whose uploads wait (until it is flushed)
 
 
 @pytest.mark.parametrize("store", ["file", "s3"])
@@ -58,3 +61,55 @@ def test_an_rmdir_of_a_directory_another_node_wrote_into_is_enotempty(mount_fact
         os.rmdir(a.mnt / "tmpdir")
     assert raised.value.errno == 39  # ENOTEMPTY
     assert os.listdir(a.mnt / "tmpdir") == ["x"]
+
+
+def _orbax_tmp_with_a_held_shard(mount_factory, tmp_path: Path, *primary_args: str) -> tuple[Mount, Mount, bytes]:  # type: ignore[no-untyped-def]
+    """The primary made the tmp dir; the other host wrote its shard into it and closed it, without a flush,
+    and holds its uploads back (as a slow or busy drain would): its record names the tmp dir."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    primary: Mount = mount_factory("host0", source=f"file://{shared}", extra_args=primary_args)
+    other: Mount = mount_factory("host1", source=f"file://{shared}", extra_args=HOLD)
+    (primary.mnt / TMP).mkdir()
+    (primary.mnt / TMP / "shard_a").write_bytes(b"a" * 1000)
+    primary.flush()
+    other.cli("refresh", str(other.mnt))
+    shard_b = os.urandom(100_000)
+    (other.mnt / TMP / "shard_b").write_bytes(shard_b)
+    _wait(lambda: any(TMP in line for line in _peer_lines(primary)), what="the other host's record of the tmp dir")
+    return primary, other, shard_b
+
+
+def _peer_lines(mount: Mount) -> list[str]:
+    result = mount.cli("nodes", str(mount.mnt))
+    return result.stdout.splitlines()
+
+
+def test_a_rename_waits_for_the_shards_another_host_closed_and_has_not_uploaded(
+    mount_factory, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    primary, other, shard_b = _orbax_tmp_with_a_held_shard(mount_factory, tmp_path)
+    flushed = threading.Timer(1.5, other.flush)  # the other host's drain gets there a little later
+    flushed.start()
+    started = time.monotonic()
+    os.rename(primary.mnt / TMP, primary.mnt / "step_1")  # before: at once, without shard_b
+    waited = time.monotonic() - started
+    flushed.join()
+    assert waited >= 1.0, waited
+    assert sorted(os.listdir(primary.mnt / "step_1")) == ["shard_a", "shard_b"]
+    primary.flush()
+    assert (tmp_path / "shared" / "step_1" / "shard_b").read_bytes() == shard_b
+    assert not (tmp_path / "shared" / TMP).exists()
+
+
+def test_past_rename_wait_the_rename_goes_on_and_names_the_node_left_behind(
+    mount_factory, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    primary, other, _ = _orbax_tmp_with_a_held_shard(mount_factory, tmp_path, "--rename-wait", "1")
+    primary.allowed_log_words.append("while other nodes still have work pending in")
+    os.rename(primary.mnt / TMP, primary.mnt / "step_1")
+    assert os.listdir(primary.mnt / "step_1") == ["shard_a"]
+    status = primary.status()
+    assert "rename: renaming step_1.orbax-checkpoint-tmp" in status["last_error"], status["last_error"]
+    assert other.status()["nodes"]["node"] in status["last_error"]
+    assert "while other nodes still have work pending in" in primary.log.read_text()

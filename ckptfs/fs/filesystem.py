@@ -100,6 +100,11 @@ class Filesystem:
         self._kernel_cache.backing = backing
 
     @property
+    def listing(self) -> Listing:
+        """Directories as the store lists them (its cross-node wait before a directory's rename or rmdir)."""
+        return self._listing
+
+    @property
     def announcer(self) -> Announcer | None:
         """Cross-node ordering (None: off)."""
         return self._announcements.announcer

@@ -99,10 +99,22 @@ class BackingFiles(Protocol):
     def close(self, backing_id: int) -> None: ...
 
 
+class OtherNodesWork(Protocol):
+    """Other nodes' pending work (cross-node records, nodes/peers.py), as a directory's rename sees it."""
+
+    async def wait_for_entry(self, entry: str) -> None:
+        """Return once no other node has work pending in the top-level entry `entry`; the caller bounds it."""
+        ...
+
+    def pending_in(self, entry: str) -> list[str]:
+        """The other nodes still pending in `entry` as of the last listing, one line each."""
+        ...
+
+
 class Lister(Protocol):
     """Reads the store's namespace into the journal, a directory at a time (lister.DirLister)."""
 
-    async def ensure(self, inode_id: int, *, required: bool = False) -> None: ...
+    async def ensure(self, inode_id: int, *, required: bool = False, fresh: bool = False) -> None: ...
 
     def mark_listed(self, inode_id: int) -> None: ...
 

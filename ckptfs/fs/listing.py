@@ -4,20 +4,25 @@ and decides how fresh a listing must be); and readdir itself, from the journal."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
+
+import trio
 
 from ckptfs.cache import CacheDir
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
 from ckptfs.fs.inodes import directory, journal_attr, local_attr
-from ckptfs.fs.interface import Attr, DirEntry, Lister
+from ckptfs.fs.interface import Attr, DirEntry, Lister, OtherNodesWork
 from ckptfs.fs.namespace import Namespace, RenameEntries
 from ckptfs.journal import DIR, FILE, REMOTE, Inode, Journal
+
+log = logging.getLogger(__name__)
 
 
 class NothingToList:
     """The lister of a filesystem without a store to list (tests of the semantics alone)."""
 
-    async def ensure(self, inode_id: int, *, required: bool = False) -> None:
+    async def ensure(self, inode_id: int, *, required: bool = False, fresh: bool = False) -> None:
         return None
 
     def mark_listed(self, inode_id: int) -> None:
@@ -33,6 +38,31 @@ class Listing:
         self.cache = cache
         self.lister = lister
         self._namespace = namespace
+        # Cross-node ordering (None: off): a directory renamed or removed here first waits, for at most
+        # `rename_wait` seconds, until the other nodes' work pending in its checkpoint is durable.
+        self.other_nodes: OtherNodesWork | None = None
+        self.rename_wait = 30.0
+        self.on_straggler: Callable[[str], None] = lambda message: None
+
+    async def _wait_for_other_nodes(self, inode: Inode, doing: str) -> None:
+        """Before a rename or rmdir of the directory `inode`: the files other nodes closed in it before now
+        are in the store, so that its listing brings them (Orbax's hosts close their shards, meet at a
+        barrier, and the primary renames the tmp dir). Their records name the top-level entry their work is
+        in; the wait is for those records to go. Past `rename_wait` the operation goes on, and what those
+        nodes upload later lands under the old name: said once in the log and in `ckptfs status`."""
+        if self.other_nodes is None or not inode.path:
+            return
+        entry = inode.path.split("/", 1)[0]
+        with trio.move_on_after(self.rename_wait):
+            await self.other_nodes.wait_for_entry(entry)
+            return
+        left = self.other_nodes.pending_in(entry)
+        if left:
+            message = (f"{doing} {inode.path} while other nodes still have work pending in {entry} after"
+                       f" {self.rename_wait:.0f} s (rename_wait): {'; '.join(left)}; what they upload there"
+                       " later lands under the old name")
+            log.warning("%s", message)
+            self.on_straggler(message)
 
     async def ensure_listed(self, inode_id: int) -> None:
         """Before a lookup in or a readdir of a directory: the store's entries of it are in the journal."""
@@ -77,6 +107,7 @@ class Listing:
             return None
         if entries.source.kind == DIR or (entries.target is not None and entries.target.kind == DIR):
             if entries.source.kind == DIR:
+                await self._wait_for_other_nodes(entries.source, "renaming")
                 await self._list_tree(entries.source.id)
             target = self._maybe_child(new_parent_id, raw_new)
             if target is not None and target.kind == DIR:
@@ -90,6 +121,7 @@ class Listing:
         await self._list_required(parent_id)
         inode = self._maybe_child(parent_id, raw_name)
         if inode is not None and inode.kind == DIR:
+            await self._wait_for_other_nodes(inode, "removing")
             await self._list_required(inode.id, fresh=True)
 
     def _maybe_child(self, parent_id: int, raw_name: bytes) -> Inode | None:

@@ -186,6 +186,24 @@ class PeerRecords:
         finally:
             self._waiters -= 1
 
+    async def wait_for_entry(self, entry: str) -> None:
+        """Return once every record other nodes have now that names the top-level entry `entry` (forgotten
+        nodes aside) is gone: the work they had pending in it is durable (a directory's rename waits for
+        it). The caller bounds it (trio.move_on_after)."""
+        self._waiters += 1
+        try:
+            await self.refresh()
+            snapshot = {name for name in self._others() if entry in self._existing[name].entries}
+            self._wanted.set()  # the listing task polls while anyone waits
+            while snapshot & self._existing.keys():
+                await self._listed_event.wait()
+        finally:
+            self._waiters -= 1
+
+    def pending_in(self, entry: str) -> list[str]:
+        """One line per other node with work pending in the top-level entry `entry`, as of the last listing."""
+        return self.describe(name for name in self._others() if entry in self._existing[name].entries)
+
     def waited_for(self) -> frozenset[str]:
         """The records the latest `wait_all` waited for that still exist."""
         return self._all_snapshot & self._existing.keys()
