@@ -243,6 +243,31 @@ def test_reserving_space_waits_for_room_like_a_write_then_fails_with_enospc(moun
     assert files["new"] == bytes(40 * MIB)
 
 
+def test_a_file_with_reserved_space_is_not_spilled_while_another_is(mount_factory: MountFactory) -> None:
+    """A spill uploads the start of a file being written and fails later writes there (EIO): for a file whose
+    size is what fallocate reserved, that start is zeros its writer has yet to write. The writer that
+    needs the room is spilled instead, and both finish."""
+    mount = mount_factory(upload_delay=600, extra_args=("--cache-size", "64M", "--part-size", "5M",
+                                                        "--dirty-wait", "60"))
+    held = os.open(mount.mnt / "held", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(held, b"keep", 0)
+        fallocate(held, 0, 0, 32 * MIB)
+        chunk = os.urandom(MIB)
+        with open(mount.mnt / "big", "wb") as big:  # 64 MiB through the 32 MiB left: spilled as it goes
+            for _ in range(64):
+                big.write(chunk)
+        assert mount.status()["uploaded"]["spilled_bytes"] > 0
+        for offset in range(MIB, 32 * MIB, MIB):  # the reserved range is written now: no EIO
+            os.pwrite(held, chunk, offset)
+    finally:
+        os.close(held)
+    mount.flush()
+    files = mount.store_files()
+    assert files["big"] == chunk * 64
+    assert files["held"] == b"keep" + bytes(MIB - 4) + chunk * 31
+
+
 def _journal_size(mount: Mount, name: str) -> int:
     db = sqlite3.connect(f"file:{mount.cache / 'journal.db'}?mode=ro", uri=True)
     try:

@@ -164,7 +164,7 @@ class Spills:
         path = self.cache.data_path(inode_id)
         while not self.pressure:
             entry = self.cache.files.get(inode_id)
-            if entry is None:
+            if entry is None or entry.preallocated:  # (see spillable)
                 return
             ready = (entry.size - self.lookahead - state.size) // part * part
             if ready <= 0:

@@ -358,8 +358,8 @@ class DataPath:
             if needed > self.cache.limit:
                 raise FsError(errno.ENOSPC, f"fallocate of {needed} bytes: more than the whole cache budget"
                                             f" ({int(self.cache.limit)} bytes)")
-            if self.cache.used + needed <= self.cache.limit:
-                break
+            if needed == 0 or self.cache.used + needed <= self.cache.limit:
+                break  # (nothing to reserve needs no room, also when writes made the cache overshoot)
             # Back-pressure as for a write, but for all of it: a write may overshoot the budget by one request
             # (<= 1 MiB), a preallocation by no more than it.
             await self.evictor.wait_for_room(needed, what="an fallocate")
@@ -378,8 +378,8 @@ class DataPath:
         st = os.fstat(fd)
         mtime_ns = st.st_mtime_ns
         if mtime_ns == before.st_mtime_ns:
-            # ext4 and xfs mark the file modified for every mode; a cache filesystem that does not is told to,
-            # since the file's mtime is its cache file's (and ctime follows).
+            # ext4 marks the file modified for every mode; a cache filesystem that does not is told to, since
+            # the file's mtime is its cache file's (and ctime follows).
             mtime_ns = time.time_ns()
             os.utime(fd, ns=(st.st_atime_ns, mtime_ns))
         if st.st_size != before.st_size:
