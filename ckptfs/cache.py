@@ -11,7 +11,7 @@ Layout (all 0700 / 0600):
 Space accounting (trio thread only: the write path updates it without a lock): `used` is the sum of
 the apparent sizes of the data files, minus ranges already freed by a spill (see drain/spills.py) and minus the
 holes that a truncate or a write past the end left (the filesystem under the cache stores nothing for
-them), plus
+them), plus the blocks fallocate(KEEP_SIZE) reserved past a file's end (stored, though no read sees them), plus
 `reserved`: the chunks of partial files that are present or in flight (fetch/ reserves a chunk before
 it is fetched and unreserves it when it is punched out or its file dropped or adopted into data/);
 `limit` is the budget: `cache_size`,
@@ -46,7 +46,10 @@ class CacheFile:
     """What the accounting knows of one data file. Open handles share it, so the write path updates
     it without a dict lookup."""
 
-    __slots__ = ("changes", "freed", "holes", "inode_id", "passthrough_writers", "sealed", "size", "staged")
+    __slots__ = (
+        "beyond", "changes", "freed", "holes", "inode_id", "passthrough_writers", "preallocated", "sealed", "size",
+        "staged",
+    )
 
     def __init__(self, inode_id: int, size: int, holes: int = 0) -> None:
         self.inode_id = inode_id
@@ -54,6 +57,12 @@ class CacheFile:
         # Bytes within `size` (beyond `freed`) that were never written: a truncate or a write past the end
         # extended the file over them. Writes that fill them later are charged at the next remeasure.
         self.holes = holes
+        # fallocate() reserved space in the file (fs/data_path.py), since it was created or last truncated to 0:
+        # no spill takes it (what was reserved may not be written yet: a spill would upload zeros and seal them,
+        # and fail the writes to come; and its writes need no more room), and blocks reserved past its end
+        # (FALLOC_FL_KEEP_SIZE) are charged, in `beyond`.
+        self.preallocated = False
+        self.beyond = 0  # bytes allocated past `size` by fallocate(KEEP_SIZE): no read sees them, the disk holds them
         # Handles that write to the file through FUSE passthrough (the kernel writes the data file directly:
         # `size` is what observe() saw last). A spill never seals such a file: nothing could stop a write.
         self.passthrough_writers = 0
@@ -69,7 +78,7 @@ class CacheFile:
 
     @property
     def charge(self) -> int:
-        return self.size - self.freed - self.holes
+        return self.size - self.freed - self.holes + self.beyond
 
     # The spill watermarks (`sealed`, `staged`) change only through these methods; `freed` changes with the
     # budget's accounting (CacheDir.punched).
@@ -108,6 +117,7 @@ JOURNAL_ROOM = 64 << 20
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_ZERO_RANGE = 0x10
 _libc = ctypes.CDLL(None, use_errno=True)
 _fallocate = _libc.fallocate
 _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -119,11 +129,16 @@ def _holes(st: os.stat_result) -> int:
     return max(0, st.st_size - st.st_blocks * 512)
 
 
-def punch_hole_fd(fd: int, offset: int, length: int) -> None:
-    """Free `length` bytes at `offset` of an open file, keeping its size (reads there return zeros)."""
-    if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+def fallocate_fd(fd: int, mode: int, offset: int, length: int) -> None:
+    """fallocate(2) (os has only posix_fallocate, which is mode 0); OSError with its errno."""
+    if _fallocate(fd, mode, offset, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def punch_hole_fd(fd: int, offset: int, length: int) -> None:
+    """Free `length` bytes at `offset` of an open file, keeping its size (reads there return zeros)."""
+    fallocate_fd(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
 
 
 @dataclass(frozen=True)
@@ -145,7 +160,8 @@ class CacheDir:
         self._data_dir_str = str(self.data_dir) + "/"
         self.files: dict[int, CacheFile] = {}
         # ids of the data files whose accounting is measured from the file each round: those with holes
-        # (CacheFile.holes) and those written through passthrough (CacheFile.passthrough_writers).
+        # (CacheFile.holes), those written through passthrough (CacheFile.passthrough_writers) and those with
+        # blocks reserved past their end (CacheFile.beyond: writes that fill them are charged twice until then).
         self.measured: set[int] = set()
         self.used = 0
         self.reserved = 0
@@ -307,6 +323,8 @@ class CacheDir:
             self._account(inode_id, size)
             self.remeasure(inode_id)
             return
+        if size == 0:
+            entry.preallocated = False  # nothing fallocate reserved is left (see CacheFile.preallocated)
         if size >= entry.size:
             if size > entry.size:
                 entry.holes += size - entry.size
@@ -314,7 +332,7 @@ class CacheDir:
             entry.size = size
             return
         self._shrink(entry, size)
-        if entry.holes:
+        if entry.holes or entry.beyond:  # (a truncate frees what fallocate reserved past the new end too)
             self.remeasure(inode_id)
 
     def _shrink(self, entry: CacheFile, size: int) -> None:
@@ -339,9 +357,15 @@ class CacheDir:
             self._shrink(entry, st.st_size)
         before = entry.charge
         entry.size = st.st_size
-        entry.holes = max(0, entry.size - entry.freed - st.st_blocks * 512)
+        within = entry.size - entry.freed
+        allocated = st.st_blocks * 512
+        entry.holes = max(0, within - allocated)
+        if entry.preallocated or entry.beyond:
+            # Blocks past the end are what fallocate(KEEP_SIZE) reserved (other files' few metadata blocks are
+            # not charged: only files fallocate reserved space in are measured so).
+            entry.beyond = max(0, allocated - within)
         self.used += entry.charge - before
-        if entry.holes or entry.passthrough_writers:
+        if entry.holes or entry.passthrough_writers or entry.beyond:
             self.measured.add(inode_id)
         else:
             self.measured.discard(inode_id)

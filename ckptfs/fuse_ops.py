@@ -65,7 +65,7 @@ READDIR_BATCH = 1000
 TIMED_OPS = (
     "lookup", "getattr", "setattr", "readlink", "mknod", "link", "mkdir", "symlink", "unlink", "rmdir", "rename",
     "create", "open", "flush", "release", "fsync", "opendir", "readdir", "fsyncdir", "statfs", "getxattr", "listxattr",
-    "setxattr", "removexattr",
+    "setxattr", "removexattr", "fallocate",
 )
 
 
@@ -505,6 +505,12 @@ class FuseOperations(pyfuse3.Operations):
 
     async def fsync(self, fh: FileHandleT, datasync: bool) -> None:
         await self.fs.fsync(fh, datasync)
+
+    async def fallocate(self, fh: FileHandleT, mode: int, offset: int, length: int) -> None:
+        # Called by a pyfuse3 with the project's addition (scripts/pyfuse3-passthrough.patch); with the stock
+        # one, libfuse answers ENOSYS and the kernel EOPNOTSUPP to every fallocate(2), as it always did.
+        # Also for handles with passthrough: the kernel never passes FALLOCATE to the backing file itself.
+        await self.fs.fallocate(fh, mode, offset, length)
 
     async def opendir(self, inode: InodeT, ctx: RequestContext) -> FileHandleT:
         await self.fs.ensure_listed(inode)

@@ -74,6 +74,10 @@ class Spills:
             # A spill under pressure seals what it takes, and nothing could hold back a write the kernel
             # makes to the file itself (FUSE passthrough): such a file is only ever staged early.
             return 0
+        if entry.preallocated:
+            # Its size says what fallocate reserved, not what was written: a spill would stage zeros (and,
+            # under pressure, seal them against the writes to come). Its writes fill what it reserved.
+            return 0
         return entry.size - self.lookahead - max(entry.sealed, entry.staged)
 
     async def state_of(self, inode: Inode) -> UploadState | None:
@@ -160,7 +164,7 @@ class Spills:
         path = self.cache.data_path(inode_id)
         while not self.pressure:
             entry = self.cache.files.get(inode_id)
-            if entry is None:
+            if entry is None or entry.preallocated:  # (see spillable)
                 return
             ready = (entry.size - self.lookahead - state.size) // part * part
             if ready <= 0:

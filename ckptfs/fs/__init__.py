@@ -7,7 +7,8 @@
   listing.py       the store's entries in the journal before a lookup, readdir, rename or rmdir needs them
   attributes.py    getattr, setattr (truncate included), the ckptfs xattrs, statfs
   open_files.py    the handle table: handle numbers (lowest free first), open and writer counts per inode
-  data_path.py     open, create, read, write (the hot path), fsync, release; back-pressure of a full cache
+  data_path.py     open, create, read, write (the hot path), fallocate, fsync, release; back-pressure of a
+                   full cache
   kernel_cache.py  passthrough backing files, direct I/O, when the kernel's cached pages are stale
   changes.py       when content changes as the journal learns it: dirty before the first byte, the close
   references.py    the kernel's lookup counts, and the purge of an unlinked inode nothing refers to any more

@@ -1,6 +1,6 @@
 """The data path: handles and what goes through them. open and create (a cache file's descriptor, the
-data fetched or streamed first for a remote file), read, write, fsync and release, and the back-pressure
-of a full cache.
+data fetched or streamed first for a remote file), read, write, fallocate, fsync and release, and the
+back-pressure of a full cache.
 
 The write path (`write`) is the hot path: one dict lookup, one budget compare, one pwrite, no SQL. The
 journal learns that a file changed at the first write of each open handle (`_first_write`), and its final
@@ -20,7 +20,15 @@ from typing import Any
 
 import trio
 
-from ckptfs.cache import CacheDir, CacheFile
+from ckptfs.cache import (
+    FALLOC_FL_KEEP_SIZE,
+    FALLOC_FL_PUNCH_HOLE,
+    FALLOC_FL_ZERO_RANGE,
+    CacheDir,
+    CacheFile,
+    fallocate_fd,
+    punch_hole_fd,
+)
 from ckptfs.errors import FsError
 from ckptfs.evict import Evictor
 from ckptfs.fs.announce import Announcements
@@ -43,6 +51,14 @@ log = logging.getLogger(__name__)
 SHED_LAG = 32 << 20
 SHED_STEP = 8 << 20
 
+# The fallocate(2) modes a file open for writing takes (docs/SEMANTICS.md, "fallocate"): allocate (and extend),
+# allocate keeping the size, punch a hole, zero a range (extending or not). The kernel itself answers any other
+# (COLLAPSE_RANGE, INSERT_RANGE, UNSHARE_RANGE, WRITE_ZEROES) with EOPNOTSUPP without asking (fs/fuse/file.c).
+FALLOCATE_MODES = frozenset({
+    0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, FALLOC_FL_ZERO_RANGE,
+    FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE,
+})
+
 
 def _shed_served_pages(handle: OpenFile, offset: int, served_to: int) -> None:
     if offset < handle.shed_to:
@@ -54,6 +70,29 @@ def _shed_served_pages(handle: OpenFile, offset: int, served_to: int) -> None:
         start = max(0, handle.shed_to - SHED_LAG)
         os.posix_fadvise(handle.fd, start, mark - start, os.POSIX_FADV_DONTNEED)
         handle.shed_to = mark
+
+
+def _unreserved(local: CacheFile, start: int, end: int) -> int:
+    """At most how many bytes of [start, end) of a data file are not stored yet, from its accounting: those
+    past its end (less what was reserved there before), and within it at most its holes."""
+    within = max(0, min(end, local.size) - start)
+    past = max(0, end - max(local.size, start))
+    return min(within, local.holes) + max(0, past - local.beyond)
+
+
+def _fallocate_cache_file(fd: int, mode: int, offset: int, length: int) -> None:
+    """fallocate(2) with `mode` (one of FALLOCATE_MODES) on a cache file. Its filesystem's own answer goes to
+    the caller as it is (EOPNOTSUPP where it has no fallocate at all: the application's posix_fallocate then
+    writes zeros through the mount, as on such a local filesystem), but for ZERO_RANGE, which tmpfs lacks: the
+    same bytes are had by punching the range out and allocating it again (the kernel holds the inode's lock
+    for the request, so no write of the mount comes in between)."""
+    try:
+        fallocate_fd(fd, mode, offset, length)
+    except OSError as exc:
+        if not (mode & FALLOC_FL_ZERO_RANGE and exc.errno == errno.EOPNOTSUPP):
+            raise
+        punch_hole_fd(fd, offset, length)
+        fallocate_fd(fd, mode & FALLOC_FL_KEEP_SIZE, offset, length)
 
 
 class DataPath:
@@ -288,6 +327,66 @@ class DataPath:
             self._open_files.handle_table.dirtied(fh)
         if handle.direct:
             self._kernel_cache.bypassed(handle.inode_id)
+
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) of a file open for writing, applied to its cache file. The file changes as by a write
+        (dirty, a new version; mtime and ctime; its size journaled when it changed), so the drain uploads what
+        it then holds: zeros where space was reserved, a hole punched or a range zeroed. The space it reserves
+        is charged to the cache budget and must fit first (back-pressure, then ENOSPC, as for writes); a hole
+        punched gives room back. The kernel sends FALLOCATE here also for handles it reads and writes itself
+        (FUSE passthrough): the cache file is their backing file."""
+        handle = self._open_files.get(fh)
+        if not handle.writable:  # (the kernel checks it first: only a request sent again could get here)
+            raise FsError(errno.EBADF, "file is not open for writing")
+        if mode not in FALLOCATE_MODES:
+            raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x} is not supported")
+        if offset < 0 or length <= 0:
+            raise FsError(errno.EINVAL, "fallocate of a negative offset or of no bytes")
+        end = offset + length
+        local = handle.local
+        changes_bytes = bool(mode & (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE))
+        while True:
+            if changes_bytes and offset < local.sealed:
+                raise FsError(errno.EIO, "this part of the file was already uploaded to make room in the cache"
+                                         " (a spill) and can no longer change")
+            # The spilled start's bytes are in the store and stay as they are: nothing to reserve there.
+            start = offset if changes_bytes else max(offset, local.sealed)
+            if start >= end:
+                return
+            self.cache.observe(handle.inode_id, os.fstat(handle.fd))  # (passthrough writes: the daemon saw none)
+            needed = 0 if mode & FALLOC_FL_PUNCH_HOLE else _unreserved(local, start, end)
+            if needed > self.cache.limit:
+                raise FsError(errno.ENOSPC, f"fallocate of {needed} bytes: more than the whole cache budget"
+                                            f" ({int(self.cache.limit)} bytes)")
+            if needed == 0 or self.cache.used + needed <= self.cache.limit:
+                break  # (nothing to reserve needs no room, also when writes made the cache overshoot)
+            # Back-pressure as for a write, but for all of it: a write may overshoot the budget by one request
+            # (<= 1 MiB), a preallocation by no more than it.
+            await self.evictor.wait_for_room(needed, what="an fallocate")
+        if not handle.dirtied:
+            self._first_write(fh, handle)
+        fd = handle.fd
+        before = os.fstat(fd)
+        if not mode & FALLOC_FL_PUNCH_HOLE:
+            local.preallocated = True  # see CacheFile.preallocated (also if it fails: some may be reserved)
+        try:
+            _fallocate_cache_file(fd, mode, start, end - start)
+        except OSError as exc:
+            raise FsError(exc.errno or errno.EIO, f"fallocate of cache file: {exc.strerror}") from None
+        finally:
+            self.cache.observe(handle.inode_id, os.fstat(fd))
+        st = os.fstat(fd)
+        mtime_ns = st.st_mtime_ns
+        if mtime_ns == before.st_mtime_ns:
+            # ext4 marks the file modified for every mode; a cache filesystem that does not is told to, since
+            # the file's mtime is its cache file's (and ctime follows).
+            mtime_ns = time.time_ns()
+            os.utime(fd, ns=(st.st_atime_ns, mtime_ns))
+        if st.st_size != before.st_size:
+            # As a truncate: the journal knows the new size at once (a kill -9 loses nothing either way: the
+            # cache file of a dirty file is the truth at recovery).
+            with self.journal.transaction():
+                self.journal.set_attrs(handle.inode_id, size=st.st_size, mtime_ns=mtime_ns)
 
     async def wait_for_room(self, needed: int = 0) -> None:
         """Back-pressure: wait until `needed` more bytes fit in the cache budget (FsError ENOSPC after

@@ -259,6 +259,9 @@ class Filesystem:
     async def wait_for_room(self, needed: int = 0) -> None:
         await self._data_path.wait_for_room(needed)
 
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        await self._data_path.fallocate(fh, mode, offset, length)
+
     def release(self, fh: int) -> None:
         self._data_path.release(fh)
 
