@@ -124,9 +124,13 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("mountpoint", type=Path, nargs="?")
         command.add_argument("--config", type=Path, help="take the mountpoint (and guard_mountpoint) from this file")
 
-    sub.add_parser("holder", help="serve as this node's holder service: keep the FUSE connections that daemons hand"
-                   " in, so that a mount outlives its daemon's pod (Kubernetes: its own DaemonSet); in the"
-                   " foreground until SIGTERM")
+    holder = sub.add_parser("holder", help="serve as this node's holder service: keep the FUSE connections that"
+                            " daemons hand in, so that a mount outlives its daemon's pod (Kubernetes: its own"
+                            " DaemonSet); in the foreground until SIGTERM")
+    holder.add_argument("--guard", action="append", default=[], type=Path, metavar="MOUNTPOINT",
+                        help="at start, make MOUNTPOINT if missing and guard it while nothing is mounted there, so"
+                             " that a job started before the daemon (a node's boot) gets EROFS instead of writing"
+                             " onto the disk below; the daemon's mount replaces the guard (repeatable)")
 
     status = sub.add_parser("status", help="files and bytes per state, queue, oldest dirty age, last error")
     status.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
@@ -557,7 +561,25 @@ def cmd_holder(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     client.ensure_runtime_dir(client.runtime_dir())
+    for mountpoint in args.guard:
+        _guard_before_the_first_mount(client.canonical_mountpoint(mountpoint))
     return holder.serve_node()
+
+
+def _guard_before_the_first_mount(mountpoint: Path) -> None:
+    """A mountpoint with nothing mounted on it is made if missing and guarded (a new node's hostPath starts
+    empty); one with a mount (a daemon's, or a guard already) is left as it is, unlooked-into: a FUSE mount
+    no daemon serves yet would hang a stat."""
+    top = guard.mounted_at(mountpoint)
+    if top is not None:
+        log.info("holder service: %s is mounted already (%s): no guard needed", mountpoint, top.describe())
+        return
+    try:
+        mountpoint.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CkptfsError(f"cannot make the mountpoint {mountpoint} to guard: {exc.strerror}") from None
+    guard.place(mountpoint, strict=True)
+    log.info("holder service: guarded %s until a daemon mounts it", mountpoint)
 
 
 COMMANDS = {

@@ -23,15 +23,17 @@ pytestmark = pytest.mark.skipif(stock_pyfuse3(), reason="keep_mount needs the pa
 class Service:
     """`ckptfs holder` in the foreground, serving the runtime dir `runtime`."""
 
-    def __init__(self, runtime: Path, log: Path) -> None:
+    def __init__(self, runtime: Path, log: Path, *args: str) -> None:
         self.runtime = runtime
         self.log = log
+        self.args = args
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         env = dict(os.environ, CKPTFS_RUNTIME_DIR=str(self.runtime))
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ckptfs", "holder"], env=env, stdout=log, stderr=log)
+            self.proc = subprocess.Popen([sys.executable, "-m", "ckptfs", "holder", *self.args], env=env, stdout=log,
+                                         stderr=log)
         _wait_for(lambda: (self.runtime / "holder.sock").exists(), "the holder service's socket")
 
     def stop(self, how: int = signal.SIGTERM) -> None:
@@ -193,3 +195,28 @@ def test_a_service_that_goes_while_the_daemon_drains_to_leave_makes_it_unmount_i
 
     top = guard.mounted_at(m.mnt)
     assert top is not None and top.is_guard, top  # unmounted and guarded, not a stale mount at ENOTCONN
+
+
+def test_the_service_guards_a_mountpoint_until_the_daemon_mounts_it(mount_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A node's boot: the holder starts before the daemon, and a job started meanwhile must not write onto
+    the disk below the mountpoint (which the daemon would then refuse as not empty)."""
+    from ckptfs import guard
+
+    m: Mount = mount_factory(start=False, extra_args=("--keep-mount-on-stop",))
+    m.runtime.mkdir(mode=0o700)
+    m.mnt.rmdir()  # a new node's hostPath: the mountpoint is not there yet
+    service = Service(m.runtime, tmp_path / "holder.log", "--guard", str(m.mnt))
+    service.start()
+    try:
+        top = guard.mounted_at(m.mnt)
+        assert top is not None and top.is_guard, top
+        with pytest.raises(OSError, match="Read-only file system"):
+            (m.mnt / "early.pt").write_bytes(b"x")
+        m.start()  # the daemon replaces the guard and hands its connection to the service
+        top = guard.mounted_at(m.mnt)
+        assert top is not None and top.fstype == "fuse.ckptfs", top
+        _wait_for(lambda: _keep(m)["enabled"], "the connection handed to the service")
+        (m.mnt / "f").write_bytes(b"f")
+    finally:
+        m.cleanup()
+        service.stop()

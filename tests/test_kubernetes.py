@@ -306,7 +306,9 @@ def test_holder_is_the_design() -> None:
     h = holder(objs)
     spec, c = pod_spec(h), container(h, "holder")
     assert h["spec"]["updateStrategy"] == {"type": "OnDelete"}
-    assert c["command"] == ["ckptfs", "holder"] and "args" not in c
+    assert c["command"] == ["ckptfs", "holder"]
+    # the mountpoint guarded until the daemon mounts it (a node's boot)
+    assert c["args"] == ["--guard", daemon_env(objs)["CKPTFS_MOUNTPOINT"]]
     assert c["image"] == container(daemon(objs), "ckptfs")["image"]
     assert c["env"] == [{"name": "CKPTFS_RUNTIME_DIR", "value": "/run/ckptfs"}]
     assert c["securityContext"] == {"privileged": True}
@@ -550,7 +552,7 @@ def test_podman_holder_runs_as_declared(tmp_path: Path) -> None:
         "--memory", str(128 << 20), "--cpu-shares", "10",
         "--pull=missing",
         "--entrypoint", '["ckptfs", "holder"]',
-        "-d", "localhost/ckptfs:test",
+        "-d", "localhost/ckptfs:test", "--guard", "/mnt/ckptfs/checkpoints",
     ]
     assert run.pre_stop is None and run.readiness is None and run.stop_timeout == 30
     assert run.host_dirs == [tmp_path / "run/ckptfs", tmp_path / "mnt/ckptfs"]
