@@ -102,7 +102,7 @@ def _schema(db: sqlite3.Connection) -> dict[str, object]:
 def test_a_version_1_journal_is_migrated_with_its_data_intact(tmp_path: Path, opened: bool) -> None:
     _v1_journal(tmp_path / "journal.db", opened=opened)
     journal = Journal(tmp_path / "journal.db")
-    assert journal.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert journal.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     fresh = Journal(tmp_path / "fresh.db")
     assert _schema(journal.db) == _schema(fresh.db)
     model, optim = journal.by_path("step_1/model.pt"), journal.by_path("step_1/optim.pt")
@@ -111,6 +111,7 @@ def test_a_version_1_journal_is_migrated_with_its_data_intact(tmp_path: Path, op
         CLEAN, 7, 2, "step_1/model.pt", "crc32:0a1b2c3d", 2
     )
     assert (optim.state, optim.size, optim.closed_at) == (REMOTE, 9, 3.5)
+    assert model.atime_ns is None and optim.atime_ns is None  # version 4: never set, reads as the mtime
     assert [c.name for c in journal.all_children(2)] == ["model.pt", "optim.pt"]
     assert [(d.key, d.created_at) for d in journal.pending_deletes()] == [("old/model.pt", 4.5)]
     assert journal.get_meta("source") == "file:///store"

@@ -82,6 +82,9 @@ class Attributes:
                     os.utime(self.cache.data_path(inode_id), ns=(atime, mtime))
                 except OSError as exc:
                     raise FsError(exc.errno or errno.EIO, f"utime of cache file: {exc.strerror}") from None
+            else:
+                # No cache file to keep it: the journal does (both times, so that setting one keeps the other).
+                columns["atime_ns"] = atime
         if columns or changes.size is not None:
             columns["ctime_ns"] = now
             with self.journal.transaction():

@@ -44,8 +44,8 @@ def attr_of(journal: Journal, cache: CacheDir, inode: Inode) -> Attr:
     if inode.kind == FILE and inode.state != REMOTE:
         return local_attr(cache, inode.id, inode.mode, inode.uid, inode.gid, inode.ctime_ns, linked=linked)
     subdirectories = journal.subdirectory_count(inode.id) if inode.kind == DIR and linked else 0
-    return journal_attr(inode.id, inode.kind, inode.mode, inode.uid, inode.gid, inode.size, inode.mtime_ns,
-                        inode.ctime_ns, inode.target, linked=linked, subdirectories=subdirectories)
+    return journal_attr(inode.id, inode.kind, inode.mode, inode.uid, inode.gid, inode.size, inode.atime_ns,
+                        inode.mtime_ns, inode.ctime_ns, inode.target, linked=linked, subdirectories=subdirectories)
 
 
 def local_attr(cache: CacheDir, ino: int, mode: int, uid: int, gid: int, ctime_ns: int, *, linked: bool = True
@@ -63,15 +63,17 @@ def local_attr(cache: CacheDir, ino: int, mode: int, uid: int, gid: int, ctime_n
 
 
 def journal_attr(
-    ino: int, kind: str, mode: int, uid: int, gid: int, size: int, mtime_ns: int, ctime_ns: int,
-    target: str | None, *, linked: bool = True, subdirectories: int = 0,
+    ino: int, kind: str, mode: int, uid: int, gid: int, size: int, atime_ns: int | None, mtime_ns: int,
+    ctime_ns: int, target: str | None, *, linked: bool = True, subdirectories: int = 0,
 ) -> Attr:
     """The attributes of an inode without local data (a directory, a symlink, a file only in the store):
-    all in its journal row, but a directory's `subdirectories`, which its link count counts."""
+    all in its journal row, but a directory's `subdirectories`, which its link count counts. An atime
+    never set (None) reads as the mtime."""
     if target is not None:
         size = len(target.encode())
     nlink = (2 + subdirectories if kind == DIR else 1) if linked else 0
-    return _new_tuple(Attr, (ino, mode, nlink, uid, gid, size, (size + 511) // 512, mtime_ns, mtime_ns, ctime_ns))
+    atime = mtime_ns if atime_ns is None else atime_ns
+    return _new_tuple(Attr, (ino, mode, nlink, uid, gid, size, (size + 511) // 512, atime, mtime_ns, ctime_ns))
 
 
 _new_tuple = tuple.__new__

@@ -139,18 +139,19 @@ class Listing:
         takes them: a walk of a big tree reads every entry here, and the kernel's buffer may take fewer
         than the rows read. A file with local data takes its size and times from its cache file, as
         getattr does; a file only in the store (all of a fresh node's walk) is its row as it is."""
-        for ino, name, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target, state in self.journal.entry_rows(
-            inode_id, after_id, limit
+        for ino, name, kind, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target, state in (
+            self.journal.entry_rows(inode_id, after_id, limit)
         ):
             if kind == FILE:
                 if state == REMOTE:
-                    attr = _new_tuple(Attr, (ino, mode, 1, uid, gid, size, (size + 511) // 512, mtime_ns, mtime_ns,
+                    atime = mtime_ns if atime_ns is None else atime_ns
+                    attr = _new_tuple(Attr, (ino, mode, 1, uid, gid, size, (size + 511) // 512, atime, mtime_ns,
                                              ctime_ns))
                 else:
                     attr = local_attr(self.cache, ino, mode, uid, gid, ctime_ns)
             else:
                 subdirectories = self.journal.subdirectory_count(ino) if kind == DIR else 0
-                attr = journal_attr(ino, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,
+                attr = journal_attr(ino, kind, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target,
                                     subdirectories=subdirectories)
             yield _new_tuple(DirEntry, (name.encode(), attr, ino))
 

@@ -70,7 +70,7 @@ class Namespace(PendingDeletes):
         """What readdir answers of a directory's entries, in `children`'s order: plain rows of the few
         columns it needs, not an Inode of every column each (a walk reads every entry of the tree)."""
         return self.db.execute(
-            "SELECT id, name, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target, state FROM inodes"
+            "SELECT id, name, kind, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target, state FROM inodes"
             " WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
             (parent, after_id, limit),
         ).fetchall()
@@ -202,7 +202,7 @@ class Namespace(PendingDeletes):
         self.db.execute("UPDATE inodes SET mtime_ns = ?, ctime_ns = ? WHERE id = ?", (now, now, inode_id))
 
     def set_attrs(self, inode_id: int, **columns: object) -> None:
-        assert columns and set(columns) <= {"mode", "uid", "gid", "size", "mtime_ns", "ctime_ns"}
+        assert columns and set(columns) <= {"mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns"}
         assignments = ", ".join(f"{c} = ?" for c in columns)
         self.db.execute(f"UPDATE inodes SET {assignments} WHERE id = ?", (*columns.values(), inode_id))
 

@@ -41,6 +41,8 @@ class Inode(NamedTuple):
     upload_state: str | None
     closed_at: float | None
     seq: int
+    # Set by utimens of an inode without local data; None: never set, reads as mtime_ns (see the schema).
+    atime_ns: int | None = None
 
     @property
     def key(self) -> str | None:
@@ -54,8 +56,8 @@ class Inode(NamedTuple):
         return self.kind == FILE and self.state != REMOTE
 
 
-# (id, name, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target, state): Namespace.entry_rows.
-EntryRow = tuple[int, str, str, int, int, int, int, int, int, "str | None", str]
+# (id, name, kind, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target, state): Namespace.entry_rows.
+EntryRow = tuple[int, str, str, int, int, int, int, "int | None", int, int, "str | None", str]
 
 
 class ListedEntry(NamedTuple):

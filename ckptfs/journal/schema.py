@@ -12,7 +12,7 @@ from pathlib import Path
 from ckptfs.journal.connection import JournalError
 from ckptfs.journal.records import INODE_COLUMNS, ROOT_ID
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def create_tables(db: sqlite3.Connection) -> None:
@@ -84,6 +84,11 @@ def create_tables(db: sqlite3.Connection) -> None:
             -- Journal-wide order in which this inode last became work for the drain (a close after
             -- writing, a rename, a mkdir). Commit markers wait for every inode with a smaller seq.
             seq       INTEGER NOT NULL DEFAULT 0,
+            -- Access time set by utimens of an inode without local data (a directory, a symlink, a file
+            -- only in the store); NULL until then, read as mtime_ns. A file with local data keeps its atime
+            -- on its cache file instead. Never sent to the store (it keeps no atime). Set by fs.setattr.
+            -- Last in the table: version 4 added it (ALTER TABLE appends).
+            atime_ns  INTEGER,
             UNIQUE (parent, name)
         );
         CREATE INDEX inodes_path ON inodes(path);
@@ -140,19 +145,31 @@ def _to_version_3(db: sqlite3.Connection) -> None:
     db.execute("PRAGMA user_version = 3")
 
 
+def _to_version_4(db: sqlite3.Connection) -> None:
+    """Version 4 keeps the atime that utimens sets on a directory, a symlink or a file only in the store."""
+    db.execute("ALTER TABLE inodes ADD COLUMN atime_ns INTEGER")
+    db.execute("PRAGMA user_version = 4")
+
+
 # The step from each version to the next; each sets the version it reaches.
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _to_version_2, 2: _to_version_3}
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _to_version_2, 2: _to_version_3, 3: _to_version_4}
+
+
+# The inode columns each version added (ALTER TABLE): a journal of an older version lacks them until migrated.
+_ADDED_COLUMNS: dict[int, tuple[str, ...]] = {4: ("atime_ns",)}
 
 
 def check_version(db: sqlite3.Connection, path: Path, version: int) -> None:
-    """Refuse a journal this ckptfs cannot use: one of a newer schema, or one whose inodes lack columns."""
+    """Refuse a journal this ckptfs cannot use, before anything touches it: one of a newer schema, or one
+    whose inodes lack columns its version has."""
     if version > SCHEMA_VERSION:
         raise JournalError(
             f"journal {path} has schema version {version}, newer than this ckptfs ({SCHEMA_VERSION});"
             " upgrade ckptfs or use another --cache-dir"
         )
+    later = {column for v, columns in _ADDED_COLUMNS.items() if v > version for column in columns}
     try:
-        db.execute(f"SELECT {INODE_COLUMNS} FROM inodes LIMIT 0")
+        db.execute(f"SELECT {', '.join(c for c in INODE_COLUMNS.split(', ') if c not in later)} FROM inodes LIMIT 0")
     except JournalError as exc:
         raise JournalError(
             f"journal {path} does not match this ckptfs's schema ({exc}): it was made by a development"
