@@ -488,8 +488,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"transfers  up {moved['parts_up']} parts, {_human_bytes(moved['up_bytes_per_second'])}/s;"
           f" down {moved['parts_down']} parts, {_human_bytes(moved['down_bytes_per_second'])}/s;"
           f" memory {_human_bytes(moved['memory_bytes'])} of {_human_bytes(moved['memory_budget_bytes'])}")
-    for direction, limit in (status.get("limits") or {}).items():
-        print(f"{direction + ' cap':<10} {_limit_text(limit)}")
+    limits = status.get("limits") or {}
+    for label, direction in (("bandwidth  up", "upload"), ("           down", "download")):
+        if direction in limits:
+            print(f"{label} {_limit_text(limits[direction])}")
     reads = status.get("reads")
     if reads is not None:
         print(f"reads      {_human_bytes(reads['bytes_downloaded'])} downloaded in {reads['chunks_fetched']} chunks;"

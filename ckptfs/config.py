@@ -242,8 +242,8 @@ def parse_size(text: str | int, *, total: int | None = None) -> int:
 
 
 MIN_RATE = 1 << 10  # a cap below 1 KiB/s would look like a hung transfer, not a slow one
-_RATE_HELP = ("use bytes per second with K/M/G, like 200M; 0 or off for no cap; or a timetable of local times"
-              " of day, like \"08:00,50M 19:00,off\"")
+_RATE_HELP = "use bytes per second with K/M/G, like 200M, or 0 or off for no cap"
+_TIMETABLE_HELP = (f"{_RATE_HELP}; or a timetable of local times of day, like \"08:00,50M 19:00,off\"")
 
 # A bandwidth setting, parsed: (minute of the day, bytes per second or None: no cap), sorted by the minute;
 # one entry at minute 0 for a plain rate. The transfer engine applies it (transfer/bandwidth.py).
@@ -275,12 +275,12 @@ def _rate(value: str | int) -> int | None:
     return rate
 
 
-def parse_rate(text: str | int, name: str = "limit") -> int | None:
+def parse_rate(text: str | int, name: str = "limit", *, hint: str = _RATE_HELP) -> int | None:
     """A bandwidth cap: bytes per second ('200M', 1048576), or None for no cap ('0', 'off', 0)."""
     try:
         return _rate(text)
     except ValueError as exc:
-        raise UsageError(f"{name} {text!r}: {exc}; {_RATE_HELP}") from None
+        raise UsageError(f"{name} {text!r}: {exc}; {hint}") from None
 
 
 def parse_bandwidth(text: str | int, name: str = "limit") -> Timetable:
@@ -288,7 +288,7 @@ def parse_bandwidth(text: str | int, name: str = "limit") -> Timetable:
     rclone's --bwlimit: entries "HH:MM,RATE" separated by blanks, in local time; the last entry at or before
     the time of day applies, and before the first one the last one (it wraps round midnight)."""
     if isinstance(text, int) or "," not in text:
-        return ((0, parse_rate(text, name)),)
+        return ((0, parse_rate(text, name, hint=_TIMETABLE_HELP)),)
     entries: dict[int, int | None] = {}
     try:
         for item in text.split():
@@ -306,7 +306,7 @@ def parse_bandwidth(text: str | int, name: str = "limit") -> Timetable:
             except ValueError as exc:
                 raise ValueError(f"the entry {item!r}: {exc}") from None
     except ValueError as exc:
-        raise UsageError(f"{name} {text!r}: {exc}; {_RATE_HELP}") from None
+        raise UsageError(f"{name} {text!r}: {exc}; {_TIMETABLE_HELP}") from None
     return tuple(sorted(entries.items()))
 
 
@@ -365,7 +365,7 @@ def _coerce(name: str, value: Any) -> Any:
         return str(value)
     if name in ("upload_limit", "download_limit"):
         if not isinstance(value, str | int):
-            raise UsageError(f"{name} {value!r}: {_RATE_HELP}")
+            raise UsageError(f"{name} {value!r}: {_TIMETABLE_HELP}")
         parse_bandwidth(value, name)  # validate now; the daemon parses it again for the engine
         return str(value).strip()
     return value

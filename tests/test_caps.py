@@ -223,6 +223,54 @@ def test_a_cancelled_wait_gives_its_turn_up() -> None:
     assert time.monotonic() - started < 1.5
 
 
+def test_downloads_under_a_cap_take_window_slots_in_priority_order() -> None:
+    """8 MiB/s in 16 MiB ranges: one range at a time (a paced range holds a part thread and its memory),
+    and when it ends a blocked read goes before read-ahead queued earlier; a lift lets every range go."""
+    order: list[str] = []
+
+    async def main() -> None:
+        down = Direction("download", parse_bandwidth("8M"))
+        first_in = trio.Event()
+        release_first = trio.Event()
+
+        async def first() -> None:
+            async with down.window(0, 16 * MiB):
+                first_in.set()
+                await release_first.wait()
+
+        async def queued(name: str, priority: int) -> None:
+            async with down.window(priority, 16 * MiB):
+                order.append(name)
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            await first_in.wait()
+            nursery.start_soon(queued, "readahead", 1)
+            await trio.sleep(0.01)
+            nursery.start_soon(queued, "read", 0)
+            await trio.sleep(0.01)
+            assert order == [] and down.now().waiting == 2
+            release_first.set()
+        assert order == ["read", "readahead"]
+
+        # Under no cap (here: lifted while they wait) nothing holds a range back.
+        first_in, release_first = trio.Event(), trio.Event()  # `first` uses the new ones
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            await first_in.wait()
+            for i in range(3):
+                nursery.start_soon(queued, f"r{i}", 1)
+            await trio.sleep(0.01)
+            assert len(order) == 2
+            down.lift()
+            await trio.sleep(0.01)
+            assert len(order) == 5
+            release_first.set()
+
+    trio.run(main)
+
+
 # -- the engine on a file:// store -------------------------------------------------------------------------
 
 
@@ -354,7 +402,7 @@ def test_ckptfs_limit_changes_the_rate_within_a_second(mount_factory, seaweedfs_
     rate_after = (size - before) / after
     print(f"before the change {rate_before / MiB:.2f} MiB/s, after {rate_after / MiB:.2f} MiB/s ({after:.2f} s)")
     # The new rate from at most 1 s after the change (the CLI's own start included), and no faster than it.
-    assert (size - before) / (16 * MiB) * 0.85 <= after <= 1.0 + (size - before) / (16 * MiB) * 1.15, after
+    assert (size - before) / (16 * MiB) * 0.75 <= after <= 1.0 + (size - before) / (16 * MiB) * 1.15, after
 
     bad = m.cli("limit", str(m.mnt), "--download", "10X")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--download '10X'" in bad.stderr, bad.stderr
@@ -367,7 +415,7 @@ def test_ckptfs_limit_changes_the_rate_within_a_second(mount_factory, seaweedfs_
     assert limits["upload"]["bytes_per_second"] == 16 * MiB
     shown = json.loads(m.cli("limit", str(m.mnt), "--json").stdout)
     assert shown["upload"]["source"] == "runtime"
-    assert "upload cap 16.0 MiB/s (set by ckptfs limit" in m.cli("status", str(m.mnt)).stdout
+    assert "bandwidth  up 16.0 MiB/s (set by ckptfs limit" in m.cli("status", str(m.mnt)).stdout
 
 
 @pytest.mark.serial

@@ -319,6 +319,7 @@ class Direction:
         self._lifted = False
         self._changed = trio.Event()  # set (and replaced) when a runtime change or a lift wakes the waiters
         self._slots = _Slots()
+        self._range_size = 16 << 20  # the ranges downloads ask for (window() says)
         self._fixed = len(self.timetable) == 1  # a plain rate: the cap changes only at runtime
         self.sync()
 
@@ -333,12 +334,11 @@ class Direction:
         """(rate, source, timetable entry, until) in effect at `wall`."""
         if self._lifted:
             return None, "lifted", None, None
-        override = self._override
+        override = self._override  # read once: set_runtime may replace it meanwhile (worker threads call this)
         if override is not None:
             rate, until = override
-            if until is None or wall < until:
+            if until is None or wall < until:  # else the timetable's next entry came: it applies again
                 return rate, "runtime", None, until
-            self._override = None  # the timetable's next entry came: it applies again
         if self._fixed:
             return self.timetable[0][1], "config", None, None
         at, rate = self.timetable[entry_index(self.timetable, wall)]
@@ -397,8 +397,8 @@ class Direction:
     async def window(self, priority: int, range_size: int) -> AsyncIterator[None]:
         """A slot for one download under the cap (none needed without one): about WINDOW_SECONDS of the
         cap's bytes in ranges of `range_size` at once, at least one, granted in priority order."""
-        rate = self.sync()
-        self._slots.set_limit(math.inf if rate is None else max(1, round(rate * WINDOW_SECONDS / range_size)))
+        self._range_size = range_size
+        rate = self._set_window()
         if rate is None and not self._slots._waiters:
             yield
             return
@@ -406,9 +406,13 @@ class Direction:
         try:
             yield
         finally:
-            rate = self.sync()
-            self._slots.set_limit(math.inf if rate is None else max(1, round(rate * WINDOW_SECONDS / range_size)))
+            self._set_window()  # a timetable's entry may have changed the rate meanwhile
             self._slots.release()
+
+    def _set_window(self) -> int | None:
+        rate = self.sync()
+        self._slots.set_limit(math.inf if rate is None else max(1, round(rate * WINDOW_SECONDS / self._range_size)))
+        return rate
 
     def set_runtime(self, rate: int | None) -> None:
         """`ckptfs limit`: `rate` from now until the timetable's next entry (with one entry: until the daemon
@@ -423,8 +427,7 @@ class Direction:
         self._wake()
 
     def _wake(self) -> None:
-        self.sync()  # wakes the waiting threads (TokenBucket.set_rate notifies)
-        self._slots.set_limit(math.inf)  # the next window() sets the limit of the new rate
+        self._set_window()  # the new rate, which wakes the waiting threads (TokenBucket.set_rate notifies)
         changed, self._changed = self._changed, trio.Event()
         changed.set()
 
