@@ -8,11 +8,12 @@ FUSE, trio or cloud SDK module):
     ckptfs.wait_durable("/checkpoints", ["step_100"], timeout=600)   # NotDurableError after 600 s
     ckptfs.status("/checkpoints")                                    # as `ckptfs status --json`
     ckptfs.wait_durable("/checkpoints", all_nodes=True)              # every node's files, too
+    ckptfs.limit("/checkpoints", upload="200M")                      # cap the drain (until restart)
 
 See docs/INTEGRATIONS.md for the few lines each training library needs.
 """
 
-from ckptfs.client import PruneResult, pending_nodes, prune, refresh, status, unmount, wait_durable
+from ckptfs.client import PruneResult, limit, pending_nodes, prune, refresh, status, unmount, wait_durable
 from ckptfs.errors import CkptfsError, DaemonError, NoDaemonError, NotDrainedError, NotDurableError, UsageError
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "NotDurableError",
     "PruneResult",
     "UsageError",
+    "limit",
     "pending_nodes",
     "prune",
     "refresh",

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfs import client, guard
-from ckptfs.config import CONFIG_ENV, Config, env_name, load_config, load_settings
+from ckptfs.config import CONFIG_ENV, Config, env_name, load_config, load_settings, parse_rate
 from ckptfs.errors import CkptfsError, NotDurableError, UsageError
 
 log = logging.getLogger("ckptfs")
@@ -96,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--part-size")
     mount.add_argument("--memory-budget")
     mount.add_argument("--parts-in-flight", type=int)
+    for direction, to in (("upload", "sent to"), ("download", "read from")):
+        mount.add_argument(f"--{direction}-limit", metavar="RATE",
+                           help=f"cap the bytes per second {to} the store, all transfers together: 200M, off (the"
+                                " default), or a timetable of local times of day, \"08:00,50M 19:00,off\";"
+                                f" `ckptfs limit --{direction}` changes it while mounted")
     mount.add_argument("--read-ahead")
     mount.add_argument("--metrics-addr")
     mount.add_argument("--drain-timeout", type=float)
@@ -152,6 +157,13 @@ def _parser() -> argparse.ArgumentParser:
     flush.add_argument("--all-nodes", action="store_true",
                        help="then wait until what every other node of this prefix had closed is durable too")
 
+    limit = sub.add_parser("limit", help="show the bandwidth caps in effect, or change them until the daemon restarts"
+                           " (or the configured timetable's next entry)")
+    limit.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
+    limit.add_argument("--upload", metavar="RATE", help="bytes per second sent to the store, like 200M; off: no cap")
+    limit.add_argument("--download", metavar="RATE", help="bytes per second read from the store; off: no cap")
+    limit.add_argument("--json", action="store_true")
+
     nodes = sub.add_parser("nodes", help="the nodes whose work on this prefix is not durable yet (cross-node"
                            " ordering of commit markers); --forget gives up on a node lost for good")
     nodes.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
@@ -189,6 +201,8 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "memory_budget": args.memory_budget,
         "read_ahead": args.read_ahead,
         "parts_in_flight": args.parts_in_flight,
+        "upload_limit": args.upload_limit,
+        "download_limit": args.download_limit,
         "metrics_addr": args.metrics_addr,
         "drain_timeout": args.drain_timeout,
         "allow_other": args.allow_other,
@@ -478,6 +492,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"transfers  up {moved['parts_up']} parts, {_human_bytes(moved['up_bytes_per_second'])}/s;"
           f" down {moved['parts_down']} parts, {_human_bytes(moved['down_bytes_per_second'])}/s;"
           f" memory {_human_bytes(moved['memory_bytes'])} of {_human_bytes(moved['memory_budget_bytes'])}")
+    limits = status.get("limits") or {}
+    for label, direction in (("bandwidth  up", "upload"), ("           down", "download")):
+        if direction in limits:
+            print(f"{label} {_limit_text(limits[direction])}")
     reads = status.get("reads")
     if reads is not None:
         print(f"reads      {_human_bytes(reads['bytes_downloaded'])} downloaded in {reads['chunks_fetched']} chunks;"
@@ -506,6 +524,39 @@ def cmd_status(args: argparse.Namespace) -> int:
               " 10 minutes; see the log):")
         for failing in status["failing"][:10]:
             print(f"  {failing['path']}: {failing['job']}: {failing['error']}")
+    return 0
+
+
+def _limit_text(limit: dict[str, Any]) -> str:
+    """One direction's cap for people: '8.0 MiB/s (set by ckptfs limit, until 19:00)', 'off (configured)'."""
+    rate = limit.get("bytes_per_second")
+    text = "off" if rate is None else f"{_human_bytes(rate)}/s"
+    source = limit.get("source")
+    until = limit.get("until")
+    why = {"config": "configured", "timetable": f"timetable entry {limit.get('entry')}",
+           "runtime": "set by ckptfs limit", "lifted": "lifted until the daemon restarts"}.get(str(source), str(source))
+    if until is not None:
+        why += f", until {time.strftime('%H:%M', time.localtime(until))}"
+    elif source == "runtime":
+        why += ", until the daemon restarts"
+    if source != "config":  # what applies again after a runtime change or at the next start
+        why += f"; configured: {limit.get('configured')}"
+    if limit.get("waiting"):
+        why += f"; {limit['waiting']} transfers waiting for their turn"
+    return f"{text} ({why})"
+
+
+def cmd_limit(args: argparse.Namespace) -> int:
+    for direction in ("upload", "download"):  # the daemon checks too: this only says so before connecting
+        value = getattr(args, direction)
+        if value is not None:
+            parse_rate(value, f"--{direction}")
+    limits = client.limit(args.mountpoint, upload=args.upload, download=args.download)
+    if args.json:
+        print(json.dumps(limits, indent=2, sort_keys=True))
+        return 0
+    for direction, limit in limits.items():
+        print(f"{direction:<9} {_limit_text(limit)}")
     return 0
 
 
@@ -586,7 +637,7 @@ COMMANDS = {
     "holder": cmd_holder,
     "mount": cmd_mount, "umount": cmd_umount, "restart": cmd_restart,
     "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
-    "prune": cmd_prune, "nodes": cmd_nodes, "guard": cmd_guard, "unguard": cmd_unguard,
+    "prune": cmd_prune, "nodes": cmd_nodes, "guard": cmd_guard, "unguard": cmd_unguard, "limit": cmd_limit,
 }
 
 
@@ -594,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.restartable = argv is None  # sys.argv is this command line: the daemon may re-execute it
     try:
-        if args.command in ("status", "flush", "refresh", "prune", "nodes"):
+        if args.command in ("status", "flush", "refresh", "prune", "nodes", "limit"):
             _mountpoint_from_environment(args)
         return COMMANDS[args.command](args)
     except CkptfsError as exc:

@@ -1,5 +1,5 @@
 """The client side of the control socket, and the Python API on top of it: what `import ckptfs` offers a
-training script, and what every `ckptfs status|flush|refresh|prune|umount` command calls (one code path).
+training script, and what every `ckptfs status|flush|limit|refresh|prune|umount` command calls (one code path).
 
 Owns: where a mount's socket lives (the daemon binds where this module looks), the blocking one-request
 protocol, turning replies into values or exceptions from ckptfs.errors with the messages the CLI prints.
@@ -213,6 +213,29 @@ def pending_nodes(mountpoint: StrPath, *, forget: str | None = None) -> dict[str
     reply = _checked(call(mountpoint, request, timeout=60.0), "nodes")
     reply.pop("ok")
     return reply
+
+
+def limit(
+    mountpoint: StrPath, *, upload: int | str | None = None, download: int | str | None = None,
+) -> dict[str, Any]:
+    """Change the mount's bandwidth caps and return the caps in effect, as `ckptfs limit` prints them:
+    {"upload": {...}, "download": {...}}, each with "bytes_per_second" (None: no cap) and "source" ("config",
+    "timetable", "runtime", "lifted"). `upload` / `download`: bytes per second (an int, or text with a
+    K/M/G suffix like "200M"), 0 or "off" for no cap; None leaves that direction as it is (so no argument
+    only reads them). Transfers waiting for their turn see a change at once. It lasts until the daemon
+    restarts, or until the next entry of a configured timetable (upload_limit = "08:00,50M 19:00,off")."""
+    request: dict[str, Any] = {"op": "limit"}
+    for name, value in (("upload", upload), ("download", download)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise UsageError(f"{name} must be bytes per second (200M, 1048576) or off, not {value!r}")
+        request[name] = value
+    reply = call(mountpoint, request)
+    if not reply.get("ok") and reply.get("usage"):
+        raise UsageError(reply["error"])
+    limits: dict[str, Any] = _checked(reply, "limit")["limits"]
+    return limits
 
 
 def refresh(mountpoint: StrPath) -> None:

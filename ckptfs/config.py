@@ -113,6 +113,14 @@ class Config:
     parts_in_flight: int = 16
     """Part transfers (up and down, all files together) in flight at once, within memory_budget."""
 
+    upload_limit: str = "off"
+    """Cap on the bytes per second sent to the store, all transfers together: a rate with a SIZE suffix
+    ("200M"), "0" or "off" (no cap), or a timetable of local times of day ("08:00,50M 19:00,off": the last
+    entry before now applies, wrapping round midnight). `ckptfs limit` changes it until the next entry."""
+
+    download_limit: str = "off"
+    """Cap on the bytes per second read from the store, as upload_limit."""
+
     read_ahead: str = "4M"
     """The kernel's read-ahead for the mount (its bdi read_ahead_kb): how much a sequential reader's reads
     ask for at once, in FUSE requests of up to 1 MiB; "0": leave the kernel's default (128 KiB)."""
@@ -233,6 +241,75 @@ def parse_size(text: str | int, *, total: int | None = None) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
+MIN_RATE = 1 << 10  # a cap below 1 KiB/s would look like a hung transfer, not a slow one
+_RATE_HELP = "use bytes per second with K/M/G, like 200M, or 0 or off for no cap"
+_TIMETABLE_HELP = (f"{_RATE_HELP}; or a timetable of local times of day, like \"08:00,50M 19:00,off\"")
+
+# A bandwidth setting, parsed: (minute of the day, bytes per second or None: no cap), sorted by the minute;
+# one entry at minute 0 for a plain rate. The transfer engine applies it (transfer/bandwidth.py).
+Timetable = tuple[tuple[int, int | None], ...]
+
+
+def _rate(value: str | int) -> int | None:
+    """parse_rate without the name: ValueError saying what is wrong."""
+    if isinstance(value, bool):
+        raise ValueError("not a rate")
+    if isinstance(value, int):
+        rate = value
+    else:
+        text = value.strip()
+        if text.lower() in ("off", "none", "0", ""):
+            return None
+        if text.endswith("%"):
+            raise ValueError("a rate cannot be a percentage")
+        try:
+            rate = parse_size(text)
+        except UsageError:
+            raise ValueError(f"{text!r} is not a rate") from None
+    if rate < 0:
+        raise ValueError("a rate cannot be negative")
+    if rate == 0:
+        return None
+    if rate < MIN_RATE:
+        raise ValueError(f"{value!r} is below 1K (bytes per second): every transfer would crawl")
+    return rate
+
+
+def parse_rate(text: str | int, name: str = "limit", *, hint: str = _RATE_HELP) -> int | None:
+    """A bandwidth cap: bytes per second ('200M', 1048576), or None for no cap ('0', 'off', 0)."""
+    try:
+        return _rate(text)
+    except ValueError as exc:
+        raise UsageError(f"{name} {text!r}: {exc}; {hint}") from None
+
+
+def parse_bandwidth(text: str | int, name: str = "limit") -> Timetable:
+    """upload_limit / download_limit: a rate (one entry at 00:00, applying all day) or a timetable like
+    rclone's --bwlimit: entries "HH:MM,RATE" separated by blanks, in local time; the last entry at or before
+    the time of day applies, and before the first one the last one (it wraps round midnight)."""
+    if isinstance(text, int) or "," not in text:
+        return ((0, parse_rate(text, name, hint=_TIMETABLE_HELP)),)
+    entries: dict[int, int | None] = {}
+    try:
+        for item in text.split():
+            match = re.fullmatch(r"(\d{1,2}):(\d{2}),(.+)", item)
+            if not match:
+                raise ValueError(f"the entry {item!r} is not HH:MM,RATE")
+            hour, minute = int(match.group(1)), int(match.group(2))
+            if hour > 23 or minute > 59:
+                raise ValueError(f"{item!r}: {hour}:{minute:02d} is not a time of day (00:00 to 23:59)")
+            at = hour * 60 + minute
+            if at in entries:
+                raise ValueError(f"{hour:02d}:{minute:02d} appears twice")
+            try:
+                entries[at] = _rate(match.group(3))
+            except ValueError as exc:
+                raise ValueError(f"the entry {item!r}: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"{name} {text!r}: {exc}; {_TIMETABLE_HELP}") from None
+    return tuple(sorted(entries.items()))
+
+
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
@@ -286,6 +363,11 @@ def _coerce(name: str, value: Any) -> Any:
     if name in ("cache_size", "min_free"):
         parse_size(value, total=100)  # validate now, resolve against the filesystem later
         return str(value)
+    if name in ("upload_limit", "download_limit"):
+        if not isinstance(value, str | int):
+            raise UsageError(f"{name} {value!r}: {_TIMETABLE_HELP}")
+        parse_bandwidth(value, name)  # validate now; the daemon parses it again for the engine
+        return str(value).strip()
     return value
 
 

@@ -1,4 +1,4 @@
-"""The answers to the control socket's requests (`ckptfs status|flush|nodes|prune|refresh|restart|umount`).
+"""The answers to the control socket's requests (`ckptfs status|flush|limit|nodes|prune|refresh|restart|umount`).
 
 ctl.py is the socket (who may connect, one JSON object per line); this module decides what each request
 does, through the parts of the mount it is given. What only the daemon's lifecycle can do (stop, restart,
@@ -14,12 +14,14 @@ from typing import Any, Protocol
 
 import trio
 
+from ckptfs.config import parse_rate
 from ckptfs.drain import Drain, FlushResult
-from ckptfs.errors import CkptfsError
+from ckptfs.errors import CkptfsError, UsageError
 from ckptfs.lister import DirLister
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
 from ckptfs.pruner import Pruner
-from ckptfs.snapshot import MountStats, status_json
+from ckptfs.snapshot import MountStats, limits_json, status_json
+from ckptfs.transfer import Bandwidth
 
 RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take
 REMAINING_LISTED = 100  # a flush or unmount names this many entries not yet durable (and counts them all)
@@ -51,7 +53,7 @@ class ControlRequests:
 
     def __init__(
         self, daemon: Lifecycle, drain: Drain, lister: DirLister, pruner: Pruner, *, cache_root: Path, node_id: str,
-        records: NodeRecords | None, peers: PeerRecords | None,
+        records: NodeRecords | None, peers: PeerRecords | None, bandwidth: Bandwidth,
     ) -> None:
         self.daemon = daemon
         self.drain = drain
@@ -61,6 +63,7 @@ class ControlRequests:
         self.node_id = node_id
         self.records = records
         self.peers = peers
+        self.bandwidth = bandwidth
 
     async def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         """The answer to one request of the control socket (ctl.serve calls this)."""
@@ -80,6 +83,8 @@ class ControlRequests:
                 result = await self._flush_other_nodes(deadline)
             return {"ok": result.ok, "remaining": result.remaining[:REMAINING_LISTED],
                     "remaining_count": len(result.remaining)}
+        if op == "limit":
+            return self._limit(request)
         if op == "nodes":
             return await self._nodes(request)
         if op == "prune":
@@ -108,6 +113,26 @@ class ControlRequests:
                 "pid": os.getpid(),
             }
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _limit(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`ckptfs limit`: change the bandwidth caps given (a rate, or "off"/0), until the timetable's next entry
+        or the daemon's restart; answer with the caps in effect. Transfers waiting for their turn see a change
+        at once (bandwidth.Direction.set_runtime)."""
+        changes = {}
+        for direction in ("upload", "download"):
+            value = request.get(direction)
+            if value is None:
+                continue
+            try:
+                if not isinstance(value, str | int) or isinstance(value, bool):
+                    raise UsageError(f"{direction} limit {value!r} is not a rate; use bytes per second like 200M, or"
+                                     " off")
+                changes[direction] = parse_rate(value, f"{direction} limit")
+            except UsageError as exc:  # nothing is changed when one of the two is wrong
+                return {"ok": False, "error": str(exc), "usage": True}
+        for direction, rate in changes.items():
+            self.bandwidth.direction(direction).set_runtime(rate)
+        return {"ok": True, "limits": limits_json(*self.bandwidth.now())}
 
     async def _flush_other_nodes(self, deadline: float) -> FlushResult:
         """After this node's flush: wait until every other node's work pending now is durable."""

@@ -33,7 +33,7 @@ from ckptfs.backends import check_store, open_store
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
 from ckptfs.client import ensure_runtime_dir, runtime_dir
-from ckptfs.config import Config, parse_size
+from ckptfs.config import Config, parse_bandwidth, parse_size
 from ckptfs.control import RETIRE_RECORDS_WAIT, ControlRequests, deadline_after
 from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, Faults
@@ -211,7 +211,8 @@ class Daemon:
         self.notifier = Notifier()
         self.fuse_ops: FuseOperations | None = None
         self.control = ControlRequests(self, self.drain, self.lister, self.pruner, cache_root=cache.root,
-                                       node_id=self.node_id, records=self.records, peers=self.peers)
+                                       node_id=self.node_id, records=self.records, peers=self.peers,
+                                       bandwidth=engine.bandwidth)
         self.guarded, self.guard_why = guard.availability(config.guard_mountpoint)
         # The mount outliving this daemon (takeover.py): holder, systemd's store, the handles taken over.
         self.keeper = ConnectionKeeper(
@@ -617,6 +618,8 @@ async def _run_on(
             engine = Transfers(
                 store, part_size=parse_size(config.part_size), memory_budget=parse_size(config.memory_budget),
                 parts_in_flight=config.parts_in_flight,
+                upload_limit=parse_bandwidth(config.upload_limit, "upload_limit"),
+                download_limit=parse_bandwidth(config.download_limit, "download_limit"),
             )
             restored = handle_table.open(keep=held is not None)
             recovered = recover(journal, cache, engine, time.time(), still_open={h.inode_id for h in restored},

@@ -41,6 +41,12 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("ckptfs_transfer_memory_bytes", "gauge",
               "Bytes of part data held in memory now, spare part buffers included."),
     MetricDef("ckptfs_transfer_memory_budget_bytes", "gauge", "The memory budget of all transfers (memory_budget)."),
+    MetricDef("ckptfs_upload_limit_bytes_per_second", "gauge",
+              "The upload cap in effect now, bytes per second (upload_limit, its timetable or `ckptfs limit`);"
+              " 0: none."),
+    MetricDef("ckptfs_download_limit_bytes_per_second", "gauge",
+              "The download cap in effect now, bytes per second (download_limit, its timetable or `ckptfs limit`);"
+              " 0: none."),
     MetricDef("ckptfs_oldest_dirty_age_seconds", "gauge",
               "Seconds since the oldest file not yet uploaded was closed (0 if none)."),
     MetricDef("ckptfs_cache_used_bytes", "gauge", "Bytes the cache's data files hold (apparent size)."),

@@ -24,7 +24,7 @@ from ckptfs.fs import Filesystem
 from ckptfs.journal import Journal
 from ckptfs.metrics import OpStats, Snapshot
 from ckptfs.nodes import NodeRecords, PeerRecords
-from ckptfs.transfer import Transfers, TransferStats
+from ckptfs.transfer import LimitNow, Transfers, TransferStats, timetable_text
 
 STATES = ("dirty", "uploading", "clean", "remote")
 FAILING_LISTED = 100  # `ckptfs status` names this many parked jobs (and counts them all)
@@ -215,6 +215,7 @@ def status_json(stats: MountStats) -> dict[str, Any]:
             "memory_peak_bytes": moved.memory_peak,
             "memory_budget_bytes": moved.memory_budget,
         },
+        "limits": limits_json(moved.upload_limit, moved.download_limit),
         "errors": drain.errors,
         "last_error": last_error,
         "last_error_at": last_error_at,
@@ -226,6 +227,30 @@ def status_json(stats: MountStats) -> dict[str, Any]:
         "failing_count": len(stats.failing),
         "shutting_down": stats.shutting_down,
     }
+
+
+def limits_json(upload: LimitNow | None, download: LimitNow | None) -> dict[str, Any]:
+    """The bandwidth caps in effect, as `ckptfs status` and `ckptfs limit` show them."""
+    return {"upload": _limit_json(upload), "download": _limit_json(download)}
+
+
+def _limit_json(limit: LimitNow | None) -> dict[str, Any]:
+    """One direction's bandwidth cap: the rate now (None: none), where it comes from, until when."""
+    if limit is None:
+        return {"bytes_per_second": None, "source": "config", "entry": None, "until": None, "configured": "off",
+                "waiting": 0}
+    return {
+        "bytes_per_second": limit.rate,
+        "source": limit.source,  # config, timetable, runtime (`ckptfs limit`) or lifted
+        "entry": limit.entry,  # the timetable entry in effect ("08:00")
+        "until": limit.until,  # wall-clock time of the timetable's next entry, if any
+        "configured": timetable_text(limit.timetable),
+        "waiting": limit.waiting,  # transfers waiting for their turn under the cap
+    }
+
+
+def _limit_value(limit: LimitNow | None) -> float:
+    return 0.0 if limit is None or limit.rate is None else float(limit.rate)
 
 
 def _nodes_json(nodes: NodesView) -> dict[str, Any]:
@@ -253,6 +278,8 @@ def metrics_snapshot(stats: MountStats) -> Snapshot:
         "ckptfs_transfer_retries": [((), moved.retries)],
         "ckptfs_transfer_memory_bytes": [((), moved.memory_in_use)],
         "ckptfs_transfer_memory_budget_bytes": [((), moved.memory_budget)],
+        "ckptfs_upload_limit_bytes_per_second": [((), _limit_value(moved.upload_limit))],
+        "ckptfs_download_limit_bytes_per_second": [((), _limit_value(moved.download_limit))],
         "ckptfs_oldest_dirty_age_seconds": [((), max(0.0, stats.taken_at - oldest) if oldest else 0.0)],
         "ckptfs_cache_used_bytes": [((), stats.cache_used)],
         "ckptfs_cache_budget_bytes": [((), stats.cache_limit if stats.cache_limit != math.inf else 0)],

@@ -19,7 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": set(),
     "retention": set(),
     "snapshot": {"cache", "drain", "errors", "evict", "fetch", "fs", "journal", "metrics", "nodes", "transfer"},
-    "control": {"drain", "errors", "journal", "lister", "nodes", "pruner", "snapshot"},
+    "control": {"config", "drain", "errors", "journal", "lister", "nodes", "pruner", "snapshot", "transfer"},
     "pruner": {"errors", "fs", "journal", "lister", "nodes", "retention"},
     "checksums": set(),
     "backends": {"checksums", "errors", "backends"},

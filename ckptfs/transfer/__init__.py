@@ -4,8 +4,10 @@ Owns: part sizing, parallelism (one pool of parts in flight shared by every file
 under the memory budget of memory.py), priorities (a reader waiting on a range first, read-ahead next,
 background uploads after, commit markers last), retries with backoff of each part, staged uploads with
 resume from a journaled UploadState and the one way to abandon one (`abandon`), small files in one PUT
-each, spills (the start of a file still being written, staged at a hidden key) and ranged downloads.
+each, spills (the start of a file still being written, staged at a hidden key), ranged downloads, and the
+bandwidth caps, one token bucket per direction across all of them.
 Modules: engine.py (`Transfers`: the plumbing of every store call, uploads, small files, downloads),
+bandwidth.py (`Transfers.bandwidth`: the caps, where each transfer takes its tokens, and why there),
 spills.py (`Transfers.spills`), copies.py (`Transfers.copies`), pool.py (the worker pool of one transfer),
 values.py (what callers hand it and get back). Beside it: memory.py (the budget), leftovers.py (what
 interrupted uploads leave in the store, and the sweeps), checksums.py (CRC32 math), local_io.py (reading
@@ -17,6 +19,7 @@ reports through `progress` (called in the trio thread after the upload is opened
 Everything here runs in the trio thread except the blocking store calls and local reads.
 """
 
+from ckptfs.transfer.bandwidth import Bandwidth, LimitNow, Timetable, rate_text, timetable_text
 from ckptfs.transfer.engine import Transfers
 from ckptfs.transfer.values import (
            FetchedRange,
@@ -28,5 +31,5 @@ from ckptfs.transfer.values import (
            plan_part_size,
 )
 
-__all__ = ["FetchedRange", "Priority", "PutFile", "SmallFile", "StagedUpload", "TransferStats", "Transfers",
-           "plan_part_size"]
+__all__ = ["Bandwidth", "FetchedRange", "LimitNow", "Priority", "PutFile", "SmallFile", "StagedUpload", "Timetable",
+           "TransferStats", "Transfers", "plan_part_size", "rate_text", "timetable_text"]

@@ -17,6 +17,7 @@ import trio
 from ckptfs.backends.base import (
     ObjectMeta,
     ObjectStore,
+    RangeSink,
     UploadPart,
     UploadRef,
     UploadState,
@@ -40,6 +41,7 @@ from ckptfs.local_io import (
     source_error,
 )
 from ckptfs.memory import MemoryBudget
+from ckptfs.transfer.bandwidth import NO_LIMIT, Bandwidth, Timetable
 from ckptfs.transfer.copies import Copies
 from ckptfs.transfer.pool import for_each, parallel
 from ckptfs.transfer.spills import Spills
@@ -86,6 +88,8 @@ class Transfers:
         parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT,
         multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
         attempts: int = DEFAULT_ATTEMPTS,
+        upload_limit: Timetable = NO_LIMIT,
+        download_limit: Timetable = NO_LIMIT,
         sleep: Callable[[float], Any] = trio.sleep,
     ) -> None:
         self.store = store
@@ -101,6 +105,9 @@ class Transfers:
         self._control_threads = trio.CapacityLimiter(CONTROL_THREADS)
         self._stats = TransferStats()
         self._recent: collections.deque[tuple[float, int, int]] = collections.deque()  # (time, up, down)
+        # The caps, one token bucket per direction shared by every transfer (transfer/bandwidth.py says
+        # where each kind of transfer takes its tokens, and why there).
+        self.bandwidth = Bandwidth(upload_limit, download_limit)
         # What interrupted uploads leave in the store: the uploads this process works on, the sweeps.
         self.leftovers = Leftovers(store, self.call)
         self.spills = Spills(self)  # the start of a file still being written, staged at a hidden key
@@ -115,7 +122,13 @@ class Transfers:
             memory_peak=self.memory.peak, memory_waiters=self.memory.waiting,
             up_bytes_per_second=sum(up for _, up, _ in self._recent) / RATE_WINDOW,
             down_bytes_per_second=sum(down for _, _, down in self._recent) / RATE_WINDOW,
+            upload_limit=self.bandwidth.up.now(), download_limit=self.bandwidth.down.now(),
         )
+
+    def lift_limits(self) -> None:
+        """No bandwidth cap, up or down, from now until the daemon restarts or `ckptfs limit` sets one (a
+        preemption notice: what is left must go as fast as it can). Transfers waiting for tokens go now."""
+        self.bandwidth.lift()
 
     def _moved(self, up: int, down: int) -> None:
         self._stats.bytes_up += up
@@ -138,10 +151,14 @@ class Transfers:
 
     async def _retry(
         self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter, abandon: bool = True,
-        gated: bool = True,
+        gated: bool = True, sends: int = 0,
     ) -> T:
+        """`sends`: the bytes each attempt uploads, for the upload cap. The caller took them for the first
+        attempt (before it asked for memory); a retry sends them again, so it takes them again."""
         delays = backoff_delays()
         for attempt in range(self.attempts):
+            if attempt and sends:
+                await self.bandwidth.up.take(sends)
             try:
                 if gated:  # a call that may leave something in the store (not a download)
                     return await self._gated(fn, args, limiter, abandon)
@@ -177,7 +194,10 @@ class Transfers:
         self, ref: UploadRef, number: int, offset: int, length: int, src_path: str, expected_crc: int | None,
         priority: Priority,
     ) -> tuple[UploadPart, int]:
-        """Read one part of the local file and stage it, under the memory budget; (part, its CRC32)."""
+        """Read one part of the local file and stage it, under the upload cap and the memory budget; (part,
+        its CRC32)."""
+        # Its turn under the cap first, holding nothing meanwhile (bandwidth.py: why not after the memory).
+        await self.bandwidth.up.take(length)
         buffer: bytearray | None = None
         if self.store.limits.reusable_buffers:
             granted, buffer = await self.memory.acquire_buffer(length, priority)
@@ -186,7 +206,7 @@ class Transfers:
         self._stats.parts_up += 1
         try:
             result = await self._retry(self._read_and_put, ref, number, offset, length, buffer, src_path,
-                                       expected_crc, limiter=self._part_threads)
+                                       expected_crc, limiter=self._part_threads, sends=length)
             if buffer is not None:  # only now: a thread abandoned by a cancellation may still send from it
                 self.memory.keep(buffer, granted)
         finally:
@@ -391,6 +411,7 @@ class Transfers:
         changed since it was chosen. Each file's outcome in order: what was put, None (not to be put), or
         the exception it failed with (SourceChangedError: it changed; nothing was put). A transient store
         error is retried for that file alone, like a part; after a permanent one the rest are not tried."""
+        await self.bandwidth.up.take(size)  # all their bytes, before the memory, as a part does
         granted = await self.memory.acquire(size, priority)
         self._stats.parts_up += 1
         try:
@@ -406,8 +427,10 @@ class Transfers:
                 if isinstance(outcome, TransientBackendError) and not isinstance(outcome, SourceChangedError):
                     self._stats.retries += 1
                     try:
-                        outcomes[index] = await self._retry(self._put_one, files[index], read[index],
-                                                            limiter=self._part_threads)
+                        item = read[index]
+                        outcomes[index] = await self._retry(self._put_one, files[index], item,
+                                                            limiter=self._part_threads,
+                                                            sends=len(item) if isinstance(item, bytes) else 0)
                     except Exception as exc:
                         outcomes[index] = exc
         finally:
@@ -480,9 +503,10 @@ class Transfers:
 
     def _checksum_of(self, key: str, size: int) -> str:
         counted = RangeWriter(-1, 0)  # the ranges arrive in order: one running CRC over all of them
+        paced = self._paced(counted)
         while counted.written < size:
             offset = counted.written
-            self.store.get_range(key, offset, min(self.download_part_size, size - offset), sink=counted)
+            self.store.get_range(key, offset, min(self.download_part_size, size - offset), sink=paced)
             if counted.written == offset:
                 break
         return crc_text(counted.crc)
@@ -493,16 +517,20 @@ class Transfers:
         self, key: str, fd: int, offset: int, length: int, *, if_match: str | None = None,
         priority: Priority = Priority.READ,
     ) -> FetchedRange:
-        """One ranged GET of the object, written to fd at the same offset, under the memory budget."""
-        granted = await self.memory.acquire(length, priority)
-        self._stats.parts_down += 1
-        try:
-            # Not abandoned: it writes into the caller's descriptor, which must outlive the thread.
-            fetched = await self._retry(self._get_and_write, key, fd, offset, length, if_match,
-                                        limiter=self._part_threads, abandon=False, gated=False)
-        finally:
-            self._stats.parts_down -= 1
-            self.memory.release(granted)
+        """One ranged GET of the object, written to fd at the same offset, under the download cap and the
+        memory budget."""
+        # Under a cap, a slot of the window first (bandwidth.py): ranges slowed to the cap must not hold
+        # every part thread and the memory budget; the bytes themselves are paced as they arrive.
+        async with self.bandwidth.down.window(priority, self.download_part_size):
+            granted = await self.memory.acquire(length, priority)
+            self._stats.parts_down += 1
+            try:
+                # Not abandoned: it writes into the caller's descriptor, which must outlive the thread.
+                fetched = await self._retry(self._get_and_write, key, fd, offset, length, if_match,
+                                            limiter=self._part_threads, abandon=False, gated=False)
+            finally:
+                self._stats.parts_down -= 1
+                self.memory.release(granted)
         self._moved(0, fetched.length)
         return fetched
 
@@ -510,8 +538,29 @@ class Transfers:
         # Streamed: each piece is checksummed and written while it is still in the CPU's cache, and the
         # range is never one fresh buffer of its own (see RANGE_PIECE).
         writer = RangeWriter(fd, offset)
-        answer = self.store.get_range(key, offset, length, if_match=if_match, sink=writer)
+        answer = self.store.get_range(key, offset, length, if_match=if_match, sink=self._paced(writer))
         expected = min(length, max(0, answer.size - offset))
         if writer.written != expected:
             raise TransientBackendError(f"download {key}: got {writer.written} of {expected} bytes")
         return FetchedRange(offset, writer.written, writer.crc, answer.size, answer.etag, answer.checksum)
+
+    def _paced(self, sink: RangeSink) -> RangeSink:
+        """`sink` taking each piece's tokens of the download cap first, in the worker thread that reads the
+        range: the next piece is not read from the socket before its turn. A cancelled transfer stops
+        waiting (trio.from_thread.check_cancelled raises trio.Cancelled through the store call)."""
+        down = self.bandwidth.down
+
+        def paced(piece: bytes) -> None:
+            down.take_blocking(len(piece), _check_cancelled)
+            sink(piece)
+
+        return paced
+
+
+def _check_cancelled() -> None:
+    """trio.from_thread.check_cancelled, in a thread trio started; elsewhere (a direct call, as in a test)
+    there is nothing to cancel the wait."""
+    try:
+        trio.from_thread.check_cancelled()
+    except RuntimeError:
+        pass

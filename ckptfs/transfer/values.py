@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from ckptfs.backends.base import ObjectMeta, UploadState
+from ckptfs.transfer.bandwidth import LimitNow
 
 MiB = 1 << 20
 # Parts of one file in parallel that the part size aims for (boto3's default concurrency is 10).
@@ -82,6 +83,8 @@ class TransferStats:
     memory_budget: int = 0
     memory_peak: int = 0
     memory_waiters: int = 0
+    upload_limit: LimitNow | None = None  # the caps in effect (filled in by Transfers.statistics)
+    download_limit: LimitNow | None = None
 
 
 def plan_part_size(size: int, part_size: int, spread: int, *, min_part: int, max_parts: int) -> int:
