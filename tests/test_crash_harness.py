@@ -28,6 +28,7 @@ from crash_harness import (
     NodeState,
     Op,
     PlanBuilder,
+    RoundConfig,
     RoundFailed,
     Tree,
     check_kill_point,
@@ -35,6 +36,7 @@ from crash_harness import (
     first_difference,
     known_traceback,
     parse_args,
+    phase_builder,
     run,
     tracebacks,
 )
@@ -407,5 +409,20 @@ def test_a_spill_rounds_plan_never_needs_a_file_larger_than_the_cache_in_the_cac
         builder = PlanBuilder(random.Random(seed), "t", {"big.bin": SPILL_CACHE_SIZE + 1}, set())
         builder.cache_budget = SPILL_CACHE_SIZE
         for _ in range(4):  # renamed or removed, never written to (the only file: nothing renamed over it)
+            builder.mutate()
+        assert all(op["op"] in ("rename", "unlink") for op in builder.ops), (seed, builder.ops)
+
+
+@pytest.mark.parametrize("phase", ["a", "b"])
+def test_both_phases_of_a_spill_round_plan_for_its_small_cache(phase: str) -> None:
+    """Seed 4701 round 3 (seaweedfs, faults): the earlier life's plan truncated the 30 MB shard it had spilled
+    through the spill round's 24 MiB cache: EFBIG, as documented, taken for a lost write. Each phase's plan
+    now knows the cache (phase_builder)."""
+    cfg = RoundConfig(kill="spill", upload_delay=1.0, prephase="fresh-cache", kill_at=0, kill_sleep=0.0, faults=[],
+                      full_cache=False, filler_mib=0)
+    for seed in range(50):
+        builder = phase_builder(cfg, random.Random(seed), f"0{phase}", {"big.bin": SPILL_CACHE_SIZE + 1}, set(),
+                                "small", gateway=False)
+        for _ in range(4):
             builder.mutate()
         assert all(op["op"] in ("rename", "unlink") for op in builder.ops), (seed, builder.ops)
