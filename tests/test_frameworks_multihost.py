@@ -81,12 +81,15 @@ def _step_keys(keys: Callable[[], set[str]], root: str, step: str) -> set[str]:
     return below
 
 
-def _orbax_save_on_two_nodes_then_a_fresh_one(
-    mount_factory, tmp_path: Path, request: pytest.FixtureRequest, mode: str, host1_args: tuple[str, ...] = ()  # type: ignore[no-untyped-def]
+def _orbax_save_on_two_nodes_then_a_fresh_one(  # type: ignore[no-untyped-def]
+    mount_factory, tmp_path: Path, request: pytest.FixtureRequest, mode: str, *, both: tuple[str, ...] = (),
+    host1: tuple[str, ...] = (),
 ) -> set[str]:
+    """Hosts 0 and 1 save step 1 into `ckpt/`, each through its own node (mount arguments `both` and, for
+    host 1's, `host1`), then restore it; a fresh node restores it too. The store's keys of step 1."""
     source, extra, keys = _store_view("file", tmp_path, request)
-    hosts: list[Mount] = [mount_factory("host0", source=source, extra_args=(*extra, *QUICK_REFRESH)),
-                          mount_factory("host1", source=source, extra_args=(*extra, *QUICK_REFRESH, *host1_args))]
+    hosts: list[Mount] = [mount_factory("host0", source=source, extra_args=(*extra, *both)),
+                          mount_factory("host1", source=source, extra_args=(*extra, *both, *host1))]
     port = str(_free_port())
     saved = _jax_jobs([["save", str(host.mnt / "ckpt"), str(i), port, mode] for i, host in enumerate(hosts)],
                       hosts, tmp_path / "save")
@@ -108,7 +111,8 @@ def test_orbax_multihost_save_with_the_documented_barrier(
     host's ArrayMetadata before the rename) with the barrier of docs/INTEGRATIONS.md. The nodes mount with
     `--refresh-interval 0.5`: Orbax's non-primary host polls for the `array_metadatas/` directory the primary
     makes, and a node sees another node's entries after refresh_interval (else each save waits 30 s)."""
-    in_step = _orbax_save_on_two_nodes_then_a_fresh_one(mount_factory, tmp_path, request, "durable-barrier")
+    in_step = _orbax_save_on_two_nodes_then_a_fresh_one(mount_factory, tmp_path, request, "durable-barrier",
+                                                         both=QUICK_REFRESH)
     for host in range(2):
         assert f"default/ocdbt.process_{host}/manifest.ocdbt" in in_step, sorted(in_step)
         assert f"default/array_metadatas/process_{host}" in in_step, sorted(in_step)
@@ -123,9 +127,11 @@ def test_orbax_multihost_rename_takes_the_shards_another_node_has_not_uploaded(
     the primary's rename of the tmp dir comes right after the barrier, before host 1's shard is in the
     store, and must wait for it (rename_wait) and take it along. Orbax's finalize reads other hosts' files
     when OCDBT and the ArrayMetadata store are on, which only the barrier of docs/INTEGRATIONS.md makes
-    work across nodes (test above): both off here. Refresh interval 0.5 s as above."""
+    work across nodes (test above): both off here, and with them the non-primary host's polling for a
+    directory the primary made, so the nodes keep the default refresh_interval (30 s), and the primary's
+    view of the tmp dir it made is not refreshed before the rename unless the rename lists it afresh."""
     in_step = _orbax_save_on_two_nodes_then_a_fresh_one(
-        mount_factory, tmp_path, request, "plain-barrier", host1_args=SLOW_UPLOADS)
+        mount_factory, tmp_path, request, "plain-barrier", host1=SLOW_UPLOADS)
     # zarr: each host wrote its own chunk of the rows, host 0 the replicated bias and the metadata.
     assert {"default/params/0.0", "default/params/1.0", "default/params/.zarray", "default/bias/0"} <= in_step, \
         sorted(in_step)
