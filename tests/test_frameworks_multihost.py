@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,30 +48,33 @@ needs_jax = pytest.mark.skipif(_missing_jax() is not None, reason=_missing_jax()
 
 def _jax_jobs(commands: list[list[str]], nodes: list[Mount], logs: Path) -> list[dict[str, object]]:
     """Run `orbax_job.py COMMAND` for each node at once, each a process of its own that reaches its node's
-    control socket, and return the JSON line each printed last; fail with their output if one fails or they
-    are not done within JOB_TIMEOUT."""
+    control socket, and return the JSON line each printed; fail with their output if one fails (the others
+    are stopped then: they would wait for it at a barrier) or they are not done within JOB_TIMEOUT."""
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
     for i, (command, node) in enumerate(zip(commands, nodes, strict=True)):
-        env = dict(node.env, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+        env = dict(os.environ, CKPTFS_RUNTIME_DIR=node.env["CKPTFS_RUNTIME_DIR"], JAX_PLATFORMS="cpu",
+                   OMP_NUM_THREADS="1")
         with open(logs / f"job{i}.log", "wb") as out:
             procs.append(subprocess.Popen([sys.executable, str(ORBAX_JOB), *command], stdout=out,
                                           stderr=subprocess.STDOUT, env=env))
+    deadline = time.monotonic() + JOB_TIMEOUT
     try:
-        for proc in procs:
-            proc.wait(timeout=JOB_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pass
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+            proc.wait()
     outputs = [(logs / f"job{i}.log").read_text(errors="replace") for i in range(len(procs))]
     failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
-    assert not failed, f"jobs {failed} failed or ran past {JOB_TIMEOUT} s:\n\n" + "\n\n".join(
+    assert not failed, f"jobs {failed} failed, were stopped or ran past {JOB_TIMEOUT} s:\n\n" + "\n\n".join(
         f"job {i}: ...{output[-3000:]}" for i, output in enumerate(outputs))
-    return [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    return [json.loads(next(line for line in reversed(output.splitlines()) if line.startswith('{"digest"')))
+            for output in outputs]
 
 
 def _step_keys(keys: Callable[[], set[str]], root: str, step: str) -> set[str]:
