@@ -152,11 +152,13 @@ def assert_marker_uploaded_last(node: Mount, marker: str, data_prefix: str, *, o
 
 
 def test_every_documented_snippet_is_tested() -> None:
-    """Each code block docs/INTEGRATIONS.md marks as a snippet is loaded by a test in this file."""
-    source = Path(__file__).read_text() + JOBS.read_text()
+    """Each code block docs/INTEGRATIONS.md marks as a snippet is loaded by a test in this file (Orbax's by
+    the jobs of test_frameworks_multihost.py)."""
+    here = Path(__file__).parent
+    source = "".join(path.read_text() for path in (Path(__file__), JOBS, here / "orbax_job.py"))  # orbax: multihost
     for name in snippet_sources():
         assert f'load_snippet("{name}")' in source, f"snippet {name} is not exercised"
-    assert set(snippet_sources()) == {"transformers", "lightning", "dcp", "deepspeed", "megatron"}
+    assert set(snippet_sources()) == {"transformers", "lightning", "dcp", "deepspeed", "megatron", "orbax"}
 
 
 # -- Hugging Face transformers ---------------------------------------------------------------------------
