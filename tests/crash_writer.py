@@ -19,6 +19,11 @@ The plan is a JSON list of operations; each is one system call on the mount (a w
   {"op": "listdir", "path": p}
   {"op": "wait", "file": f}                   wait until the file f (outside the mount) exists: the job's
                                               barrier, opened by the harness (multi-node rounds)
+  {"op": "find_dir", "path": p, "refresh": bool}  wait until the directory p (another node made it) shows in
+                                              the mount: stat it every 50 ms, running `ckptfs refresh` on the
+                                              mount before each try (refresh) or not (the daemon's
+                                              refresh_interval lists the parent again)
+  {"op": "flush", "path": p}                  `ckptfs flush MOUNT/p`: everything below p durable in the store
 
 Log lines: {"i": index} when operation i returned; {"i": index, "upto": k} after each pwrite that wrote the
 op's bytes [.., k); {"i": index, "err": errno, "upto": k} when it failed with an errno other than the ones a
@@ -32,13 +37,16 @@ import errno
 import json
 import os
 import random
+import stat
+import subprocess
 import sys
 import time
 
 # The errnos of a mount whose daemon died: the operation in flight may or may not have been applied.
 DEAD_MOUNT = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV}
 EXIT_MOUNT_GONE = 3
-WAIT_LIMIT = 600.0  # seconds a "wait" op waits for its barrier
+WAIT_LIMIT = 600.0  # seconds a "wait" op waits for its barrier (and a "find_dir" for its directory)
+FLUSH_TIMEOUT = 240  # `ckptfs flush --timeout` of a "flush" op
 
 
 def data_for(seed: int, size: int) -> bytes:
@@ -60,6 +68,37 @@ def descriptor(fds: dict[str, int], path: object) -> int:
     if str(path) not in fds:
         raise OSError(errno.EBADF, f"{path} is not open (its open failed)")
     return fds[str(path)]
+
+
+def ckptfs_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The ckptfs command line (the environment names the runtime dir of the mount's control socket)."""
+    return subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, check=False)
+
+
+def find_dir(root: str, path: str, refresh: bool) -> None:
+    """Wait until `path`, a directory another node made, shows in the mount. A dead mount raises ENOTCONN
+    from the stat (a refresh that failed because the daemon is gone says nothing by itself)."""
+    deadline = time.monotonic() + WAIT_LIMIT
+    while True:
+        try:
+            if stat.S_ISDIR(os.stat(path).st_mode):
+                return
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise OSError(errno.ETIMEDOUT, f"{path} never showed in the mount")
+        if refresh:
+            ckptfs_cli("refresh", root)
+        time.sleep(0.05)
+
+
+def flush(root: str, path: str) -> None:
+    """`ckptfs flush` of `path`; its failure is the dead mount's (the stat says so) or an EIO."""
+    result = ckptfs_cli("flush", root, path, "--timeout", str(FLUSH_TIMEOUT))
+    if result.returncode != 0:
+        os.stat(root)  # ENOTCONN if the daemon died meanwhile
+        print(f"ckptfs flush {path} exited {result.returncode}: {result.stderr.strip()}", file=sys.stderr)
+        raise OSError(errno.EIO, f"ckptfs flush {path} exited {result.returncode}: {result.stderr.strip()[-200:]}")
 
 
 def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
@@ -115,6 +154,10 @@ def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
                     if time.monotonic() > deadline:
                         raise OSError(errno.ETIMEDOUT, f"barrier {op['file']} never opened")
                     time.sleep(0.005)
+            elif kind == "find_dir":
+                find_dir(root, full(op["path"]), bool(op.get("refresh")))
+            elif kind == "flush":
+                flush(root, full(op["path"]))
             elif kind == "read":
                 with open(full(op["path"]), "rb") as f:
                     while f.read(1 << 20):
