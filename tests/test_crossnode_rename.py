@@ -113,3 +113,31 @@ def test_past_rename_wait_the_rename_goes_on_and_names_the_node_left_behind(
     assert "rename: renaming step_1.orbax-checkpoint-tmp" in status["last_error"], status["last_error"]
     assert other.status()["nodes"]["node"] in status["last_error"]
     assert "while other nodes still have work pending in" in primary.log.read_text()
+
+
+def test_a_rename_waits_for_a_record_that_named_the_tmp_dir_only_after_this_node_read_it(
+    mount_factory, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    """The other host's record was read here while it covered only its previous checkpoint (a marker's or
+    `ckptfs nodes`' listing); the host then wrote into the tmp dir, and its record, still pending, was
+    rewritten in place to name the tmp dir too. The rename must read it again, not go by the old body."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    primary: Mount = mount_factory("host0", source=f"file://{shared}")
+    other: Mount = mount_factory("host1", source=f"file://{shared}", extra_args=HOLD)
+    (other.mnt / "step_0").mkdir()
+    (other.mnt / "step_0" / "shard_b").write_bytes(b"b" * 1000)  # pending: the other host holds its uploads
+    _wait(lambda: any("step_0" in line for line in _peer_lines(primary)), what="the other host's record")
+    (primary.mnt / TMP).mkdir()
+    primary.flush()
+    other.cli("refresh", str(other.mnt))
+    shard_b = os.urandom(100_000)
+    (other.mnt / TMP / "shard_b").write_bytes(shard_b)  # the same record, now naming the tmp dir too
+    flushed = threading.Timer(1.5, other.flush)
+    flushed.start()
+    os.rename(primary.mnt / TMP, primary.mnt / "step_1")
+    flushed.join()
+    assert os.listdir(primary.mnt / "step_1") == ["shard_b"]
+    primary.flush()
+    assert (shared / "step_1" / "shard_b").read_bytes() == shard_b
+    assert not (shared / TMP).exists()
