@@ -70,14 +70,39 @@ def descriptor(fds: dict[str, int], path: object) -> int:
     return fds[str(path)]
 
 
-def ckptfs_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """The ckptfs command line (the environment names the runtime dir of the mount's control socket)."""
-    return subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, check=False)
+PROBE = ".crash-writer-probe"  # a name that never exists: a lookup of it always reaches the daemon
+
+
+def probe(root: str) -> None:
+    """Raise ENOTCONN (or ECONNABORTED) if the mount's daemon is dead. A lookup of a missing name is never
+    answered from the kernel's cache (the daemon keeps no negative entries), as a stat of the root may be."""
+    try:
+        os.stat(os.path.join(root, PROBE))
+    except FileNotFoundError:
+        pass
+
+
+def ckptfs_cli(root: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The ckptfs command line (the environment names the runtime dir of the mount's control socket). A daemon
+    that dies meanwhile ends it (the command would wait for a control socket to come back for 10 s)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ckptfs", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while True:
+        try:
+            out, err = proc.communicate(timeout=0.1)
+            return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            probe(root)
+        except OSError:
+            proc.kill()
+            proc.communicate()
+            raise
 
 
 def find_dir(root: str, path: str, refresh: bool) -> None:
-    """Wait until `path`, a directory another node made, shows in the mount. A dead mount raises ENOTCONN
-    from the stat (a refresh that failed because the daemon is gone says nothing by itself)."""
+    """Wait until `path`, a directory another node made, shows in the mount (a dead mount: ENOTCONN)."""
     deadline = time.monotonic() + WAIT_LIMIT
     while True:
         try:
@@ -88,15 +113,15 @@ def find_dir(root: str, path: str, refresh: bool) -> None:
         if time.monotonic() > deadline:
             raise OSError(errno.ETIMEDOUT, f"{path} never showed in the mount")
         if refresh:
-            ckptfs_cli("refresh", root)
+            ckptfs_cli(root, "refresh", root)
         time.sleep(0.05)
 
 
 def flush(root: str, path: str) -> None:
-    """`ckptfs flush` of `path`; its failure is the dead mount's (the stat says so) or an EIO."""
-    result = ckptfs_cli("flush", root, path, "--timeout", str(FLUSH_TIMEOUT))
+    """`ckptfs flush` of `path`; its failure is the dead mount's (ENOTCONN) or an EIO."""
+    result = ckptfs_cli(root, "flush", root, path, "--timeout", str(FLUSH_TIMEOUT))
     if result.returncode != 0:
-        os.stat(root)  # ENOTCONN if the daemon died meanwhile
+        probe(root)  # ENOTCONN if the daemon died meanwhile
         print(f"ckptfs flush {path} exited {result.returncode}: {result.stderr.strip()}", file=sys.stderr)
         raise OSError(errno.EIO, f"ckptfs flush {path} exited {result.returncode}: {result.stderr.strip()[-200:]}")
 
