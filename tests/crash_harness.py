@@ -1210,6 +1210,8 @@ class MultiNodeRound:
         for k, o in self.plan.orbax.items():
             if k not in self.renamed and any(op is o.rename for op in node0.model.applied):
                 self.renamed.add(k)
+                # from the barrier to the harness's reading of the rename in node 0's log (10 ms polls)
+                self.result.renames.append(time.monotonic() - self.opened[k])
                 for ns in self.nodes[1:]:
                     ns.model._rename(o.tmp, o.final)
 
@@ -1560,6 +1562,7 @@ class RoundResult:
     polls: int = 0  # multi-node rounds: store polls of the cross-node check
     marker_polls: int = 0  # ... that found a marker in the store (and checked what it commits)
     held_polls: int = 0  # ... while node 0's newest closed marker was not in the store yet
+    renames: list[float] = field(default_factory=list)  # Orbax rounds: seconds from each barrier to its rename
     # --keep-mount: kill-point checks made while the killed daemon was dead (a check the holder's next
     # daemon may have raced, started before it ended, is not counted and not trusted)
     kill_point_checks: int = 0
@@ -2291,7 +2294,8 @@ def describe_round(index: int, r: RoundResult) -> str:
               if cfg.orbax else []),
             "kills=" + ",".join(k.label() for k in cfg.kill_plan) + f" ({len(r.kills_done)} done)",
             f"ops={r.ops_done}/{r.ops_planned}", f"bytes={r.bytes_written / MiB:.1f}MiB",
-            f"polls={r.polls} with-marker={r.marker_polls} marker-held={r.held_polls}", f"{r.seconds:.1f}s"])
+            f"polls={r.polls} with-marker={r.marker_polls} marker-held={r.held_polls}",
+            *([f"renames={'/'.join(f'{t:.1f}' for t in r.renames)}s"] if cfg.orbax else []), f"{r.seconds:.1f}s"])
     parts = [f"round {index:4d}", verdict, f"kill={cfg.kill:8s}", f"pre={cfg.prephase:11s}",
              f"delay={cfg.upload_delay:<4}", f"ops={r.ops_done}/{r.ops_planned}",
              f"bytes={r.bytes_written / MiB:.1f}MiB", f"{r.seconds:.1f}s"]
