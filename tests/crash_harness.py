@@ -1363,6 +1363,8 @@ class MultiNodeRound:
         mount.start()
         ns.dead = False
         in_flight = ns.in_flight[0] if ns.in_flight else None
+        if in_flight is not None and "orbax" in in_flight:
+            self.result.rename_kills += 1  # node 0 killed in its rename (its wait, mostly)
         dirs = ns.model.dirs | ({in_flight["path"]} if in_flight is not None and in_flight["op"] == "mkdir" else set())
         owned = self.plan.owned[ns.index]
         view = own_view(read_mount(mount.mnt, owned.__contains__), owned, dirs)
@@ -1563,6 +1565,7 @@ class RoundResult:
     marker_polls: int = 0  # ... that found a marker in the store (and checked what it commits)
     held_polls: int = 0  # ... while node 0's newest closed marker was not in the store yet
     renames: list[float] = field(default_factory=list)  # Orbax rounds: seconds from each barrier to its rename
+    rename_kills: int = 0  # Orbax rounds: kills of node 0 while its rename was in flight
     # --keep-mount: kill-point checks made while the killed daemon was dead (a check the holder's next
     # daemon may have raced, started before it ended, is not counted and not trusted)
     kill_point_checks: int = 0
@@ -2295,7 +2298,8 @@ def describe_round(index: int, r: RoundResult) -> str:
             "kills=" + ",".join(k.label() for k in cfg.kill_plan) + f" ({len(r.kills_done)} done)",
             f"ops={r.ops_done}/{r.ops_planned}", f"bytes={r.bytes_written / MiB:.1f}MiB",
             f"polls={r.polls} with-marker={r.marker_polls} marker-held={r.held_polls}",
-            *([f"renames={'/'.join(f'{t:.1f}' for t in r.renames)}s"] if cfg.orbax else []), f"{r.seconds:.1f}s"])
+            *([f"renames={'/'.join(f'{t:.1f}' for t in r.renames)}s killed-in-rename={r.rename_kills}"]
+              if cfg.orbax else []), f"{r.seconds:.1f}s"])
     parts = [f"round {index:4d}", verdict, f"kill={cfg.kill:8s}", f"pre={cfg.prephase:11s}",
              f"delay={cfg.upload_delay:<4}", f"ops={r.ops_done}/{r.ops_planned}",
              f"bytes={r.bytes_written / MiB:.1f}MiB", f"{r.seconds:.1f}s"]
