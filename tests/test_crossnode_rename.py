@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import Mount
 from emulators import seaweedfs_s3  # noqa: F401
+from fsharness import GID, UID, make_stack
 from test_crossnode_fuse import _store_view, _wait
+
+from ckptfs.errors import FsError, TransientBackendError, errno_for_backend_error
+from ckptfs.journal import ROOT_ID
 
 TMP = "step_1.orbax-checkpoint-tmp-1700000000"
 HOLD = ("--upload-delay", "3600")  # a host whose uploads wait (until it is flushed)
@@ -141,3 +145,27 @@ def test_a_rename_waits_for_a_record_that_named_the_tmp_dir_only_after_this_node
     primary.flush()
     assert (shared / "step_1" / "shard_b").read_bytes() == shard_b
     assert not (shared / TMP).exists()
+
+
+class _RecordsUnreachable:
+    """The other nodes' records, where the store refuses every listing of them."""
+
+    async def wait_for_entry(self, entry: str) -> None:
+        raise TransientBackendError("503 SlowDown (and every retry too)")
+
+    def pending_in(self, entry: str) -> list[str]:
+        return []
+
+
+async def test_a_rename_whose_wait_cannot_list_the_records_fails_with_the_stores_errno(tmp_path: Path) -> None:
+    """A store that refuses the listing of the records fails the rename (or rmdir) as one that refuses the
+    directory's own listing does: an FsError with its errno, not an unexpected error (EIO with a traceback,
+    counted as a bug of the daemon)."""
+    stack = make_stack(tmp_path)
+    stack.fs.listing.other_nodes = _RecordsUnreachable()
+    stack.fs.mkdir(ROOT_ID, TMP.encode(), 0o755, UID, GID)
+    with pytest.raises(FsError) as raised:
+        await stack.fs.prepare_rename(ROOT_ID, TMP.encode(), ROOT_ID, b"step_1")
+    assert raised.value.errno == errno_for_backend_error(TransientBackendError("x"))
+    with pytest.raises(FsError):
+        await stack.fs.prepare_rmdir(ROOT_ID, TMP.encode())
