@@ -160,6 +160,6 @@ class ControlRequests:
                         " them)"}
             forgotten = await self.peers.forget(forget)
         else:
-            await self.peers.refresh()
+            await self.peers.refresh(entries=True)
         return {"ok": True, "this_node": self.node_id, "nodes": self.peers.nodes(),
                 "waiting_markers": self.peers.waiting_markers(), "forgot_records": forgotten}

@@ -82,7 +82,7 @@ class Pruner:
         # What other nodes still have pending work in is not complete, however it looks from here.
         elsewhere: set[str] = set()
         if self.peers is not None:
-            await self.peers.refresh()
+            await self.peers.refresh(entries=True)
             elsewhere = self.peers.pending_entries()
         checkpoints = [Checkpoint(c.name or "", c.mtime_ns, self._complete(c) and c.name not in elsewhere
                                   and not (c.kind != DIR and TOP_FILES in elsewhere))

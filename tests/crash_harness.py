@@ -778,11 +778,28 @@ def check_journal_against_store(journal_path: Path, store: Tree, only: set[str] 
 # while the round runs, at each kill and at the end: a marker in the store means that every file closed on
 # any node before the barrier of its step is there with the bytes it had then, unless an operation after
 # the barrier (or one in flight) changed, moved or removed it.
+#
+# Orbax rounds (a share of the rounds, ORBAX_SHARE, or every round with --orbax) write some steps the way
+# Orbax's multi-host save does: one node (the maker, drawn) makes `step_K.orbax-checkpoint-tmp-<tag>/`, the
+# others wait until it shows in their mounts (`ckptfs refresh`, or the daemon's refresh_interval: drawn per
+# node), every node writes its shards into it, the nodes other than node 0 flush them before the barrier or
+# not (drawn per step), and after the barrier node 0 (the primary) renames the tmp dir to `step_K` and writes
+# the markers into it. The rename waits for the other nodes' pending records that name the tmp dir
+# (rename_wait), then lists it from the store, so every shard closed before the barrier moves with it: the
+# check maps the tmp dir's paths to the final ones, and after the last flush nothing may be left under the
+# tmp name. The daemons' --rename-wait (ORBAX_RENAME_WAIT) is far above anything a round can make a node's
+# work wait (a node is dead at most 1.5 s, upload delays are at most 2 s, files at most 12 MiB), so a
+# rename that went on without a node's work (logged, RENAME_WENT_ON) fails the round.
 
-MULTI_MARKERS = ("latest", ".metadata")
+MULTI_MARKERS = ("latest", ".metadata", "commit_success.txt")
 MULTI_DELAYS = (0.0, 0.1, 0.3, 1.0, 2.0)  # each node's --upload-delay: the race is between unequal nodes
 POLL_STORE = 0.03
 MULTI_ROUND_LIMIT = 300.0
+ORBAX_SHARE = 0.4  # of the multi-node rounds (drawn from the seed and the round's index apart from the rest)
+ORBAX_STEP_SHARE = 0.7  # of an Orbax round's steps (at least one)
+ORBAX_RENAME_WAIT = 120.0
+ORBAX_REFRESH_INTERVAL = 0.5  # the --refresh-interval of nodes that find the tmp dir without `ckptfs refresh`
+RENAME_WENT_ON = "while other nodes still have work pending in"  # the renaming node's WARNING past rename_wait
 
 
 def is_marker_path(path: str) -> bool:
@@ -813,40 +830,88 @@ class Segment:
 
 
 @dataclass
+class OrbaxStep:
+    """A step written as Orbax's multi-host save writes one (see the comment above MULTI_MARKERS)."""
+
+    tmp: str  # step_K.orbax-checkpoint-tmp-<tag>: every node's shards go here
+    final: str  # step_K: node 0 renames the tmp dir to it after the barrier
+    maker: int  # the node that makes the tmp dir (the others find it)
+    flushed: bool  # the other nodes than node 0 flush their shards before the barrier
+    rename: Op  # node 0's rename (the very op of its segment: found by identity in its model's log)
+
+    def label(self) -> str:
+        return f"n{self.maker}{'f' if self.flushed else ''}"
+
+
+@dataclass
 class MultiPlan:
     steps: int
     segments: list[list[Segment]]  # node -> step -> segment
     markers: dict[str, int]  # digest of a marker's content -> its step
-    owned: list[set[str]]  # node -> every file path its plan names
+    owned: list[set[str]]  # node -> every file path its plan names (tmp dirs' files also under the final name)
+    orbax: dict[int, OrbaxStep] = field(default_factory=dict)  # step -> how it is written, for Orbax steps
 
 
 def step_name(step: int) -> str:
     return f"step_{step + 1:05d}"
 
 
-def build_multi_plan(rng: random.Random, nodes: int, tag: str, barriers: Path, lockstep: bool) -> MultiPlan:
+def moved_path(path: str, src: str, dst: str) -> str:
+    """`path` after a rename of the directory `src` to `dst`."""
+    return dst + path[len(src):] if path == src or path.startswith(src + "/") else path
+
+
+def build_multi_plan(rng: random.Random, nodes: int, tag: str, barriers: Path, lockstep: bool,
+                     find_refresh: list[bool] | None = None) -> MultiPlan:
+    """find_refresh (Orbax rounds): per node, whether its writer runs `ckptfs refresh` to find a tmp dir
+    another node made (else its daemon's refresh_interval shows it). None: a round without Orbax steps,
+    drawn exactly as before they existed."""
     steps = rng.randint(2, 4)
     segments: list[list[Segment]] = [[] for _ in range(nodes)]
     markers: dict[str, int] = {}
+    orbax: dict[int, OrbaxStep] = {}
     for k in range(steps):
         step = step_name(k)
+        staged = None
+        if find_refresh is not None and (rng.random() < ORBAX_STEP_SHARE or (k == steps - 1 and not orbax)):
+            tmp = f"{step}.orbax-checkpoint-tmp-{tag}"
+            staged = orbax[k] = OrbaxStep(tmp, step, rng.randrange(nodes), rng.random() < 0.5,
+                                          {"op": "rename", "src": tmp, "dst": step, "orbax": k})
         for n in range(nodes):
             b = PlanBuilder(rng, tag, {}, set())
-            b.add({"op": "mkdir", "path": step, "exist_ok": True})  # every node makes it; one of them first
+            where = step
+            if staged is None:
+                b.add({"op": "mkdir", "path": step, "exist_ok": True})  # every node makes it; one of them first
+            elif n == staged.maker:
+                where = staged.tmp
+                b.add({"op": "mkdir", "path": where, "exist_ok": True})  # exist_ok: the segment may run again
+            else:
+                where = staged.tmp
+                assert find_refresh is not None
+                b.add({"op": "find_dir", "path": where, "refresh": find_refresh[n]})
             made = []
             for i in range(rng.randint(1, 3)):
-                made.append(f"{step}/shard_{n}_{i}")
+                made.append(f"{where}/shard_{n}_{i}")
                 b.write_file(made[-1], multi_size(rng))
             for _ in range(rng.choice([0, 0, 1, 2])):
                 change_own_shard(b, made)
             if rng.random() < 0.4:
                 b.write_file(f"model_{n}.pt", multi_size(rng), style="temp_rename")
+            if staged is not None and staged.flushed and n != 0:
+                b.add({"op": "flush", "path": staged.tmp})
             arrive = len(b.ops)
             if n == 0 or lockstep:
                 b.add({"op": "wait", "file": str(barriers / f"go-{k}")})
             if n == 0:
-                kind = rng.choice(["metadata", "latest", "both"])
-                names = ([f"{step}/.metadata"] if kind != "latest" else []) + (["latest"] if kind != "metadata" else [])
+                if staged is not None:
+                    b.add(staged.rename)
+                    kind = rng.choice(["commit_success", "latest", "both"])
+                    first = f"{step}/commit_success.txt"
+                else:
+                    kind = rng.choice(["metadata", "latest", "both"])
+                    first = f"{step}/.metadata"
+                names = [first] if kind != "latest" else []
+                names += ["latest"] if kind in ("latest", "both") else []
                 for path in names:
                     content = MARKER_PREFIX + f"{step} {tag}:{k} {path}\n".encode()
                     markers[digest(content)] = k
@@ -859,9 +924,12 @@ def build_multi_plan(rng: random.Random, nodes: int, tag: str, barriers: Path, l
                     if target != path:
                         b.add({"op": "rename", "src": target, "dst": path})
             segments[n].append(Segment(k, b.ops, arrive))
-    owned = [{op[key] for seg in segs for op in seg.ops if op["op"] not in ("mkdir", "wait")
-              for key in ("path", "src", "dst") if key in op} for segs in segments]
-    return MultiPlan(steps, segments, markers, owned)
+    owned = [{op[key] for seg in segs for op in seg.ops if op["op"] not in ("mkdir", "wait", "find_dir", "flush")
+              and "orbax" not in op for key in ("path", "src", "dst") if key in op} for segs in segments]
+    for o in orbax.values():
+        for paths in owned:
+            paths |= {moved_path(p, o.tmp, o.final) for p in paths}
+    return MultiPlan(steps, segments, markers, owned, orbax)
 
 
 def change_own_shard(b: PlanBuilder, made: list[str]) -> None:
@@ -900,27 +968,36 @@ def change_own_shard(b: PlanBuilder, made: list[str]) -> None:
 @dataclass
 class KillPlan:
     kind: str  # "ops": once the writers logged `at` operations in all; "barrier": once step `at`'s barrier
-    # opened (node 0 writes the marker then, and the marker waits); "drain": after every writer finished
+    # opened (node 0 writes the marker then, and the marker waits; in an Orbax step it renames the tmp dir
+    # first, and the rename waits); "renamed": once node 0 logged the rename of Orbax step `at`; "drain":
+    # after every writer finished
     node: int
     at: int
     sleep: float  # seconds after the trigger
     restart_after: float  # seconds the node stays dead (others go on; a marker must wait for its records)
 
     def label(self) -> str:
-        where = {"ops": f"ops{self.at}", "barrier": f"barrier{self.at + 1}", "drain": "drain"}[self.kind]
+        where = {"ops": f"ops{self.at}", "barrier": f"barrier{self.at + 1}", "renamed": f"renamed{self.at + 1}",
+                 "drain": "drain"}[self.kind]
         return f"{where}@n{self.node}"
 
 
 def draw_kills(rng: random.Random, delays: list[float], plan: MultiPlan) -> list[KillPlan]:
     total = sum(len(seg.ops) for segs in plan.segments for seg in segs)
     kills = []
+    # Orbax rounds: a barrier kill lands while node 0's rename waits for the others' records (or on the
+    # other node it waits for); a "renamed" kill 0 to 50 ms after node 0's rename returned (its moves and
+    # its markers under way). Other rounds draw exactly as before these existed.
+    kinds = ["ops", "ops", "barrier", "barrier", "drain"] + (["renamed", "renamed"] if plan.orbax else [])
     for _ in range(rng.randint(1, 3)):
-        kind = rng.choice(["ops", "ops", "barrier", "barrier", "drain"])
-        at = rng.randint(1, total) if kind == "ops" else rng.randrange(plan.steps) if kind == "barrier" else 0
+        kind = rng.choice(kinds)
+        at = (rng.randint(1, total) if kind == "ops" else rng.randrange(plan.steps) if kind == "barrier"
+              else rng.choice(sorted(plan.orbax)) if kind == "renamed" else 0)
         sleep = (rng.uniform(0, 0.03) if kind == "ops" else rng.uniform(0, 0.2 + max(delays)) if kind == "barrier"
-                 else rng.uniform(0, max(delays) + BURST_QUIET + 0.3))
+                 else rng.uniform(0, 0.05) if kind == "renamed" else rng.uniform(0, max(delays) + BURST_QUIET + 0.3))
         kills.append(KillPlan(kind, rng.randrange(len(delays)), at, sleep, rng.uniform(0, 1.5)))
-    order = {"ops": lambda k: k.at / total * plan.steps, "barrier": lambda k: k.at + 0.5, "drain": lambda k: math.inf}
+    order = {"ops": lambda k: k.at / total * plan.steps, "barrier": lambda k: k.at + 0.5,
+             "renamed": lambda k: k.at + 0.7, "drain": lambda k: math.inf}
     return sorted(kills, key=lambda k: order[k.kind](k))
 
 
@@ -985,6 +1062,16 @@ class NodeState:
                                                 if p not in self.model.open_paths}
 
 
+def settled_view(view: Tree, model: Model, unsettled: list[str]) -> Tree:
+    """`view` with what it shows below the `unsettled` directories replaced by what the model has there."""
+    def under(path: str) -> bool:
+        return any(path == d or path.startswith(d + "/") for d in unsettled)
+
+    return Tree({**{p: d for p, d in view.files.items() if not under(p)},
+                 **{p: bytes(d) for p, d in model.files.items() if under(p)}},
+                {d for d in view.dirs if not under(d)} | {d for d in model.dirs if under(d)})
+
+
 def own_view(tree: Tree, owned: set[str], dirs: set[str]) -> Tree:
     """What of a node's mount its own model speaks for: the files it writes, and of the directories those
     it made (the others' show up in its listings when they do)."""
@@ -1004,8 +1091,10 @@ class CrossNodeCheck:
         self.marker_polls = 0  # polls that found a marker in the store (and checked what it commits)
         self.held_polls = 0  # polls while node 0's newest closed marker was not in the store yet
 
-    def open_barrier(self, step: int, nodes: list[NodeState]) -> None:
-        self.required[step] = {path: (ns.index, want) for ns in nodes
+    def open_barrier(self, step: int, nodes: list[NodeState], moved: Callable[[str], str] = lambda p: p) -> None:
+        """`moved`: where a path closed before the barrier is when the step's marker can be in the store (an
+        Orbax step's tmp dir is renamed before its marker is written; an earlier one's, before this barrier)."""
+        self.required[step] = {moved(path): (ns.index, want) for ns in nodes
                                for path, want in ns.closed_at_arrival[step].items() if not is_marker_path(path)}
 
     def _digest(self, store: ObjectReader, path: str, token: Any) -> str | None:
@@ -1072,8 +1161,10 @@ class CrossNodeCheck:
 
 
 def touched_paths(ops: list[Op]) -> set[str]:
-    return {op[k] for op in ops if op["op"] not in ("listdir", "read", "fsync", "wait", "mkdir")
-            for k in ("path", "src", "dst") if k in op}
+    """The paths these operations may have changed. Not an Orbax step's rename of its tmp dir: the check
+    wants the shards at their final names once the marker is in (the marker comes after the rename)."""
+    return {op[k] for op in ops if op["op"] not in ("listdir", "read", "fsync", "wait", "mkdir", "find_dir", "flush")
+            and "orbax" not in op for k in ("path", "src", "dst") if k in op}
 
 
 class MultiNodeRound:
@@ -1090,14 +1181,45 @@ class MultiNodeRound:
         self.barriers = round_dir / "barriers"
         self.opened: dict[int, float] = {}
         self.check = CrossNodeCheck(plan.markers)
+        self.renamed: set[int] = set()  # Orbax steps whose tmp dir node 0 has renamed (in its model)
         extra: tuple[str, ...] = ("--part-size", cfg.part_size, "--upload-while-writing", cfg.upload_while_writing,
                                   "--passthrough", cfg.passthrough)
         if harness.args.no_cross_node_ordering:  # the harness's own test: its check must fail then
             extra += ("--no-cross-node-ordering",)
+        if plan.orbax:
+            extra += ("--rename-wait", f"{ORBAX_RENAME_WAIT:g}")
         self.nodes = []
         for n in range(cfg.nodes):
-            m = harness.mount(round_dir / f"node-{n}", store, cfg, *extra, upload_delay=cfg.delays[n])
+            own: tuple[str, ...] = ()
+            if plan.orbax and not cfg.find_refresh[n]:
+                own = ("--refresh-interval", f"{ORBAX_REFRESH_INTERVAL:g}")
+            m = harness.mount(round_dir / f"node-{n}", store, cfg, *extra, *own, upload_delay=cfg.delays[n])
             self.nodes.append(NodeState(n, Model(), m))
+
+    def moved(self, path: str, upto: int | None = None) -> str:
+        """Where `path` is once node 0 renamed the tmp dirs of the Orbax steps (up to step `upto`)."""
+        for k, o in self.plan.orbax.items():
+            if upto is None or k <= upto:
+                path = moved_path(path, o.tmp, o.final)
+        return path
+
+    def sync_renames(self) -> None:
+        """Once node 0's model has an Orbax step's rename, the other nodes' files in the tmp dir are at the
+        final name too (in the store: the rename moved them), and the maker's tmp dir is the final dir."""
+        node0 = self.nodes[0]
+        for k, o in self.plan.orbax.items():
+            if k not in self.renamed and any(op is o.rename for op in node0.model.applied):
+                self.renamed.add(k)
+                # from the barrier to the harness's reading of the rename in node 0's log (10 ms polls)
+                self.result.renames.append(time.monotonic() - self.opened[k])
+                for ns in self.nodes[1:]:
+                    ns.model._rename(o.tmp, o.final)
+
+    def unsettled(self) -> list[str]:
+        """Directories whose view on the nodes other than node 0 the harness does not know between the barrier
+        of an Orbax step and the end: its tmp dir and final dir, as the node last listed them (the rename
+        moved them in the store; a node sees that after its next listing of the top)."""
+        return [d for k, o in self.plan.orbax.items() if k in self.opened for d in (o.tmp, o.final)]
 
     def poll(self) -> None:
         for ns in self.nodes:
@@ -1118,6 +1240,7 @@ class MultiNodeRound:
             if failures:
                 raise RoundFailed(f"node {ns.index}: writer: {failures[0]}")
             ns.arrive()
+        self.sync_renames()
 
     def start_run(self, ns: NodeState, step: int, offset: int) -> None:
         plan: list[Op] = []
@@ -1134,7 +1257,8 @@ class MultiNodeRound:
                 arrivals.append((len(plan), seg.step))
         mount = ns.mount
         assert mount is not None
-        proc, log = self.harness.run_writer(plan, self.round_dir, mount.mnt, f"node{ns.index}-run{ns.runs}")
+        proc, log = self.harness.run_writer(plan, self.round_dir, mount.mnt, f"node{ns.index}-run{ns.runs}",
+                                            env=mount.env)
         ns.runs += 1
         ns.run = NodeRun(plan, where, arrivals, proc, log)
         ns.arrive()
@@ -1142,7 +1266,8 @@ class MultiNodeRound:
     def open_barriers(self) -> None:
         for k in range(self.plan.steps):
             if k not in self.opened and all(k in ns.arrived for ns in self.nodes):
-                self.check.open_barrier(k, self.nodes)  # what the marker commits, fixed before it can exist
+                # what the marker commits, fixed before it can exist (at the names it has by then)
+                self.check.open_barrier(k, self.nodes, lambda p, k=k: self.moved(p, upto=k))  # type: ignore[misc]
                 (self.barriers / f"go-{k}").touch()
                 self.opened[k] = time.monotonic()
 
@@ -1169,6 +1294,8 @@ class MultiNodeRound:
             return sum(len(ns.model.applied) for ns in self.nodes) >= kill.at
         if kill.kind == "barrier":
             return kill.at in self.opened
+        if kill.kind == "renamed":
+            return kill.at in self.renamed
         return all(ns.done for ns in self.nodes)
 
     def kill(self, ns: NodeState, kill: KillPlan) -> None:
@@ -1193,6 +1320,14 @@ class MultiNodeRound:
         if ns.awaiting_writer:
             run = ns.run
             if run is not None:
+                if run.proc.poll() is None and self.plan.orbax and self.waits_at_barrier(ns):
+                    # Orbax rounds: a writer waiting at a barrier (outside the mount) would see its dead mount
+                    # only once the barrier opened, and that may need the others to find a tmp dir this node
+                    # made and had not uploaded: it goes, as its trainer would with the node, and its run
+                    # starts again at the barrier after the restart.
+                    run.proc.kill()
+                    run.proc.wait()
+                    run.proc.returncode = EXIT_MOUNT_GONE
                 if run.proc.poll() is None:
                     if now > ns.killed_at + 60:
                         raise RoundFailed(f"node {ns.index}: the writer hung on the dead mount")
@@ -1228,20 +1363,43 @@ class MultiNodeRound:
         mount.start()
         ns.dead = False
         in_flight = ns.in_flight[0] if ns.in_flight else None
+        if in_flight is not None and "orbax" in in_flight:
+            self.result.rename_kills += 1  # node 0 killed in its rename (its wait, mostly)
         dirs = ns.model.dirs | ({in_flight["path"]} if in_flight is not None and in_flight["op"] == "mkdir" else set())
         owned = self.plan.owned[ns.index]
         view = own_view(read_mount(mount.mnt, owned.__contains__), owned, dirs)
+        if ns.index != 0:
+            view = settled_view(view, ns.model, self.unsettled())
         final, problem = match_in_flight(view, ns.model, in_flight)
         if problem:
             raise RoundFailed(f"node {ns.index}: {problem}")
+        if ns.index == 0 and ns.resume is not None and ns.resume[0] in self.plan.orbax:
+            # The rename is done (logged, or in flight and in the mount): the writer goes on after it (the tmp
+            # dir is gone, a rename of it again would fail)
+            step = ns.resume[0]
+            rename = self.plan.orbax[step].rename
+            if any(op is rename for op in final.applied):
+                ops = self.plan.segments[0][step].ops
+                ns.resume = (step, max(ns.resume[1], next(j for j, op in enumerate(ops) if op is rename) + 1))
         for path in final.open_paths:  # their descriptors died with the writer: what they hold is closed now
             final.versions.add(digest(final.files[path]))
         final.open_paths.clear()
         ns.model = final
         ns.in_flight = []
+        self.sync_renames()
         if ns.resume is not None:
             self.start_run(ns, *ns.resume)
             ns.resume = None
+
+    def waits_at_barrier(self, ns: NodeState) -> bool:
+        """Is the node's writer waiting for a barrier that has not opened (every operation before it logged)?"""
+        run = ns.run
+        assert run is not None
+        self.poll_node(ns)
+        if run.held or run.cursor.next_index >= len(run.plan) or run.cursor.partial:
+            return False
+        op = run.plan[run.cursor.next_index]
+        return op["op"] == "wait" and not Path(op["file"]).exists()
 
     def progress(self) -> str:
         return "; ".join(f"node {ns.index}: {'dead' if ns.dead else 'done' if ns.done else 'running'} "
@@ -1310,6 +1468,19 @@ class MultiNodeRound:
         self.check.check(self.store, self.nodes, self.poll, full=True, what="after flush")
         files = {p: bytes(d) for ns in self.nodes for p, d in ns.model.files.items()}
         dirs = set().union(*(ns.model.dirs for ns in self.nodes))
+        if self.plan.orbax:
+            assert mounts[0] is not None
+            went_on = [line for line in log_tail(mounts[0].log, 0).decode(errors="replace").splitlines()
+                       if RENAME_WENT_ON in line]
+            if went_on:
+                raise RoundFailed("node 0 renamed a tmp dir past rename_wait, which the harness's bound "
+                                  f"({ORBAX_RENAME_WAIT:g} s) makes impossible: {went_on[0][-400:]}")
+            for m in mounts:  # each node sees the renamed steps once it lists the top again
+                assert m is not None
+                refreshed = m.cli("refresh", str(m.mnt))
+                if refreshed.returncode != 0:
+                    raise RoundFailed(f"ckptfs refresh {m.root.name} exited {refreshed.returncode}: "
+                                      f"{refreshed.stderr.strip()[-300:]}")
         for ns, m in zip(self.nodes, mounts, strict=True):
             assert m is not None
             owned = self.plan.owned[ns.index]
@@ -1360,6 +1531,11 @@ class RoundConfig:
     delays: list[float] = field(default_factory=list)  # each node's --upload-delay
     lockstep: bool = False  # every node waits at the barrier (else only node 0, which writes the marker)
     steps: int = 0
+    # Orbax rounds: some steps written into a tmp dir that node 0 renames after the barrier; per node, how
+    # it finds a tmp dir another node made (`ckptfs refresh`, or else its --refresh-interval)
+    orbax: bool = False
+    find_refresh: list[bool] = field(default_factory=list)
+    orbax_steps: str = ""  # for the round's line: step:maker(f: flushed before the barrier), ...
     kill_plan: list[KillPlan] = field(default_factory=list)
     # --keep-mount: the daemons run with keep_mount, and a kill leaves the mount to the holder's next daemon
     # (no detach, no restart by the harness). Workload/spill kills: the op indices (kill_at first) and the
@@ -1388,6 +1564,8 @@ class RoundResult:
     polls: int = 0  # multi-node rounds: store polls of the cross-node check
     marker_polls: int = 0  # ... that found a marker in the store (and checked what it commits)
     held_polls: int = 0  # ... while node 0's newest closed marker was not in the store yet
+    renames: list[float] = field(default_factory=list)  # Orbax rounds: seconds from each barrier to its rename
+    rename_kills: int = 0  # Orbax rounds: kills of node 0 while its rename was in flight
     # --keep-mount: kill-point checks made while the killed daemon was dead (a check the holder's next
     # daemon may have raced, started before it ended, is not counted and not trusted)
     kill_point_checks: int = 0
@@ -1507,9 +1685,9 @@ class Harness:
             subprocess.run(["umount", "-l", str(path)], check=False)
         self.tmpfs.clear()
 
-    def choose(self, rng: random.Random) -> RoundConfig:
+    def choose(self, rng: random.Random, index: int) -> RoundConfig:
         if self.args.nodes > 1:
-            return self.choose_multi(rng)
+            return self.choose_multi(rng, index)
         kills = ["workload", "workload", "workload", "drain", "drain", "fetch"]
         if self.store_kind == "seaweedfs" and not self.args.full_cache:
             kills.append("spill")
@@ -1526,14 +1704,17 @@ class Harness:
             passthrough=self.args.passthrough or rng.choice(["auto", "off"]), keep_mount=self.args.keep_mount,
         )
 
-    def choose_multi(self, rng: random.Random) -> RoundConfig:
+    def choose_multi(self, rng: random.Random, index: int) -> RoundConfig:
         delays = [rng.choice(MULTI_DELAYS) for _ in range(self.args.nodes)]
+        # Whether the round has Orbax steps: from the seed and the index, apart from the round's RNG, so that
+        # the rounds without them draw (and replay) exactly as before they existed
+        orbax = self.args.orbax or random.Random(f"{self.seed}:{index}:orbax").random() < ORBAX_SHARE
         return RoundConfig(
             kill="", upload_delay=max(delays), prephase="none", kill_at=0, kill_sleep=0.0, faults=[],
             full_cache=False, filler_mib=0, part_size=rng.choice(["64M", "1M", "2M"]),
             upload_while_writing=rng.choice(["off", "auto", "on"]),
             passthrough=self.args.passthrough or rng.choice(["auto", "off"]),
-            nodes=self.args.nodes, delays=delays, lockstep=rng.random() < 0.5,
+            nodes=self.args.nodes, delays=delays, lockstep=rng.random() < 0.5, orbax=orbax,
         )
 
     def new_store(self, index: int) -> StoreView:
@@ -1633,20 +1814,21 @@ class Harness:
             raise RoundFailed(f"{what}: still mounted after ckptfs umount")
         self.live.remove(m)
 
-    def run_writer(self, plan: list[Op], dir_: Path, mnt: Path, name: str) -> tuple[subprocess.Popen[bytes], Path]:
+    def run_writer(self, plan: list[Op], dir_: Path, mnt: Path, name: str,
+                   env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path]:
         plan_path = dir_ / f"{name}.plan.json"
         log_path = dir_ / f"{name}.log.jsonl"
         plan_path.write_text(json.dumps(plan))
         log_path.touch()
         proc = subprocess.Popen([sys.executable, str(TESTS / "crash_writer.py"), str(plan_path), str(log_path),
-                                 str(mnt)], stderr=open(dir_ / f"{name}.stderr", "wb"))  # noqa: SIM115
+                                 str(mnt)], stderr=open(dir_ / f"{name}.stderr", "wb"), env=env)  # noqa: SIM115
         self.writers.append(proc)
         return proc, log_path
 
     def round(self, index: int) -> RoundResult:
         started = time.monotonic()
         rng = random.Random(f"{self.seed}:{index}")
-        cfg = self.choose(rng)
+        cfg = self.choose(rng, index)
         result = RoundResult(False, "", 0.0, cfg)
         round_dir = self.workdir / f"round-{index}"
         shutil.rmtree(round_dir, ignore_errors=True)
@@ -1685,8 +1867,12 @@ class Harness:
                      result: RoundResult) -> None:
         store = self.new_store(index)
         (round_dir / "barriers").mkdir()
-        plan = build_multi_plan(rng, cfg.nodes, str(index), round_dir / "barriers", cfg.lockstep)
+        if cfg.orbax:
+            cfg.find_refresh = [rng.random() < 0.5 for _ in range(cfg.nodes)]
+        plan = build_multi_plan(rng, cfg.nodes, str(index), round_dir / "barriers", cfg.lockstep,
+                                cfg.find_refresh if cfg.orbax else None)
         cfg.steps = plan.steps
+        cfg.orbax_steps = ",".join(f"{k + 1}:{o.label()}" for k, o in sorted(plan.orbax.items()))
         cfg.kill_plan = draw_kills(rng, cfg.delays, plan)
         cfg.kill = "+".join(k.kind for k in cfg.kill_plan)
         ops = [op for segs in plan.segments for seg in segs for op in seg.ops]
@@ -2116,9 +2302,13 @@ def describe_round(index: int, r: RoundResult) -> str:
         return "  ".join([
             f"round {index:4d}", verdict, f"nodes={cfg.nodes}", f"steps={cfg.steps}",
             "lockstep" if cfg.lockstep else "async   ", "delays=" + "/".join(f"{d:g}" for d in cfg.delays),
+            *([f"orbax={cfg.orbax_steps} find=" + "".join("r" if r else "i" for r in cfg.find_refresh)]
+              if cfg.orbax else []),
             "kills=" + ",".join(k.label() for k in cfg.kill_plan) + f" ({len(r.kills_done)} done)",
             f"ops={r.ops_done}/{r.ops_planned}", f"bytes={r.bytes_written / MiB:.1f}MiB",
-            f"polls={r.polls} with-marker={r.marker_polls} marker-held={r.held_polls}", f"{r.seconds:.1f}s"])
+            f"polls={r.polls} with-marker={r.marker_polls} marker-held={r.held_polls}",
+            *([f"renames={'/'.join(f'{t:.1f}' for t in r.renames)}s killed-in-rename={r.rename_kills}"]
+              if cfg.orbax else []), f"{r.seconds:.1f}s"])
     parts = [f"round {index:4d}", verdict, f"kill={cfg.kill:8s}", f"pre={cfg.prephase:11s}",
              f"delay={cfg.upload_delay:<4}", f"ops={r.ops_done}/{r.ops_planned}",
              f"bytes={r.bytes_written / MiB:.1f}MiB", f"{r.seconds:.1f}s"]
@@ -2147,6 +2337,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[R
                 flags += " --full-cache" if args.full_cache else ""
                 flags += " --unlisted-dir-ops" if args.unlisted_dir_ops else ""
                 flags += f" --nodes {args.nodes}" if args.nodes > 1 else ""
+                flags += " --orbax" if args.orbax else ""
                 flags += f" --passthrough {args.passthrough}" if args.passthrough else ""
                 flags += " --no-cross-node-ordering" if args.no_cross_node_ordering else ""
                 flags += " --keep-mount" if args.keep_mount else ""
@@ -2192,6 +2383,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, choices=[1, 2, 3], default=1,
                         help="daemons on one store, each with its own cache dir: the cross-node order of commit "
                         "markers (a marker never lands before the files closed on any node before the barrier)")
+    parser.add_argument("--orbax", action="store_true",
+                        help="with --nodes: every round has Orbax steps (one node makes a tmp dir, every node writes "
+                        "into it, node 0 renames it after the barrier; without it, a share of the rounds, drawn)")
     parser.add_argument("--no-cross-node-ordering", action="store_true",
                         help="with --nodes: run the daemons without cross-node ordering, to see the check fail")
     parser.add_argument("--gateway", action="store_true",
@@ -2207,6 +2401,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "dead mounts (restarted steps) or errors (ENOSPC), a takeover lets them see neither")
     if args.faults and args.store != "seaweedfs":
         parser.error("--faults needs --store seaweedfs (the fault proxy speaks HTTP)")
+    if args.orbax and args.nodes < 2:
+        parser.error("--orbax needs --nodes 2 or 3")
     if args.nodes > 1 and (args.faults or args.full_cache):
         parser.error("--nodes does not combine with --faults or --full-cache (yet)")
     return args

@@ -19,6 +19,11 @@ The plan is a JSON list of operations; each is one system call on the mount (a w
   {"op": "listdir", "path": p}
   {"op": "wait", "file": f}                   wait until the file f (outside the mount) exists: the job's
                                               barrier, opened by the harness (multi-node rounds)
+  {"op": "find_dir", "path": p, "refresh": bool}  wait until the directory p (another node made it) shows in
+                                              the mount: stat it every 50 ms, running `ckptfs refresh` on the
+                                              mount before each try (refresh) or not (the daemon's
+                                              refresh_interval lists the parent again)
+  {"op": "flush", "path": p}                  `ckptfs flush MOUNT/p`: everything below p durable in the store
 
 Log lines: {"i": index} when operation i returned; {"i": index, "upto": k} after each pwrite that wrote the
 op's bytes [.., k); {"i": index, "err": errno, "upto": k} when it failed with an errno other than the ones a
@@ -32,13 +37,16 @@ import errno
 import json
 import os
 import random
+import stat
+import subprocess
 import sys
 import time
 
 # The errnos of a mount whose daemon died: the operation in flight may or may not have been applied.
 DEAD_MOUNT = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV}
 EXIT_MOUNT_GONE = 3
-WAIT_LIMIT = 600.0  # seconds a "wait" op waits for its barrier
+WAIT_LIMIT = 600.0  # seconds a "wait" op waits for its barrier (and a "find_dir" for its directory)
+FLUSH_TIMEOUT = 240  # `ckptfs flush --timeout` of a "flush" op
 
 
 def data_for(seed: int, size: int) -> bytes:
@@ -60,6 +68,62 @@ def descriptor(fds: dict[str, int], path: object) -> int:
     if str(path) not in fds:
         raise OSError(errno.EBADF, f"{path} is not open (its open failed)")
     return fds[str(path)]
+
+
+PROBE = ".crash-writer-probe"  # a name that never exists: a lookup of it always reaches the daemon
+
+
+def probe(root: str) -> None:
+    """Raise ENOTCONN (or ECONNABORTED) if the mount's daemon is dead. A lookup of a missing name is never
+    answered from the kernel's cache (the daemon keeps no negative entries), as a stat of the root may be."""
+    try:
+        os.stat(os.path.join(root, PROBE))
+    except FileNotFoundError:
+        pass
+
+
+def ckptfs_cli(root: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The ckptfs command line (the environment names the runtime dir of the mount's control socket). A daemon
+    that dies meanwhile ends it (the command would wait for a control socket to come back for 10 s)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ckptfs", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while True:
+        try:
+            out, err = proc.communicate(timeout=0.1)
+            return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            probe(root)
+        except OSError:
+            proc.kill()
+            proc.communicate()
+            raise
+
+
+def find_dir(root: str, path: str, refresh: bool) -> None:
+    """Wait until `path`, a directory another node made, shows in the mount (a dead mount: ENOTCONN)."""
+    deadline = time.monotonic() + WAIT_LIMIT
+    while True:
+        try:
+            if stat.S_ISDIR(os.stat(path).st_mode):
+                return
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise OSError(errno.ETIMEDOUT, f"{path} never showed in the mount")
+        if refresh:
+            ckptfs_cli(root, "refresh", root)
+        time.sleep(0.05)
+
+
+def flush(root: str, path: str) -> None:
+    """`ckptfs flush` of `path`; its failure is the dead mount's (ENOTCONN) or an EIO."""
+    result = ckptfs_cli(root, "flush", root, path, "--timeout", str(FLUSH_TIMEOUT))
+    if result.returncode != 0:
+        probe(root)  # ENOTCONN if the daemon died meanwhile
+        print(f"ckptfs flush {path} exited {result.returncode}: {result.stderr.strip()}", file=sys.stderr)
+        raise OSError(errno.EIO, f"ckptfs flush {path} exited {result.returncode}: {result.stderr.strip()[-200:]}")
 
 
 def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
@@ -115,6 +179,10 @@ def run(plan: list[dict[str, object]], log: Log, root: str) -> int:
                     if time.monotonic() > deadline:
                         raise OSError(errno.ETIMEDOUT, f"barrier {op['file']} never opened")
                     time.sleep(0.005)
+            elif kind == "find_dir":
+                find_dir(root, full(op["path"]), bool(op.get("refresh")))
+            elif kind == "flush":
+                flush(root, full(op["path"]))
             elif kind == "read":
                 with open(full(op["path"]), "rb") as f:
                     while f.read(1 << 20):

@@ -1,6 +1,7 @@
-"""The crash-and-fault harness (tests/crash_harness.py) in CI: a short run of about 29 rounds over file://,
-SeaweedFS, SeaweedFS behind the fault proxy, a full cache filesystem, two nodes on one store, kills that the
-holder's next daemon takes over (--keep-mount), and gateway mode (files uploaded while held open); and the
+"""The crash-and-fault harness (tests/crash_harness.py) in CI: a short run of about 31 rounds over file://,
+SeaweedFS, SeaweedFS behind the fault proxy, a full cache filesystem, two nodes on one store (also with Orbax
+steps: a tmp dir every node writes into, renamed by one), kills that the holder's next daemon takes over
+(--keep-mount), and gateway mode (files uploaded while held open); and the
 regression tests of the product bugs the harness found (xfail(strict=True) while they are open, each with
 its reason; plain regression tests once fixed)."""
 
@@ -35,6 +36,7 @@ from crash_harness import (
     digest,
     first_difference,
     known_traceback,
+    moved_path,
     parse_args,
     phase_builder,
     run,
@@ -48,6 +50,9 @@ RUNS = [
     ("seaweedfs-faults", ["--store", "seaweedfs", "--faults", "--seed", "1203"], 4),
     ("full-cache", ["--store", "file", "--full-cache", "--seed", "1204"], 4),
     ("two-nodes", ["--store", "file", "--nodes", "2", "--seed", "1205"], 4),
+    # Orbax's multi-host save: every node writes into a step's tmp dir, node 0 renames it after the barrier
+    # (kills while the rename waits for the other node's records and right after it)
+    ("two-nodes-orbax", ["--store", "file", "--nodes", "2", "--orbax", "--seed", "1208"], 2),
     # keep_mount: kills the holder's next daemon takes over, the workload going on (one round killed
     # mid-workload, one with a fresh node mid-fetch, one mid-drain)
     ("keep-mount", ["--store", "file", "--keep-mount", "--seed", "1338"], 3),
@@ -169,6 +174,33 @@ def test_the_cross_node_check_catches_a_marker_ahead_of_another_nodes_file() -> 
     # A marker no barrier let anyone write yet.
     with pytest.raises(RoundFailed, match="before the barrier of its step"):
         CrossNodeCheck({digest(marker): 0}).check(_Store(complete), nodes, lambda: None)
+
+
+def test_the_cross_node_check_wants_an_orbax_steps_shards_at_the_final_name() -> None:
+    """--orbax: every node wrote into the tmp dir, node 0 renamed it after the barrier and wrote the marker.
+    A marker in the store with a shard still under the tmp name (another node's, or node 0's own: its rename
+    is no change after the barrier that excuses it) is reported."""
+    tmp, final = "step_00001.orbax-checkpoint-tmp-t", "step_00001"
+    marker = MARKER_PREFIX + b"step_00001 t:0 step_00001/commit_success.txt\n"
+    check = CrossNodeCheck({digest(marker): 0})
+    node0 = _node(0, [{"op": "mkdir", "path": tmp}, *_write(f"{tmp}/shard_0_0", b"zero")])
+    node1 = _node(1, _write(f"{tmp}/shard_1_0", b"one"))
+    nodes = [node0, node1]
+    for ns in nodes:
+        ns.arrived[0] = len(ns.model.applied)
+        ns.closed_at_arrival[0] = {p: digest(d) for p, d in ns.model.files.items()}
+    check.open_barrier(0, nodes, lambda p: moved_path(p, tmp, final))
+    node0.model.apply({"op": "rename", "src": tmp, "dst": final, "orbax": 0})
+    node1.model._rename(tmp, final)  # as MultiNodeRound.sync_renames does once node 0 logged the rename
+    for op in _write(f"{final}/commit_success.txt", marker):
+        node0.model.apply(op)
+    complete = {f"{final}/shard_0_0": b"zero", f"{final}/shard_1_0": b"one", f"{final}/commit_success.txt": marker}
+    check.check(_Store(complete), nodes, lambda: None, full=True)
+    for path in ("shard_1_0", "shard_0_0"):
+        left = {(f"{tmp}/{path}" if k == f"{final}/{path}" else k): v for k, v in complete.items()}
+        wanted = f"{final}/{path}, closed on node .* before the barrier of {final}, is not"
+        with pytest.raises(RoundFailed, match=wanted):
+            check.check(_Store(left), nodes, lambda: None)
 
 
 def test_an_eio_at_the_kill_is_in_flight_only_when_the_daemon_did_not_answer_it(tmp_path: Path) -> None:

@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import Mount
 from emulators import seaweedfs_s3  # noqa: F401
+from fsharness import GID, UID, make_stack
 from test_crossnode_fuse import _store_view, _wait
+
+from ckptfs.errors import FsError, TransientBackendError, errno_for_backend_error
+from ckptfs.journal import ROOT_ID
 
 TMP = "step_1.orbax-checkpoint-tmp-1700000000"
 HOLD = ("--upload-delay", "3600")  # a host whose uploads wait (until it is flushed)
@@ -113,3 +117,55 @@ def test_past_rename_wait_the_rename_goes_on_and_names_the_node_left_behind(
     assert "rename: renaming step_1.orbax-checkpoint-tmp" in status["last_error"], status["last_error"]
     assert other.status()["nodes"]["node"] in status["last_error"]
     assert "while other nodes still have work pending in" in primary.log.read_text()
+
+
+def test_a_rename_waits_for_a_record_that_named_the_tmp_dir_only_after_this_node_read_it(
+    mount_factory, tmp_path: Path  # type: ignore[no-untyped-def]
+) -> None:
+    """The other host's record was read here while it covered only its previous checkpoint (a marker's or
+    `ckptfs nodes`' listing); the host then wrote into the tmp dir, and its record, still pending, was
+    rewritten in place to name the tmp dir too. The rename must read it again, not go by the old body."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    primary: Mount = mount_factory("host0", source=f"file://{shared}")
+    other: Mount = mount_factory("host1", source=f"file://{shared}", extra_args=HOLD)
+    (other.mnt / "step_0").mkdir()
+    (other.mnt / "step_0" / "shard_b").write_bytes(b"b" * 1000)  # pending: the other host holds its uploads
+    _wait(lambda: any("step_0" in line for line in _peer_lines(primary)), what="the other host's record")
+    (primary.mnt / TMP).mkdir()
+    primary.flush()
+    other.cli("refresh", str(other.mnt))
+    shard_b = os.urandom(100_000)
+    (other.mnt / TMP / "shard_b").write_bytes(shard_b)  # the same record, now naming the tmp dir too
+    flushed = threading.Timer(1.5, other.flush)
+    flushed.start()
+    os.rename(primary.mnt / TMP, primary.mnt / "step_1")
+    flushed.join()
+    assert os.listdir(primary.mnt / "step_1") == ["shard_b"]
+    primary.flush()
+    assert (shared / "step_1" / "shard_b").read_bytes() == shard_b
+    assert not (shared / TMP).exists()
+
+
+class _RecordsUnreachable:
+    """The other nodes' records, where the store refuses every listing of them."""
+
+    async def wait_for_entry(self, entry: str) -> None:
+        raise TransientBackendError("503 SlowDown (and every retry too)")
+
+    def pending_in(self, entry: str) -> list[str]:
+        return []
+
+
+async def test_a_rename_whose_wait_cannot_list_the_records_fails_with_the_stores_errno(tmp_path: Path) -> None:
+    """A store that refuses the listing of the records fails the rename (or rmdir) as one that refuses the
+    directory's own listing does: an FsError with its errno, not an unexpected error (EIO with a traceback,
+    counted as a bug of the daemon)."""
+    stack = make_stack(tmp_path)
+    stack.fs.listing.other_nodes = _RecordsUnreachable()
+    stack.fs.mkdir(ROOT_ID, TMP.encode(), 0o755, UID, GID)
+    with pytest.raises(FsError) as raised:
+        await stack.fs.prepare_rename(ROOT_ID, TMP.encode(), ROOT_ID, b"step_1")
+    assert raised.value.errno == errno_for_backend_error(TransientBackendError("x"))
+    with pytest.raises(FsError):
+        await stack.fs.prepare_rmdir(ROOT_ID, TMP.encode())

@@ -54,7 +54,11 @@ class Listing:
             return
         entry = inode.path.split("/", 1)[0]
         with trio.move_on_after(self.rename_wait):
-            await self.other_nodes.wait_for_entry(entry)
+            try:
+                await self.other_nodes.wait_for_entry(entry)
+            except BackendError as exc:
+                # As a directory whose listing fails: not knowing what the others have pending fails it
+                raise FsError(errno_for_backend_error(exc), f"cannot list the other nodes' records: {exc}") from None
             return
         left = self.other_nodes.pending_in(entry)
         if left:

@@ -132,8 +132,10 @@ class PeerRecords:
         return frozenset(name for name, record in self._existing.items()
                          if record.node != self.node and record.node not in self._forgotten)
 
-    async def refresh(self) -> None:
-        """List every node's records (reading the bodies of new ones) and the forgotten nodes."""
+    async def refresh(self, *, entries: bool = False) -> None:
+        """List every node's records (reading the bodies of new ones) and the forgotten nodes. `entries`: read
+        the other nodes' bodies again too, for callers that go by the top-level entries they name (a node
+        rewrites its record in place when its work reaches another entry: a body read before is stale)."""
         names = await self.engine.note_call(self.store.list_notes, PENDING)
         forgotten = await self.engine.note_call(self.store.list_notes, FORGOTTEN)
         existing: dict[str, PeerRecord] = {}
@@ -143,9 +145,10 @@ class PeerRecords:
             if parsed is None:
                 continue
             known = self._existing.get(name)
+            node, gen = parsed
             # A record names more of its files as its node closes them: read again while waited for.
-            if known is None or (name in waited and len(known.files) < FILES_NAMED):
-                node, gen = parsed
+            if (known is None or (name in waited and len(known.files) < FILES_NAMED)
+                    or (entries and node != self.node)):
                 known = await self._described(PeerRecord(name, node, gen))
             existing[name] = known
         self._existing = existing
@@ -192,7 +195,7 @@ class PeerRecords:
         it). The caller bounds it (trio.move_on_after)."""
         self._waiters += 1
         try:
-            await self.refresh()
+            await self.refresh(entries=True)  # a record read before may name `entry` only since
             snapshot = {name for name in self._others() if entry in self._existing[name].entries}
             self._wanted.set()  # the listing task polls while anyone waits
             while snapshot & self._existing.keys():
