@@ -99,6 +99,7 @@ def test_a_rename_waits_for_the_shards_another_host_closed_and_has_not_uploaded(
     os.rename(primary.mnt / TMP, primary.mnt / "step_1")  # before: at once, without shard_b
     waited = time.monotonic() - started
     flushed.join()
+    print(f"\nthe rename waited {waited:.2f} s for the other host's upload (its flush began at 1.5 s)")
     assert waited >= 1.0, waited
     assert sorted(os.listdir(primary.mnt / "step_1")) == ["shard_a", "shard_b"]
     primary.flush()

@@ -60,6 +60,7 @@ class PeerRecords:
         self._listed_event = trio.Event()
         self._wanted = trio.Event()
         self._waiters = 0  # flush --all-nodes callers
+        self._renames_waiting = 0  # directories' renames and rmdirs waiting (wait_for_entry)
         self._all_snapshot: frozenset[str] = frozenset()  # what the latest of them waits for
         self.last_error: str | None = None
 
@@ -126,7 +127,10 @@ class PeerRecords:
                     self.on_change()
             with trio.move_on_after(pause):
                 await self._wanted.wait()
-            pause = min(pause * 2, POLL_MAX)
+            # A rename that waits holds the job's rename(2) (a FUSE request): look at the steady first
+            # pace while one does, not the markers' backoff (measured: 1-6 s of a rename after the other
+            # nodes' uploads were done, most of it the backoff's).
+            pause = POLL_FIRST if self._renames_waiting else min(pause * 2, POLL_MAX)
 
     def _others(self) -> frozenset[str]:
         return frozenset(name for name, record in self._existing.items()
@@ -194,6 +198,7 @@ class PeerRecords:
         nodes aside) is gone: the work they had pending in it is durable (a directory's rename waits for
         it). The caller bounds it (trio.move_on_after)."""
         self._waiters += 1
+        self._renames_waiting += 1
         try:
             await self.refresh(entries=True)  # a record read before may name `entry` only since
             snapshot = {name for name in self._others() if entry in self._existing[name].entries}
@@ -202,6 +207,7 @@ class PeerRecords:
                 await self._listed_event.wait()
         finally:
             self._waiters -= 1
+            self._renames_waiting -= 1
 
     def pending_in(self, entry: str) -> list[str]:
         """One line per other node with work pending in the top-level entry `entry`, as of the last listing."""
