@@ -179,6 +179,7 @@ class DirLister:
             started = time.time()
             prefix = inode.key or ""
             stored_before = stored_versions(self.journal, inode_id)
+            deleting_before = frozenset(self.journal.pending_delete_keys_under(prefix))
             try:
                 listing = await self._call(self.store.list_dir, prefix)
             except BackendError as exc:
@@ -207,7 +208,7 @@ class DirLister:
             imported = apply_dir_listing(
                 self.journal, current, listing, now=time.time(), exact_mtimes=self.store.listing_has_metadata,
                 vanished=vanished, warned=self._warned, cache=self.cache, replaced=replaced.append,
-                stored_before=stored_before, listed_at=started,
+                stored_before=stored_before, listed_at=started, deleting_before=deleting_before,
             )
             self._listed[inode_id] = started
             if ahead:
@@ -250,7 +251,7 @@ def apply_dir_listing(
     journal: Journal, directory: Inode, listing: DirListing, *, now: float, exact_mtimes: bool,
     vanished: Callable[[Inode], None], warned: set[str], cache: CacheDir,
     replaced: Callable[[int], None] = lambda inode_id: None, stored_before: dict[int, int] | None = None,
-    listed_at: float | None = None,
+    listed_at: float | None = None, deleting_before: frozenset[str] = frozenset(),
 ) -> int:
     """Bring one directory of the journal up to date with the store's listing of it; return how many
     entries were imported. New objects appear (state 'remote'; subdirectories without a marker too),
@@ -266,11 +267,16 @@ def apply_dir_listing(
     `stored_before`: inode id -> uploaded_version of the entries the store held before the listing began
     (`stored_versions`). Only those can be judged by it: an upload that committed while the listing ran is
     missing from it or shows its previous version, and was taken for a delete (the file vanished from
-    the mount) or a replacement (the journal took the old object's size) by another node."""
+    the mount) or a replacement (the journal took the old object's size) by another node.
+
+    `deleting_before`: the keys under the directory whose deletes were pending when the listing began. A
+    delete that completed while the listing ran is no longer pending, yet the listing may show its object:
+    taken for a new one, it came back as a remote file (an rmdir right after `shutil.rmtree`'s unlinks then
+    failed with ENOTEMPTY). Another node's new object at such a key shows at the next listing."""
     uid, gid = os.getuid(), os.getgid()
     children = {c.name: c for c in journal.all_children(directory.id)}
     prefix = directory.key or ""
-    deleting = journal.pending_delete_keys_under(prefix)
+    deleting = journal.pending_delete_keys_under(prefix) | deleting_before
     infos = listing.entries
     keys = [info.key for info in infos]
     plain = _plain_names(keys, prefix)

@@ -932,3 +932,39 @@ async def test_a_flushs_sweep_of_leftovers_that_the_store_refuses_is_tried_again
     assert stack.store.leftover_listings == 7
     assert stack.store.inner.list_leftovers() == []
     assert not stack.drain.engine.leftovers.due
+
+
+async def test_a_delete_that_completes_while_its_directory_is_listed_brings_nothing_back(tmp_path: Path) -> None:
+    """shutil.rmtree unlinks every file, then removes the directory: the rmdir lists the directory from the
+    store (another node may have written into it), and the drain's deletes of the unlinked files run
+    meanwhile. A delete that completed while the listing ran was no longer pending when the listing was
+    applied, so its object, still in the listing, came back as a remote file and the rmdir failed with
+    ENOTEMPTY (seen once in CI: transformers' checkpoint rotation kept checkpoint-2)."""
+    stack = make_stack(tmp_path)  # no drain running: the test completes the delete itself, mid-listing
+    store_dir = stack.store.inner.root
+    (store_dir / "ckpt").mkdir()
+    (store_dir / "ckpt" / "x").write_bytes(b"x")
+    await stack.fs.lister.ensure(ROOT_ID)
+    ckpt = stack.journal.by_path("ckpt")
+    assert ckpt is not None
+    await stack.fs.lister.ensure(ckpt.id, required=True)
+    stack.fs.unlink(ckpt.id, b"x")
+    [pending] = stack.journal.pending_deletes()
+    listed = stack.store.list_dir
+
+    def list_while_the_delete_completes(prefix: str):  # type: ignore[no-untyped-def]
+        listing = listed(prefix)
+        if prefix == "ckpt/":  # the drain's delete lands between the listing and its use
+            (store_dir / "ckpt" / "x").unlink()
+
+            def done() -> None:
+                with stack.journal.transaction():
+                    stack.journal.delete_done(pending.id)
+
+            trio.from_thread.run_sync(done)
+        return listing
+
+    stack.store.list_dir = list_while_the_delete_completes  # type: ignore[method-assign]
+    await stack.fs.prepare_rmdir(ROOT_ID, b"ckpt")
+    stack.fs.rmdir(ROOT_ID, b"ckpt")  # before: ENOTEMPTY, x listed back as a remote file
+    assert stack.journal.by_path("ckpt/x") is None

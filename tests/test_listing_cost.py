@@ -92,7 +92,8 @@ async def test_listing_a_directory_costs_the_same_journal_work_for_10_or_800_ent
     statements, transactions, list_calls = big
     assert transactions == 1
     assert list_calls == 1
-    assert statements < 20, statements
+    # (20 since the deletes pending when the listing began are read too: one statement, whatever the size)
+    assert statements <= 20, statements
 
 
 async def test_a_directory_of_1000_files_goes_into_the_journal_by_one_insert(tmp_path: Path) -> None:
