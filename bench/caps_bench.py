@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  # noqa: E402
+from s3_drain_bench import ckptfs  # noqa: E402  (the CLI from "/": see there)
 
 from ckptfs import client  # noqa: E402
 from ckptfs.config import parse_rate  # noqa: E402
@@ -57,14 +58,6 @@ def quiet_disk(pause: float, drop_cache: bool = False) -> None:
         except OSError:
             pass  # not root: the store's side is a server either way
     time.sleep(pause)
-
-
-def ckptfs(*args: str, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, env=env,
-                            timeout=timeout, cwd="/")
-    if result.returncode != 0:
-        raise SystemExit(f"ckptfs {args[0]} failed: {result.stderr.strip()}")
-    return result
 
 
 class Mounted:

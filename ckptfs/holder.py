@@ -313,6 +313,16 @@ def hand_to_service(mountpoint: Path, fd: int, init_request: bytes) -> Link | No
     return link
 
 
+def _listen(listener: socket.socket, path: Path, backlog: int) -> None:
+    """Listen on the Unix socket `path` (0600, in a 0700 directory), replacing a stale socket file."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    listener.bind(str(path))
+    os.chmod(path, 0o600)
+    listener.listen(backlog)
+
+
 class _Service:
     """The node's holder service: one holder process (a child) per connection handed in."""
 
@@ -323,12 +333,7 @@ class _Service:
         self.stopping = False
 
     def bind(self) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        self.listener.bind(str(self.path))
-        os.chmod(self.path, 0o600)
-        self.listener.listen(16)
+        _listen(self.listener, self.path, 16)
 
     def run(self) -> int:
         log.info("holder service: listening on %s", self.path)
@@ -433,12 +438,7 @@ class _Holder:
         self.max_quick_deaths = int(self.env.get("CKPTFS_MAX_QUICK_RESTARTS", MAX_QUICK_DEATHS))
 
     def bind(self) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        self.listener.bind(str(self.path))
-        os.chmod(self.path, 0o600)
-        self.listener.listen(8)
+        _listen(self.listener, self.path, 8)
 
     def run(self) -> int:
         while True:

@@ -23,39 +23,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hostmounts import mounts_at, run, unmount_all_under
 
 REPO = Path(__file__).resolve().parent.parent
 LABEL = "ckptfs-test-container"
 START_TARGET = 10.0  # seconds from `podman run` to a live mount on the host (issue 43)
 
 
-def _run(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
-    return result
 
 
-def _mounts_at(path: Path) -> list[tuple[str, str]]:
-    """(filesystem type, source) of every mount on `path` in this (the host's) mount namespace, bottom first."""
-    found = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        separator = fields.index("-")
-        if fields[4] == str(path):
-            found.append((fields[separator + 1], fields[separator + 2]))
-    return found
 
 
-def _unmount_all_under(root: Path) -> None:
-    """Every mount at or below `root`, deepest (and latest) first: a failed test must not leave one behind."""
-    for _ in range(20):
-        points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-        below = [p for p in points if p == str(root) or p.startswith(f"{root}/")]
-        if not below:
-            return
-        target = max(below, key=len)
-        subprocess.run(["umount", "-l", target], capture_output=True, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +46,7 @@ def image() -> str:
     if not have_wheels and not (REPO / "scripts/build-wheels.sh").exists():
         pytest.skip("no wheels: dist/ lacks them and this checkout has no scripts/build-wheels.sh to make them")
     started = time.monotonic()
-    build = _run("bash", str(REPO / "scripts/build-image.sh"), "test", timeout=1500)
+    build = run("bash", str(REPO / "scripts/build-image.sh"), "test", timeout=1500)
     last = build.stdout.strip().splitlines()[-1]
     print(f"\nscripts/build-image.sh: {time.monotonic() - started:.1f} s; {last}")
     match = re.fullmatch(r"image \S+ \((localhost/ckptfs:build-[0-9a-f]+)\): (\d+) bytes .*", last)
@@ -83,7 +61,7 @@ def podman_run(image: str, shared: Path) -> Iterator[list[str]]:
     names: list[str] = []
     yield names
     for name in names:
-        _run("podman", "rm", "-f", "-t", "0", name, check=False, timeout=60)
+        run("podman", "rm", "-f", "-t", "0", name, check=False, timeout=60)
 
 
 @pytest.fixture
@@ -91,13 +69,13 @@ def shared(tmp_path: Path) -> Iterator[Path]:
     """A host directory mounted rshared: a mount made below it inside the container appears here."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    _run("mount", "--bind", str(shared), str(shared))
+    run("mount", "--bind", str(shared), str(shared))
     try:
-        _run("mount", "--make-rshared", str(shared))
+        run("mount", "--make-rshared", str(shared))
         (shared / "mnt").mkdir()
         yield shared
     finally:
-        _unmount_all_under(shared)
+        unmount_all_under(shared)
 
 
 def _start(names: list[str], image: str, shared: Path, *volumes_and_env: str) -> tuple[str, float]:
@@ -105,13 +83,13 @@ def _start(names: list[str], image: str, shared: Path, *volumes_and_env: str) ->
     name = f"ckptfs-test-{uuid.uuid4().hex[:8]}"
     names.append(name)
     started = time.monotonic()
-    _run("podman", "run", "-d", "--name", name, "--label", LABEL, "--cap-add", "SYS_ADMIN", "--device", "/dev/fuse",
+    run("podman", "run", "-d", "--name", name, "--label", LABEL, "--cap-add", "SYS_ADMIN", "--device", "/dev/fuse",
          "-v", f"{shared}:/mnt/ckptfs:rshared", *volumes_and_env, image)
     deadline = started + 60
-    while ("fuse.ckptfs", "file:///store") not in _mounts_at(shared / "mnt"):
-        state = _run("podman", "inspect", "--format", "{{.State.Status}}", name).stdout.strip()
+    while ("fuse.ckptfs", "file:///store") not in mounts_at(shared / "mnt"):
+        state = run("podman", "inspect", "--format", "{{.State.Status}}", name).stdout.strip()
         if state != "running" or time.monotonic() > deadline:
-            logs = _run("podman", "logs", name, check=False)
+            logs = run("podman", "logs", name, check=False)
             raise AssertionError(f"no mount on the host ({state}):\n{logs.stdout}{logs.stderr}")
         time.sleep(0.05)
     return name, time.monotonic() - started
@@ -119,9 +97,9 @@ def _start(names: list[str], image: str, shared: Path, *volumes_and_env: str) ->
 
 def _stop(name: str) -> None:
     """`podman stop` with time for the drain (drain_timeout is 60 s below): SIGTERM, then the exit."""
-    _run("podman", "stop", "-t", "90", name, timeout=120)
-    code = _run("podman", "inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip()
-    logs = _run("podman", "logs", name, check=False)
+    run("podman", "stop", "-t", "90", name, timeout=120)
+    code = run("podman", "inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip()
+    logs = run("podman", "logs", name, check=False)
     assert code == "0", f"exit {code}:\n{logs.stdout}{logs.stderr}"
     assert "SIGTERM: draining" in logs.stderr, logs.stderr
 
@@ -144,14 +122,14 @@ def test_the_image_mounts_from_the_environment_and_drains_on_stop(
 
     mnt = shared / "mnt"
     (mnt / "from-host.txt").write_bytes(b"written on the host")
-    flush = _run("podman", "exec", name, "ckptfs", "flush", "--timeout", "60")  # MOUNTPOINT: from the environment
+    flush = run("podman", "exec", name, "ckptfs", "flush", "--timeout", "60")  # MOUNTPOINT: from the environment
     assert flush.returncode == 0
     assert (store / "from-host.txt").read_bytes() == b"written on the host"
-    status = json.loads(_run("podman", "exec", name, "ckptfs", "status", "--json").stdout)
+    status = json.loads(run("podman", "exec", name, "ckptfs", "status", "--json").stdout)
     assert status["pid"] == 1  # the daemon itself is PID 1: it gets the container's SIGTERM
     assert status["passthrough"]["enabled"], status["passthrough"]
     assert status["cache_dir"] == "/var/cache/ckptfs/run"
-    human = _run("podman", "exec", name, "ckptfs", "status").stdout
+    human = run("podman", "exec", name, "ckptfs", "status").stdout
     assert "passthrough on" in human, human
 
     last = os.urandom(24 << 20)
@@ -160,7 +138,7 @@ def test_the_image_mounts_from_the_environment_and_drains_on_stop(
     assert (store / "last.bin").read_bytes() == last
     # No FUSE mount is left on the host (a container killed instead leaves one at ENOTCONN). What is there
     # is the daemon's guard (guard_mountpoint): writes fail instead of landing on the bare directory.
-    left = _mounts_at(mnt)
+    left = mounts_at(mnt)
     assert left and all(fstype != "fuse.ckptfs" for fstype, _ in left), left
     assert left[-1] == ("tmpfs", "ckptfs-guard"), left
     with pytest.raises(OSError, match="Read-only file system"):
@@ -176,11 +154,11 @@ def test_the_image_mounts_from_the_environment_and_drains_on_stop(
     assert (mnt / "from-host.txt").read_bytes() == b"written on the host"
     assert (mnt / "last.bin").stat().st_size == len(last)
     _stop(name)
-    assert all(fstype != "fuse.ckptfs" for fstype, _ in _mounts_at(mnt))
+    assert all(fstype != "fuse.ckptfs" for fstype, _ in mounts_at(mnt))
 
 
 def test_a_bad_setting_in_the_environment_ends_the_container_with_one_line(image: str) -> None:
-    result = _run("podman", "run", "--rm", "--label", LABEL, "-e", "CKPTFS_SOURCE=file:///tmp",
+    result = run("podman", "run", "--rm", "--label", LABEL, "-e", "CKPTFS_SOURCE=file:///tmp",
                   "-e", "CKPTFS_MOUNTPOINT=/mnt", "-e", "CKPTFS_TRANSFERS=many", image, check=False)
     assert result.returncode == 2, result
     assert result.stderr.strip().splitlines() == [
@@ -220,6 +198,6 @@ def _no_container_left() -> Iterator[None]:
     """Belt and braces: a container of these tests that outlived its test (an interrupted run) goes too."""
     yield
     with contextlib.suppress(Exception):
-        ids = _run("podman", "ps", "-aq", "--filter", f"label={LABEL}", check=False, timeout=60).stdout.split()
+        ids = run("podman", "ps", "-aq", "--filter", f"label={LABEL}", check=False, timeout=60).stdout.split()
         if ids:
-            _run("podman", "rm", "-f", "-t", "0", *ids, check=False, timeout=120)
+            run("podman", "rm", "-f", "-t", "0", *ids, check=False, timeout=120)

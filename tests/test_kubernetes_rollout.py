@@ -34,6 +34,8 @@ from typing import Any
 import pytest
 import yaml
 from conftest import file_store_objects
+from hostmounts import mounts_at, unmount_all_under
+from hostmounts import run as run_command  # `run` names a container's PodmanRun here
 from podman_pod import PodmanRun, find, podman_run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,31 +74,10 @@ json.dump({"errors": errors, "files": files, "ops": ops}, open(out, "w"))
 """
 
 
-def _run(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
-    return result
 
 
-def _mounts_at(path: Path) -> list[tuple[str, str]]:
-    """(filesystem type, source) of the mounts exactly at `path` on the host, bottom first."""
-    found = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        if fields[4] == str(path):
-            rest = fields[fields.index("-") + 1:]
-            found.append((rest[0], rest[1]))
-    return found
 
 
-def _unmount_all_under(root: Path) -> None:
-    for _ in range(30):
-        points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-        below = [p for p in points if p == str(root) or p.startswith(f"{root}/")]
-        if not below:
-            return
-        subprocess.run(["umount", "-l", max(below, key=len)], capture_output=True, check=False)
 
 
 def _sha256_tree(root: Path) -> dict[str, str]:
@@ -108,7 +89,7 @@ def _sha256_tree(root: Path) -> dict[str, str]:
 def image() -> str:
     if os.geteuid() != 0 or not Path("/dev/fuse").exists():
         pytest.skip("needs root and /dev/fuse: rootful podman, FUSE mounts shared with the host")
-    build = _run("bash", str(REPO / "scripts/build-image.sh"), "rollout-test", timeout=1500)
+    build = run_command("bash", str(REPO / "scripts/build-image.sh"), "rollout-test", timeout=1500)
     match = re.fullmatch(r"image \S+ \((localhost/ckptfs:build-[0-9a-f]+)\): \d+ bytes .*",
                          build.stdout.strip().splitlines()[-1])
     assert match, build.stdout
@@ -149,8 +130,8 @@ class Node:
         run.prepare()
         for path in run.propagated:  # what a node's mount propagation needs: the paths on a shared mount
             if path not in self.shared:
-                _run("mount", "--bind", str(path), str(path))
-                _run("mount", "--make-rshared", str(path))
+                run_command("mount", "--bind", str(path), str(path))
+                run_command("mount", "--make-rshared", str(path))
                 self.shared.append(path)
         return run
 
@@ -158,12 +139,12 @@ class Node:
         """A new tag of the image, as an upgrade brings (the same content: what changes is the container)."""
         self.tags += 1
         tag = f"localhost/ckptfs:rollout-{os.getpid()}-{self.tags}"
-        _run("podman", "tag", self.image, tag)
+        run_command("podman", "tag", self.image, tag)
         return tag
 
     def start_holder(self) -> str:
         run = self._podman("ckptfs-holder", "holder")
-        _run("podman", "run", *run.args)
+        run_command("podman", "run", *run.args)
         name = run.args[run.args.index("--name") + 1]
         self.containers.append(name)
         deadline = time.monotonic() + 30
@@ -176,7 +157,7 @@ class Node:
         """Start the daemon's container; its name, how it runs, and the seconds until it served the mount."""
         run = self._podman("ckptfs", "ckptfs")
         started = time.monotonic()
-        _run("podman", "run", *run.args)
+        run_command("podman", "run", *run.args)
         name = run.args[run.args.index("--name") + 1]
         self.containers.append(name)
         self.wait_ready(name, started)
@@ -185,32 +166,34 @@ class Node:
     def wait_ready(self, name: str, started: float) -> None:
         """The readiness probe of the manifest answers (the daemon serves its control socket)."""
         deadline = started + 60
-        while _run("podman", "exec", name, "ckptfs", "status", str(self.mountpoint), "--json",
+        while run_command("podman", "exec", name, "ckptfs", "status", str(self.mountpoint), "--json",
                    check=False).returncode != 0:
-            state = _run("podman", "inspect", "--format", "{{.State.Status}}", name, check=False).stdout.strip()
+            state = run_command("podman", "inspect", "--format", "{{.State.Status}}", name,
+                                check=False).stdout.strip()
             assert state == "running" and time.monotonic() < deadline, f"{state}\n{self.logs(name)}"
             time.sleep(0.1)
 
     def status(self, name: str) -> dict[str, Any]:
-        return json.loads(_run("podman", "exec", name, "ckptfs", "status", str(self.mountpoint), "--json").stdout)
+        status = run_command("podman", "exec", name, "ckptfs", "status", str(self.mountpoint), "--json")
+        return json.loads(status.stdout)
 
     def logs(self, name: str) -> str:
-        result = _run("podman", "logs", name, check=False)
+        result = run_command("podman", "logs", name, check=False)
         return result.stdout + result.stderr
 
     def remove(self, name: str, *, signal: str | None = None) -> None:
         """`podman rm -f` (SIGTERM, then SIGKILL after the grace period), after `signal` if given."""
         if signal is not None:
-            _run("podman", "kill", "-s", signal, name, check=False)
-        _run("podman", "rm", "-f", name, timeout=600)
+            run_command("podman", "kill", "-s", signal, name, check=False)
+        run_command("podman", "rm", "-f", name, timeout=600)
         self.containers.remove(name)
 
     def cleanup(self) -> None:
         for name in self.containers:
-            _run("podman", "rm", "-f", "-t", "0", name, check=False, timeout=60)
+            run_command("podman", "rm", "-f", "-t", "0", name, check=False, timeout=60)
         for tag in range(1, self.tags + 1):
-            _run("podman", "rmi", f"localhost/ckptfs:rollout-{os.getpid()}-{tag}", check=False)
-        _unmount_all_under(self.root)
+            run_command("podman", "rmi", f"localhost/ckptfs:rollout-{os.getpid()}-{tag}", check=False)
+        unmount_all_under(self.root)
 
 
 @pytest.fixture
@@ -242,7 +225,7 @@ def test_a_rollout_of_the_daemon_never_gives_the_workload_an_error_and_loses_not
     holder = node.start_holder()
     daemon, run, cold = node.start_daemon()
     print(f"\ncold start of the daemon's container to a mount the host serves: {cold:.2f} s (target 10 s)")
-    assert ("fuse.ckptfs", "file:///store") in _mounts_at(node.mnt)
+    assert ("fuse.ckptfs", "file:///store") in mounts_at(node.mnt)
     keep = node.status(daemon)["keep_mount"]
     assert keep["enabled"] and "holder service" in keep["why"], keep
 
@@ -255,7 +238,7 @@ def test_a_rollout_of_the_daemon_never_gives_the_workload_an_error_and_loses_not
             began = time.time()
             if how == "rollout":  # the pod's deletion: preStop, then SIGTERM
                 assert run.pre_stop is not None
-                _run("podman", "exec", daemon, *run.pre_stop, timeout=run.stop_timeout)
+                run_command("podman", "exec", daemon, *run.pre_stop, timeout=run.stop_timeout)
                 node.remove(daemon)
             elif how == "oom-kill":
                 node.remove(daemon, signal="KILL")
@@ -277,7 +260,7 @@ def test_a_rollout_of_the_daemon_never_gives_the_workload_an_error_and_loses_not
     assert len(written["files"]) > 20
     assert max(pauses) <= PAUSE_TARGET, pauses
 
-    _run("podman", "exec", daemon, "ckptfs", "flush", str(node.mountpoint), "--timeout", "120", timeout=180)
+    run_command("podman", "exec", daemon, "ckptfs", "flush", str(node.mountpoint), "--timeout", "120", timeout=180)
     assert _sha256_tree(node.mnt) == written["files"]
     assert _sha256_tree(node.store) == written["files"]
     logs = node.logs(daemon)
@@ -286,7 +269,7 @@ def test_a_rollout_of_the_daemon_never_gives_the_workload_an_error_and_loses_not
     # Both containers killed: the mount is left at ENOTCONN on the host. Written just before, not uploaded:
     late = os.urandom(1 << 20)
     (node.mnt / "late.bin").write_bytes(late)
-    _run("podman", "kill", "-s", "KILL", holder, daemon)
+    run_command("podman", "kill", "-s", "KILL", holder, daemon)
     node.remove(holder)
     node.remove(daemon)
     with pytest.raises(OSError, match="Transport endpoint is not connected"):
@@ -306,13 +289,13 @@ def test_a_rollout_of_the_daemon_never_gives_the_workload_an_error_and_loses_not
     node.remove(daemon)  # one more rollout: the holder carries the mount again
     daemon, run, _ = node.start_daemon()
     assert node.status(daemon)["keep_mount"]["took_over"]
-    _run("podman", "exec", daemon, "ckptfs", "flush", str(node.mountpoint), "--timeout", "120", timeout=180)
+    run_command("podman", "exec", daemon, "ckptfs", "flush", str(node.mountpoint), "--timeout", "120", timeout=180)
     assert hashlib.sha256((node.store / "late.bin").read_bytes()).digest() == hashlib.sha256(late).digest()
     assert _sha256_tree(node.store) == {**written["files"], "late.bin": hashlib.sha256(late).hexdigest()}
 
     # Uninstall: the daemon leaves (SIGTERM), then the holder stops with no daemon attached: nothing stays
     # mounted on the host, and nothing is lost (all of it was flushed).
     node.remove(daemon)
-    assert ("fuse.ckptfs", "file:///store") in _mounts_at(node.mnt)  # left to the holder
-    _run("podman", "stop", "-t", "30", holder, timeout=60)
-    assert all(fstype != "fuse.ckptfs" for fstype, _ in _mounts_at(node.mnt)), _mounts_at(node.mnt)
+    assert ("fuse.ckptfs", "file:///store") in mounts_at(node.mnt)  # left to the holder
+    run_command("podman", "stop", "-t", "30", holder, timeout=60)
+    assert all(fstype != "fuse.ckptfs" for fstype, _ in mounts_at(node.mnt)), mounts_at(node.mnt)
