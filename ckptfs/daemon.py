@@ -295,6 +295,10 @@ class Daemon:
                     for inode_id, path in self.fs.restored_writers():
                         await self.records.cover(inode_id, path, writer=True)
                 nursery.start_soon(self._fuse_main, nursery)
+                # From the mount on, SIGTERM drains and unmounts (a stop requested while the daemon starts
+                # takes effect once it serves): before, a SIGTERM between the mount and the ready report
+                # ended the daemon without unmounting (PID 1 of a container: cli.end_on_sigterm_as_init).
+                nursery.start_soon(self._watch_signals, nursery)
                 nursery.start_soon(self._watch_journal)
                 if self.held is not None:
                     # The kernel kept what it cached of the mount: what recovery changed of it goes, while
@@ -330,7 +334,6 @@ class Daemon:
                 if self.config.keep_last:
                     nursery.start_soon(self._supervised, "retention", functools.partial(
                         self.pruner.run, self.config.keep_last, self.config.keep))
-                nursery.start_soon(self._watch_signals, nursery)
                 if self.keeper.wants_service:
                     nursery.start_soon(self._supervised, "holder service watch", self.keeper.watch_service)
                 await self._stop_requested.wait()
