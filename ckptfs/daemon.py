@@ -39,7 +39,7 @@ from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, Faults
 from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
-from ckptfs.fs import Filesystem
+from ckptfs.fs import Filesystem, probe_passthrough
 from ckptfs.fuse_ops import (
     FuseOperations,
     forget_kernel_attrs,
@@ -47,7 +47,8 @@ from ckptfs.fuse_ops import (
     forget_kernel_entry,
     forget_kernel_entry_now,
     inode_generation,
-    probe_passthrough,
+    kernel_backing_files,
+    passthrough_granted,
 )
 from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import Inode, Journal, JournalError, JournalFull, journal_unusable
@@ -378,7 +379,8 @@ class Daemon:
         return 0
 
     def _probe_passthrough(self) -> None:
-        backing, self.passthrough_why = probe_passthrough(self.config.passthrough,
+        backing, self.passthrough_why = probe_passthrough(self.config.passthrough, kernel_backing_files(),
+                                                          passthrough_granted(),
                                                           self.cache.tmp_path(0) + ".passthrough-probe")
         if backing is not None:
             self.fs.backing = backing
