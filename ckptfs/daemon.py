@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 import pyfuse3
 import trio
 
-from ckptfs import ctl, guard, holder
+from ckptfs import ctl, guard, holder_link
 from ckptfs.backends import check_store, open_store
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
@@ -133,7 +133,7 @@ class Daemon:
     def __init__(
         self, config: Config, engine: Transfers, cache: CacheDir, journal: Journal,
         metrics: MetricsServer | None = None, *, handle_table: HandleTable | None = None,
-        held: holder.Held | None = None, restored: list[OpenHandle] | None = None,
+        held: holder_link.Held | None = None, restored: list[OpenHandle] | None = None,
         restart_argv: list[str] | None = None,
     ) -> None:
         self.config = config
@@ -595,7 +595,7 @@ async def run(
 
 
 async def _run_on(
-    config: Config, store: InstrumentedStore, held: holder.Held | None, from_systemd: bool,
+    config: Config, store: InstrumentedStore, held: holder_link.Held | None, from_systemd: bool,
     ready: Callable[[], None], restart_argv: list[str] | None,
 ) -> int:
     cache = CacheDir(config.resolved_cache_dir())
