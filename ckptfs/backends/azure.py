@@ -75,6 +75,7 @@ from ckptfs.backends.common import (
     CONTENT_TYPE,
     MAX_SYMLINK_TARGET,
     SYMLINK_BODY,
+    SdkCredentialReport,
     WholeCopies,
     check_key,
     encode_target,
@@ -152,6 +153,7 @@ class AzureBlobStore(WholeCopies):
         self.read_timeout = read_timeout
         self.pool_size = pool_size
         self.credential_source = ""  # which of the credential chain is used (for messages; never the secret)
+        self.credentials = SdkCredentialReport(lambda: self.credential_source)
         self._lock = threading.Lock()
         self._container_obj: ContainerClient | None = None
 

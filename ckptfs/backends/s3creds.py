@@ -230,7 +230,7 @@ class RenewingCredentials(botocore.credentials.Credentials):
             current = self._current
             if current is not None and str(current.frozen.access_key) != rejected_key:
                 return
-            log.warning("the store rejected the %s credential as expired (%s); fetching it again", self.kind, why)
+            log.info("the store rejected the %s credential as expired (%s); fetching it again", self.kind, why)
             self.renewals_after_rejection += 1
             self._refresh(fatal=True)
 
