@@ -8,10 +8,11 @@ botocore already refreshes web identity (IRSA) and container (EKS Pod Identity) 
 expire and re-reads their token files on each refresh (1.44). Where it falls short for a process that runs
 for weeks, and what is done here instead:
   - Its windows are fixed: refresh 15 minutes before the expiry (advisory), block 10 minutes before
-    (mandatory), and its STS fetcher caches within 15 minutes of the expiry. A session of 15 minutes or less
-    (STS's minimum is 900 s) is fetched again on every request, and one shorter than 10 minutes fails every
-    request ("refreshed credentials are still expired"). Here the window scales with the session's lifetime:
-    refresh when min(15 min, half the lifetime) is left.
+    (mandatory), and its STS fetcher's cache counts a session within 15 minutes of its expiry as expired. A
+    session of 15 minutes or less (STS's minimum is 900 s) is fetched again for every request: measured
+    through tests/stsproxy.py, 85 AssumeRoleWithWebIdentity calls for 85 PutObjects with 900 s sessions
+    (STS throttles such calls per account). Here the window scales with the session's lifetime: refresh
+    when min(15 min, half the lifetime) is left.
   - It never refreshes because the server said so: an `ExpiredToken` (a session revoked or expired early, a
     skewed clock) is retried, if at all, with the same frozen credential. Here the store refreshes once
     and sends the request again (renew_after_rejection; one refresh however many requests met the same
@@ -116,15 +117,30 @@ def web_identity_fetch(token_file: str, role_arn: str, session_name: str, region
 
 
 def container_fetch(environ: dict[str, str]) -> Fetch:
-    """The container credentials endpoint (EKS Pod Identity, ECS); its authorization token file is read on
-    every call by botocore's provider."""
-    provider = botocore.credentials.ContainerProvider(environ=environ)
+    """The container credentials endpoint (EKS Pod Identity, ECS), with the authorization token file read on
+    every call. Through botocore's fetcher (it checks the host is the agent's or loopback, and retries), not
+    its provider: the provider's credentials would refresh themselves at once below 15 minutes of life."""
+    fetcher = botocore.utils.ContainerMetadataFetcher()
 
     def fetch() -> Issued:
-        loaded = provider.load()
-        if loaded is None:
-            raise botocore.exceptions.NoCredentialsError()
-        return _issued_from(loaded)
+        full = environ.get(ENV_CONTAINER_FULL)
+        url = full or fetcher.full_url(environ[ENV_CONTAINER_RELATIVE])
+        token = environ.get(ENV_CONTAINER_TOKEN)
+        token_file = environ.get(ENV_CONTAINER_TOKEN_FILE)
+        if token_file:
+            try:
+                token = Path(token_file).read_text().strip()
+            except OSError as exc:
+                raise botocore.exceptions.CredentialRetrievalError(
+                    provider="container", error_msg=f"cannot read {ENV_CONTAINER_TOKEN_FILE} {token_file}: {exc}",
+                ) from exc
+        try:
+            answer = fetcher.retrieve_full_uri(url, headers={"Authorization": token} if token else None)
+        except botocore.exceptions.MetadataRetrievalError as exc:
+            raise botocore.exceptions.CredentialRetrievalError(provider="container", error_msg=str(exc)) from exc
+        frozen = botocore.credentials.ReadOnlyCredentials(answer["AccessKeyId"], answer["SecretAccessKey"],
+                                                          answer.get("Token"))
+        return Issued(frozen, _epoch(answer.get("Expiration")), "container-role")
 
     return fetch
 
