@@ -76,6 +76,7 @@ class SdkCredentialReport:
     def __init__(self, source: Callable[[], str]) -> None:
         self.source = source
         self.sdk_credentials: Any = None
+        self.renewals_after_rejection = 0  # clients made anew because the store said the token expired
 
     def state(self) -> CredentialState:
         credentials = self.sdk_credentials
@@ -83,7 +84,8 @@ class SdkCredentialReport:
         expires_at = expiry.replace(tzinfo=expiry.tzinfo or UTC).timestamp() if isinstance(expiry, datetime) else None
         detail = f"{type(credentials).__module__}.{type(credentials).__name__}" if credentials is not None else ""
         return CredentialState(source=self.source() or "not resolved yet", detail=detail, expires_at=expires_at,
-                               fetched_at=None, refreshes=0, renewals_after_rejection=0, last_error=None)
+                               fetched_at=None, refreshes=self.renewals_after_rejection,
+                               renewals_after_rejection=self.renewals_after_rejection, last_error=None)
 
 
 class WholeCopies:
