@@ -265,3 +265,85 @@ def test_pod_identity_refreshes_and_rereads_its_token_file(moto_s3: S3Server, mo
     assert rewritten_after is not None and endpoint.tokens[rewritten_after:], "fetched after the rewrite"
     assert set(endpoint.tokens[:rewritten_after]) == {"pod-token-1"}
     assert set(endpoint.tokens[rewritten_after:]) == {"pod-token-2"}
+
+
+# -- the refresh policy of RenewingCredentials, on its own clock (no server, no SDK involved) ----------------
+
+
+class _Source:
+    """A credential source: each fetch hands out key-<n> valid for `lifetime` seconds of `now()`, or fails
+    while `down`."""
+
+    def __init__(self, clock: list[float], lifetime: float) -> None:
+        self.clock = clock
+        self.lifetime = lifetime
+        self.fetches = 0
+        self.down = False
+
+    def __call__(self) -> Any:
+        from botocore.credentials import ReadOnlyCredentials
+
+        from ckptfs.backends.s3creds import Issued
+
+        if self.down:
+            raise ConnectionError("STS unreachable")
+        self.fetches += 1
+        return Issued(ReadOnlyCredentials(f"key-{self.fetches}", "secret", "token"), self.clock[0] + self.lifetime,
+                      "assume-role-with-web-identity")
+
+
+def _renewing(lifetime: float) -> tuple[Any, _Source, list[float]]:
+    from ckptfs.backends.s3creds import RenewingCredentials
+
+    clock = [1_000_000.0]
+    source = _Source(clock, lifetime)
+    return RenewingCredentials("web-identity", source, clock=lambda: clock[0]), source, clock
+
+
+@pytest.mark.parametrize(("lifetime", "refresh_after"), [(3600.0, 2700.0), (900.0, 450.0), (20.0, 10.0)])
+def test_refreshed_when_half_the_lifetime_or_15_minutes_is_left(lifetime: float, refresh_after: float) -> None:
+    credentials, source, clock = _renewing(lifetime)
+    assert credentials.get_frozen_credentials().access_key == "key-1"
+    for _ in range(100):  # requests before the refresh point reuse the credential: no fetch per request
+        credentials.get_frozen_credentials()
+    clock[0] += refresh_after - 0.5
+    assert credentials.get_frozen_credentials().access_key == "key-1" and source.fetches == 1
+    clock[0] += 1.0
+    assert credentials.get_frozen_credentials().access_key == "key-2" and credentials.refreshes == 1
+
+
+def test_a_failed_refresh_keeps_the_valid_credential_and_tries_again_later(caplog: pytest.LogCaptureFixture) -> None:
+    credentials, source, clock = _renewing(20.0)
+    credentials.get_frozen_credentials()
+    source.down = True
+    clock[0] += 11.0  # past the refresh point, 9 s left
+    assert credentials.get_frozen_credentials().access_key == "key-1"
+    assert "refreshing the web-identity credential failed" in caplog.text
+    assert credentials.state().last_error is not None
+    calls = source.fetches
+    assert credentials.get_frozen_credentials().access_key == "key-1"  # within the pause: no new attempt
+    source.down = False
+    clock[0] += 1.0  # the pause (a tenth of what was left, at least 1 s) is over
+    assert credentials.get_frozen_credentials().access_key == "key-2" and source.fetches == calls + 1
+    assert credentials.state().last_error is None
+
+
+def test_an_expired_credential_is_never_used() -> None:
+    """Within EXPIRY_MARGIN of its expiry, a credential that cannot be refreshed fails the request instead
+    of signing it with a key the server will refuse."""
+    credentials, source, clock = _renewing(20.0)
+    credentials.get_frozen_credentials()
+    source.down = True
+    clock[0] += 16.0
+    with pytest.raises(ConnectionError):
+        credentials.get_frozen_credentials()
+
+
+def test_many_rejections_of_one_key_make_one_fetch() -> None:
+    credentials, source, _clock = _renewing(3600.0)
+    credentials.get_frozen_credentials()
+    credentials.renew_after_rejection("key-1", "ExpiredToken")
+    credentials.renew_after_rejection("key-1", "ExpiredToken")  # a part that was signed with key-1 too
+    assert source.fetches == 2 and credentials.state().renewals_after_rejection == 1
+    credentials.renew_after_rejection("key-2", "ExpiredToken")
+    assert source.fetches == 3
