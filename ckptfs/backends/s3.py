@@ -187,8 +187,9 @@ class S3Store:
         )
         self.credentials: RenewingCredentials | None = None
         if session is None:
-            probe = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-            botocore_session, self.credentials = renewing_session(region or probe)
+            # STS is asked in the bucket's region where known (regional STS endpoints, botocore's default).
+            sts_region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+            botocore_session, self.credentials = renewing_session(sts_region)
             session = boto3.session.Session(botocore_session=botocore_session)
         self._session = session
         self.region = region or os.environ.get("AWS_REGION") or self._session.region_name or "us-east-1"
