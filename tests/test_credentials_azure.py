@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from emulators import AZURITE_ACCOUNT, AZURITE_KEY, azurite_main, free_ports, stop_process
-from test_credentials_gcs import _self_signed
+from tlscert import self_signed
 
 from ckptfs.backends.base import ObjectMeta
 from ckptfs.checksums import crc32
@@ -78,7 +78,7 @@ class IdentityEndpoint:
 @pytest.fixture
 def azurite_oauth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """An Azurite over https with --oauth basic; yields the account's blob endpoint."""
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     (port,) = free_ports(1)
     data = tmp_path / "azurite"
     data.mkdir()

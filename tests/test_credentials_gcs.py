@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import http.client
-import ipaddress
 import json
 import os
 import ssl
@@ -20,11 +19,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from emulators import GcsServer, fake_gcs  # noqa: F401
+from tlscert import self_signed
 
 from ckptfs.backends.base import ObjectMeta
 from ckptfs.backends.gcs import GcsStore
@@ -32,23 +28,6 @@ from ckptfs.checksums import crc32
 
 MiB = 1 << 20
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "expect", "te", "upgrade", "transfer-encoding"}
-
-
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
-    cert_file, key_file = tmp / "cert.pem", tmp / "key.pem"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_file, key_file
 
 
 class _Served:
@@ -162,7 +141,7 @@ class BearerProxy:
 @pytest.fixture
 def adc_proxy(fake_gcs: GcsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         tuple[TokenEndpoint, BearerProxy]]:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     tokens = TokenEndpoint(lifetime=3600)
