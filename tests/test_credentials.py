@@ -18,6 +18,7 @@ import json
 import os
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -27,7 +28,7 @@ import boto3
 import botocore.exceptions
 import pytest
 from conftest import Mount
-from emulators import S3Server, moto_s3, s3_bucket, seaweedfs_s3  # noqa: F401
+from emulators import S3Server, free_ports, moto_s3, s3_bucket, seaweedfs_s3  # noqa: F401
 from faultproxy import FaultProxy, Rule
 from stsproxy import StsProxy
 
@@ -101,6 +102,18 @@ def test_drain_through_expired_tokens_counts_no_failure(seaweedfs_s3: S3Server, 
     assert client.get_object(Bucket=weed_bucket, Key="run/small.bin")["Body"].read() == b"small"
 
 
+def _wait_for_metric(port: int, series: str, timeout: float = 10) -> float:
+    """The value of one series on the mount's metrics endpoint, once it is there (published every second)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith(series + " "):
+                return float(line.rsplit(" ", 1)[1])
+        assert time.monotonic() < deadline, f"{series} not served:\n{text}"
+        time.sleep(0.2)
+
+
 def _web_identity_env(env: dict[str, str], token_file: Path, sts_endpoint: str) -> dict[str, str]:
     out = {k: v for k, v in env.items() if k not in STATIC_KEYS}
     out.update(AWS_WEB_IDENTITY_TOKEN_FILE=str(token_file), AWS_ROLE_ARN=ROLE_ARN,
@@ -139,9 +152,11 @@ def test_web_identity_drain_spans_sessions_with_token_rewritten(moto_s3: S3Serve
     and the STS requests after the rewrite carry the new token."""
     token_file = tmp_path / "token"
     token_file.write_text("token-1")
+    (metrics_port,) = free_ports(1)
     with StsProxy(moto_s3.endpoint, session_seconds=20) as proxy:
-        m: Mount = mount_factory("m", start=False, source=f"s3://{moto_bucket}/run",
-                                 upload_delay=0.0, extra_args=("--endpoint-url", proxy.endpoint, "--part-size", "5M"))
+        m: Mount = mount_factory("m", start=False, source=f"s3://{moto_bucket}/run", upload_delay=0.0,
+                                 extra_args=("--endpoint-url", proxy.endpoint, "--part-size", "5M",
+                                             "--metrics-addr", f"127.0.0.1:{metrics_port}"))
         m.env = _web_identity_env(m.env, token_file, proxy.endpoint)
         m.start()
         written: dict[str, bytes] = {}
@@ -160,11 +175,14 @@ def test_web_identity_drain_spans_sessions_with_token_rewritten(moto_s3: S3Serve
         m.flush(timeout=120)
         status = m.status()
         human = m.cli("status", str(m.mnt)).stdout
+        expiry = _wait_for_metric(metrics_port, 'ckptfs_credential_expiry_timestamp_seconds{source="web-identity"}')
         m.umount()
         elapsed = time.monotonic() - started
         first = proxy.issued[0]
     assert rewritten_at is not None
     assert status["errors"] == 0, status["last_error"]
+    # The metric shows the expiry of a session the proxy issued (a refresh may have followed its scrape).
+    assert min(abs(expiry - issued.expires_at) for issued in proxy.issued[-3:]) < 1, expiry
     credentials = status["credentials"]
     assert credentials["source"] == "web-identity" and credentials["refreshes"] >= 3, credentials
     assert "credential web-identity" in human and "expires" in human, human
