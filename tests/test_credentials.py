@@ -365,3 +365,16 @@ def test_many_rejections_of_one_key_make_one_fetch() -> None:
     assert source.fetches == 2 and credentials.state().renewals_after_rejection == 1
     credentials.renew_after_rejection("key-2", "ExpiredToken")
     assert source.fetches == 3
+
+
+def test_a_token_file_that_cannot_be_read_is_named_at_mount(moto_s3: S3Server, moto_bucket: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptfs.errors import StoreCheckError
+
+    missing = tmp_path / "no-such-token"
+    for name, value in _web_identity_env(dict(os.environ), missing, moto_s3.endpoint).items():
+        monkeypatch.setenv(name, value)
+    for name in STATIC_KEYS:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(StoreCheckError, match=rf"cannot get AWS credentials .*{missing}.*AWS_WEB_IDENTITY_TOKEN_FILE"):
+        S3Store(moto_bucket, "run", endpoint_url=moto_s3.endpoint).check()

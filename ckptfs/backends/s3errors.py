@@ -136,6 +136,10 @@ def check_message(exc: BackendError, *, url: str, bucket: str, region: str, endp
                 " or fix the URL")
     if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"):
         return f"bucket {bucket!r} is in another region than {region}; set AWS_REGION to its region"
+    if isinstance(cause, botocore.exceptions.CredentialRetrievalError):
+        return (f"cannot get AWS credentials for {url}: {cause}; check AWS_WEB_IDENTITY_TOKEN_FILE and"
+                " AWS_ROLE_ARN (IRSA), AWS_CONTAINER_CREDENTIALS_FULL_URI and its token file (EKS Pod Identity),"
+                " or the profile's role, and that STS (AWS_ENDPOINT_URL_STS) is reachable")
     if isinstance(cause, botocore.exceptions.NoCredentialsError):
         return (f"no AWS credentials found for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,"
                 " or AWS_PROFILE, or run with an instance/pod role")
