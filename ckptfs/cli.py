@@ -464,6 +464,24 @@ def _human_bytes(n: int) -> str:
     raise AssertionError
 
 
+def _credential_text(credentials: dict[str, Any]) -> str:
+    """`ckptfs status`'s credential line: its source, when it expires, how often it was fetched again."""
+    source = credentials["source"]
+    if credentials.get("detail") and credentials["detail"] != source:
+        source += f" ({credentials['detail']})"
+    expires_at, left = credentials.get("expires_at"), credentials.get("expires_in_seconds")
+    if expires_at is None:
+        when = "does not expire" if credentials.get("fetched_at") else "not fetched yet"
+    else:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires_at))
+        when = f"expires {stamp} (in {left:.0f} s)" if (left or 0) >= 0 else f"EXPIRED at {stamp}"
+    text = (f"{source}, {when}; fetched again {credentials['refreshes']} times"
+            f" ({credentials['renewals_after_rejection']} after the store rejected it as expired)")
+    if credentials.get("last_error"):
+        text += f"; last refresh failed: {credentials['last_error']}"
+    return text
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     status = client.status(args.mountpoint)
     if args.json:  # scripts parse this: the same object as before the Python API, "ok" included
@@ -496,6 +514,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     for label, direction in (("bandwidth  up", "upload"), ("           down", "download")):
         if direction in limits:
             print(f"{label} {_limit_text(limits[direction])}")
+    credentials = status.get("credentials")
+    if credentials:
+        print(f"credential {_credential_text(credentials)}")
     reads = status.get("reads")
     if reads is not None:
         print(f"reads      {_human_bytes(reads['bytes_downloaded'])} downloaded in {reads['chunks_fetched']} chunks;"

@@ -59,7 +59,7 @@ from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
 from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
 from ckptfs.pruner import Pruner
 from ckptfs.recovery import RecoveryReport, recover
-from ckptfs.snapshot import KeepMount, MountStats, gather, metrics_snapshot, status_line
+from ckptfs.snapshot import KeepMount, MountStats, credential_state, gather, metrics_snapshot, status_line
 from ckptfs.systemd import Notifier
 from ckptfs.takeover import ConnectionKeeper, Restart, find_held_connection
 from ckptfs.transfer import Transfers
@@ -477,6 +477,7 @@ class Daemon:
             passthrough_why=self.passthrough_why, guard_why=self.guard_why,
             store_ops=self.store.op_stats if isinstance(self.store, InstrumentedStore) else None,
             fuse_ops=self.fuse_ops.op_stats if self.fuse_ops is not None else None,
+            credentials=credential_state(self.store),
         )
 
     async def _report_to_systemd(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -62,6 +62,16 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("ckptfs_internal_errors", "counter",
               "Unexpected errors survived (a bug met by one entry, request or task), by where they happened.",
               ("where",)),
+    MetricDef("ckptfs_credential_expiry_timestamp_seconds", "gauge",
+              "When the store's credential expires (Unix time; 0: it does not expire or does not say), by source"
+              " (web-identity, container, env, assume-role, adc:..., DefaultAzureCredential, ...).", ("source",)),
+    MetricDef("ckptfs_credential_refreshes", "counter",
+              "Times the store's credential was fetched again since start (before its expiry, or after the store"
+              " rejected it), by source.", ("source",)),
+    MetricDef("ckptfs_credential_rejections", "counter",
+              "Times the store answered that the credential had expired and ckptfs fetched it again and sent the"
+              " request once more (the request then went on; an alert on its rate finds clock skew or revoked"
+              " sessions), by source.", ("source",)),
     MetricDef("ckptfs_drain_parked", "gauge",
               "Drain jobs parked after failing unexpectedly again and again (ckptfs status names them)."),
     MetricDef("ckptfs_passthrough_enabled", "gauge",

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ckptfs.backends.base import CredentialState
 from ckptfs.cache import CacheDir
 from ckptfs.drain import Drain, DrainStats, Parked
 from ckptfs.errors import Faults
@@ -99,6 +100,7 @@ class MountStats:
     faults: Faults
     store_ops: OpStats | None  # None: the store is not instrumented
     fuse_ops: OpStats | None  # None: not serving yet
+    credentials: CredentialState | None = None  # None: the store signs with none (file://)
 
 
 def gather(
@@ -106,6 +108,7 @@ def gather(
     fs: Filesystem, faults: Faults, node_id: str, records: NodeRecords | None, peers: PeerRecords | None,
     source: str, mountpoint: str, started_at: float, shutting_down: bool, keep_mount: KeepMount,
     passthrough_why: str, guard_why: str, store_ops: OpStats | None, fuse_ops: OpStats | None,
+    credentials: CredentialState | None = None,
 ) -> MountStats:
     if records is not None and peers is not None:
         nodes = NodesView(node_id, records.status(), records.announce_failures, peers.waiting_markers(),
@@ -125,8 +128,31 @@ def gather(
         cache_used=cache.used, cache_limit=cache.limit, cache_squeezed=cache.squeezed,
         cache_hits=fs.cache_hits, cache_misses=fs.cache_misses, writes_waiting=evictor.waiting,
         evictions=evictor.stats, reads=fetcher.statistics(), drain=drain.stats, moved=engine.statistics(),
-        failing=drain.failing(), faults=faults, store_ops=store_ops, fuse_ops=fuse_ops,
+        failing=drain.failing(), faults=faults, store_ops=store_ops, fuse_ops=fuse_ops, credentials=credentials,
     )
+
+
+def credential_state(store: object) -> CredentialState | None:
+    """The state of the credential a store signs with, if it has one (backends/base.CredentialState)."""
+    credentials = getattr(store, "credentials", None)
+    state = getattr(credentials, "state", None)
+    return state() if callable(state) else None
+
+
+def credentials_json(state: CredentialState | None, now: float) -> dict[str, Any] | None:
+    """`ckptfs status`'s "credentials": where the store's credential comes from and when it expires."""
+    if state is None:
+        return None
+    return {
+        "source": state.source,
+        "detail": state.detail,
+        "expires_at": state.expires_at,
+        "expires_in_seconds": None if state.expires_at is None else round(state.expires_at - now, 1),
+        "fetched_at": state.fetched_at,
+        "refreshes": state.refreshes,
+        "renewals_after_rejection": state.renewals_after_rejection,
+        "last_error": state.last_error,
+    }
 
 
 def _count(stats: MountStats, state: str, what: str) -> int:
@@ -216,6 +242,7 @@ def status_json(stats: MountStats) -> dict[str, Any]:
             "memory_budget_bytes": moved.memory_budget,
         },
         "limits": limits_json(moved.upload_limit, moved.download_limit),
+        "credentials": credentials_json(stats.credentials, stats.taken_at),
         "errors": drain.errors,
         "last_error": last_error,
         "last_error_at": last_error_at,
@@ -313,6 +340,11 @@ def metrics_snapshot(stats: MountStats) -> Snapshot:
         "ckptfs_backpressure_wait_seconds": [((), evictions.wait_seconds)],
         "ckptfs_backpressure_enospc": [((), evictions.enospc)],
     }
+    if stats.credentials is not None:
+        source = (stats.credentials.source,)
+        out.update(ckptfs_credential_expiry_timestamp_seconds=[(source, stats.credentials.expires_at or 0.0)],
+                   ckptfs_credential_refreshes=[(source, stats.credentials.refreshes)],
+                   ckptfs_credential_rejections=[(source, stats.credentials.renewals_after_rejection)])
     if stats.store_ops is not None:
         calls, errors, seconds = stats.store_ops.rows()
         out.update(ckptfs_store_requests=calls, ckptfs_store_errors=errors, ckptfs_store_seconds=seconds)

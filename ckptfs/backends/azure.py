@@ -44,8 +44,8 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import requests
 import requests.adapters
@@ -53,7 +53,7 @@ from azure.core import MatchConditions
 from azure.core.pipeline.transport import RequestsTransport
 from azure.storage.blob import BlobBlock, BlobClient, BlobPrefix, BlobServiceClient, ContainerClient, ContentSettings
 
-from ckptfs.backends.azureerrors import check_message, error_code_of, mapped
+from ckptfs.backends.azureerrors import check_message, error_code_of, is_expired_credential, mapped
 from ckptfs.backends.base import (
     BUSY_STATUSES,
     DIR,
@@ -75,6 +75,7 @@ from ckptfs.backends.common import (
     CONTENT_TYPE,
     MAX_SYMLINK_TARGET,
     SYMLINK_BODY,
+    SdkCredentialReport,
     WholeCopies,
     check_key,
     encode_target,
@@ -99,6 +100,7 @@ from ckptfs.errors import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MiB = 1 << 20
 MAX_BLOCK_SIZE = 4000 * MiB  # Put Block, service version 2019-12-12 and later
@@ -152,6 +154,7 @@ class AzureBlobStore(WholeCopies):
         self.read_timeout = read_timeout
         self.pool_size = pool_size
         self.credential_source = ""  # which of the credential chain is used (for messages; never the secret)
+        self.credentials = SdkCredentialReport(lambda: self.credential_source)
         self._lock = threading.Lock()
         self._container_obj: ContainerClient | None = None
 
@@ -226,6 +229,28 @@ class AzureBlobStore(WholeCopies):
     def _blob(self, name: str) -> BlobClient:
         return self._container().get_blob_client(name)
 
+    def _renewing(self, what: str, request: Callable[[], T]) -> T:
+        """`request()`, its failure a BackendError; if Azure answers that the token expired (the credential's
+        cache believed it valid: a skewed clock, a token revoked), once more with a client made anew, whose
+        new DefaultAzureCredential fetches a new token (the SDK's bearer policy would keep sending the old
+        one until 5 minutes before the expiry it was told). Every part and the commit go on; the drain never
+        sees it. Many requests that meet it at once make one new client."""
+        failed_on = self._container_obj
+        try:
+            with mapped(what):
+                return request()
+        except AuthBackendError as exc:
+            if not is_expired_credential(exc):
+                raise
+            with self._lock:
+                if self._container_obj is failed_on:
+                    log.info("Azure rejected the %s token as expired (%s); making the client anew",
+                             self.credential_source, exc)
+                    self._container_obj = None
+                    self.credentials.renewals_after_rejection += 1
+        with mapped(what):
+            return request()
+
     # -- keys ---------------------------------------------------------------------------------------------
 
     def _full(self, key: str) -> str:
@@ -252,10 +277,9 @@ class AzureBlobStore(WholeCopies):
 
     def _upload_blob(self, name: str, data: bytes, metadata: dict[str, str] | None, what: str,
                      overwrite: bool = True, **kwargs: Any) -> dict[str, Any]:
-        with mapped(what):
-            result: dict[str, Any] = self._blob(name).upload_blob(
-                data, length=len(data), overwrite=overwrite, metadata=metadata, validate_content=True,
-                content_settings=ContentSettings(content_type=CONTENT_TYPE), **kwargs)
+        result: dict[str, Any] = self._renewing(what, lambda: self._blob(name).upload_blob(
+            data, length=len(data), overwrite=overwrite, metadata=metadata, validate_content=True,
+            content_settings=ContentSettings(content_type=CONTENT_TYPE), **kwargs))
         return result
 
     def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
@@ -287,11 +311,10 @@ class AzureBlobStore(WholeCopies):
 
     def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
         block_id = self._block_id(upload, number)
-        with mapped(f"upload part {number} of {upload.key}"):
-            # validate_content: the block's MD5 travels in Content-MD5 and the service checks it.
-            # bytes already (reusable_buffers=False): the SDK's Content-MD5 takes bytes or a stream only.
-            self._blob(self._full(upload.key)).stage_block(block_id, bytes(data), length=len(data),
-                                                           validate_content=True)
+        # validate_content: the block's MD5 travels in Content-MD5 and the service checks it.
+        # bytes already (reusable_buffers=False): the SDK's Content-MD5 takes bytes or a stream only.
+        self._renewing(f"upload part {number} of {upload.key}", lambda: self._blob(self._full(upload.key)).stage_block(
+            block_id, bytes(data), length=len(data), validate_content=True))
         return UploadPart(number, block_id, crc_text(crc))
 
     def _read_marker(self, upload: UploadRef) -> dict[str, Any] | None:
@@ -329,11 +352,10 @@ class AzureBlobStore(WholeCopies):
         metadata = {str(k): str(v) for k, v in (marker.get("metadata") or {}).items()}
         blocks = [BlobBlock(block_id=p.etag) for p in sorted(parts, key=lambda p: p.number)]
         try:
-            with mapped(what):
-                # A retry after a lost answer commits the same ids again: they are committed blocks by then,
-                # which Put Block List ('latest') accepts, so the same object results.
-                self._blob(self._full(upload.key)).commit_block_list(
-                    blocks, metadata=metadata or None, content_settings=ContentSettings(content_type=CONTENT_TYPE))
+            # A retry after a lost answer commits the same ids again: they are committed blocks by then,
+            # which Put Block List ('latest') accepts, so the same object results.
+            self._renewing(what, lambda: self._blob(self._full(upload.key)).commit_block_list(
+                blocks, metadata=metadata or None, content_settings=ContentSettings(content_type=CONTENT_TYPE)))
         except PermanentBackendError as exc:
             if error_code_of(exc)[0] != "InvalidBlockList":
                 raise

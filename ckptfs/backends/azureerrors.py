@@ -73,6 +73,25 @@ def error_code_of(exc: BaseException) -> tuple[str, int]:
     return code, status
 
 
+def is_expired_credential(exc: BaseException) -> bool:
+    """Did Azure reject the request because its token (or SAS) has expired? AuthenticationFailed or
+    InvalidAuthenticationInfo (401/403) whose answer says so (Entra tokens: "Lifetime validation failed. The
+    token is expired."; Azure tells it in AuthenticationErrorDetail)."""
+    cause = exc.__cause__ if isinstance(exc, BackendError) else exc
+    if not isinstance(cause, HttpResponseError):
+        return False
+    code, status = error_code_of(cause)
+    if status not in (401, 403) or code not in ("AuthenticationFailed", "InvalidAuthenticationInfo"):
+        return False
+    text = str(cause)
+    if cause.response is not None:
+        try:
+            text += cause.response.text()
+        except Exception:  # a streamed body already read, or not text: the message is all there is
+            pass
+    return "expired" in text.lower()
+
+
 def _status_class(status: int) -> type[BackendError]:
     if status == 404:
         return NotFoundBackendError

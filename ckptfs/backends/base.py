@@ -205,6 +205,21 @@ class PartLimits:
     max_copy_size: int | None = None
 
 
+@dataclass(frozen=True)
+class CredentialState:
+    """What a cloud store says of the credential it signs with (`ckptfs status`, the credential metrics).
+    A store that has one has an attribute `credentials` with a `state()` method (an attribute, not a method,
+    so that metrics.InstrumentedStore passes it through untimed); file:// has none."""
+
+    source: str  # where it comes from: "web-identity", "container", "env", "assume-role", "adc:...", ...
+    detail: str  # more of the same (the SDK's own name for the source), never a secret
+    expires_at: float | None  # wall-clock; None: it does not expire, or the SDK does not say when
+    fetched_at: float | None  # wall-clock time of the last fetch (None: not fetched yet)
+    refreshes: int  # fetched again since the first time (before an expiry or after a rejection)
+    renewals_after_rejection: int  # of those, because the server said it had expired
+    last_error: str | None  # the last refresh's failure, while no refresh has succeeded since
+
+
 class ObjectStore(Protocol):
     url: str
     # Identifies the cache dir that stages uploads through this store object. Leftovers of interrupted

@@ -12,11 +12,21 @@ import secrets
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote, unquote
 
-from ckptfs.backends.base import DIR, FILE, SYMLINK, TEMP_PREFIX, ObjectInfo, ObjectMeta, UploadPart, UploadRef
+from ckptfs.backends.base import (
+    DIR,
+    FILE,
+    SYMLINK,
+    TEMP_PREFIX,
+    CredentialState,
+    ObjectInfo,
+    ObjectMeta,
+    UploadPart,
+    UploadRef,
+)
 from ckptfs.errors import BackendError, PermanentBackendError
 
 META_MTIME = "mtime"
@@ -53,6 +63,29 @@ class ErrorMap:
             raise
         except self.sdk_errors as exc:
             raise self.translate(exc, what) from exc
+
+
+class SdkCredentialReport:
+    """What `ckptfs status` says of a credential its SDK refreshes by itself (GCS: google-auth refreshes
+    before the expiry, 3 min 45 s ahead, and once more on a 401; an external_account (workload identity
+    federation) reads its subject token file on every refresh. Azure: azure-core's bearer policy fetches
+    a token from azure-identity 5 minutes before the expiry; WorkloadIdentityCredential re-reads
+    AZURE_FEDERATED_TOKEN_FILE). `source()` names the credential; `sdk_credentials`, once the client is made,
+    is the SDK's object, whose `expiry` (google-auth: a naive UTC datetime) is shown where it has one."""
+
+    def __init__(self, source: Callable[[], str]) -> None:
+        self.source = source
+        self.sdk_credentials: Any = None
+        self.renewals_after_rejection = 0  # clients made anew because the store said the token expired
+
+    def state(self) -> CredentialState:
+        credentials = self.sdk_credentials
+        expiry = getattr(credentials, "expiry", None)
+        expires_at = expiry.replace(tzinfo=expiry.tzinfo or UTC).timestamp() if isinstance(expiry, datetime) else None
+        detail = f"{type(credentials).__module__}.{type(credentials).__name__}" if credentials is not None else ""
+        return CredentialState(source=self.source() or "not resolved yet", detail=detail, expires_at=expires_at,
+                               fetched_at=None, refreshes=self.renewals_after_rejection,
+                               renewals_after_rejection=self.renewals_after_rejection, last_error=None)
 
 
 class WholeCopies:

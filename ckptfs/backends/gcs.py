@@ -76,6 +76,7 @@ from ckptfs.backends.common import (
     META_CHECKSUM,
     META_SYMLINK,
     SYMLINK_BODY,
+    SdkCredentialReport,
     WholeCopies,
     check_key,
     encode_target,
@@ -146,6 +147,7 @@ class GcsStore(WholeCopies):
         self._bucket_obj: storage.Bucket | None = None
         self._versions: OrderedDict[tuple[str, int], tuple[int, str | None]] = OrderedDict()
         self.uploads = ComposedUploads(self)
+        self.credentials = SdkCredentialReport(self._credential_source)
 
     def __repr__(self) -> str:
         return f"GcsStore({self.url!r}, endpoint={self._endpoint()!r})"
@@ -170,11 +172,22 @@ class GcsStore(WholeCopies):
             project = "<none>"  # object operations need no project
         client = storage.Client(project=project, credentials=credentials,
                                 client_options=options or None)
+        self.credentials.sdk_credentials = client._credentials
         # The default pool holds 10 connections; parallel parts need more (and urllib3 warns otherwise).
         adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=self.pool_size, max_retries=0)
         client._http.mount("https://", adapter)
         client._http.mount("http://", adapter)
         return client
+
+    def _credential_source(self) -> str:
+        """"adc:<kind>" (service_account, identity_pool: workload identity federation, compute_engine: the
+        metadata server, credentials: an authorized_user ADC file, ...), or "anonymous" (an emulator)."""
+        credentials = self.credentials.sdk_credentials
+        if credentials is None:
+            return ""
+        if isinstance(credentials, AnonymousCredentials):
+            return "anonymous"
+        return "adc:" + type(credentials).__module__.rsplit(".", 1)[-1]
 
     def _bucket(self) -> storage.Bucket:
         with self._lock:

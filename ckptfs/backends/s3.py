@@ -83,10 +83,12 @@ from ckptfs.backends.common import (
     ns_of,
     type_bits_of,
 )
-from ckptfs.backends.s3errors import check_message, is_busy, is_code, mapped
+from ckptfs.backends.s3creds import RenewingCredentials, renewing_session
+from ckptfs.backends.s3errors import check_message, is_busy, is_code, is_expired_credential, mapped
 from ckptfs.backends.s3markers import UploadMarkers
 from ckptfs.checksums import crc32, crc_of, crc_text
 from ckptfs.errors import (
+    AuthBackendError,
     BackendError,
     NotFoundBackendError,
     ObjectChangedError,
@@ -167,9 +169,10 @@ class S3Store:
         read_timeout: float = 60.0,
         session: boto3.session.Session | None = None,
     ) -> None:
-        """`session`: the boto3 session its clients are made from, a new one by default. A process that opens
-        many stores (the tests' contract suites) may share one: a new session loads botocore's S3 model
-        again, about a quarter of a CPU-second; a shared one also keeps the credentials it resolved first."""
+        """`session`: the boto3 session its clients are made from; by default a new one whose clients sign with
+        RenewingCredentials (s3creds.py). A process that opens many stores (the tests' contract suites) may
+        share one: a new session loads botocore's S3 model again, about a quarter of a CPU-second; a shared
+        one keeps the credentials it resolved first, refreshed by botocore alone."""
         self.bucket = bucket
         clean = prefix.strip("/")
         self.prefix = f"{clean}/" if clean else ""
@@ -182,7 +185,13 @@ class S3Store:
         self.endpoint_url = _without_userinfo(
             endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         )
-        self._session = session or boto3.session.Session()
+        self.credentials: RenewingCredentials | None = None
+        if session is None:
+            # STS is asked in the bucket's region where known (regional STS endpoints, botocore's default).
+            sts_region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+            botocore_session, self.credentials = renewing_session(sts_region)
+            session = boto3.session.Session(botocore_session=botocore_session)
+        self._session = session
         self.region = region or os.environ.get("AWS_REGION") or self._session.region_name or "us-east-1"
         config = botocore.config.Config(
             region_name=self.region,
@@ -218,15 +227,44 @@ class S3Store:
 
     def _call(self, what: str, method: str, *, patient: bool = False, **kwargs: Any) -> Any:
         """One request (botocore's own retry aside: `patient`, the listings' retry), its failure a
-        BackendError."""
+        BackendError. A request whose credential the server rejects as expired is sent once more with a
+        credential fetched anew, here and not by the caller: an upload part (or a complete) that meets an
+        expired session goes on, and the drain never counts it as a failure."""
+        client = self._patient_client if patient else self._client
+        signed_with = self.credentials.in_use() if self.credentials is not None else None
+        try:
+            with mapped(what):
+                return getattr(client, method)(Bucket=self.bucket, **kwargs)
+        except AuthBackendError as exc:
+            if not self._renewed_after(exc, signed_with):
+                raise
         with mapped(what):
-            client = self._patient_client if patient else self._client
             return getattr(client, method)(Bucket=self.bucket, **kwargs)
 
+    def _renewed_after(self, exc: AuthBackendError, signed_with: str | None) -> bool:
+        """After `exc`: was it an expired credential, now fetched anew (so the request may go again)?"""
+        if self.credentials is None or not is_expired_credential(exc):
+            return False
+        with mapped(f"refresh the credential after {exc}"):
+            self.credentials.renew_after_rejection(signed_with, str(exc))
+        return True
+
     def _pages(self, what: str, method: str, *, patient: bool = True, **kwargs: Any) -> Iterator[dict[str, Any]]:
-        """The pages of a listing, one request each (`patient`: with the listings' retry)."""
+        """The pages of a listing, one request each (`patient`: with the listings' retry). A listing whose
+        first page meets an expired credential starts again once with a new one, as `_call` does."""
+        client = self._patient_client if patient else self._client
+        signed_with = self.credentials.in_use() if self.credentials is not None else None
+        pages = 0
+        try:
+            with mapped(what):
+                for page in client.get_paginator(method).paginate(Bucket=self.bucket, **kwargs):
+                    pages += 1
+                    yield page
+                return
+        except AuthBackendError as exc:
+            if pages or not self._renewed_after(exc, signed_with):
+                raise
         with mapped(what):
-            client = self._patient_client if patient else self._client
             yield from client.get_paginator(method).paginate(Bucket=self.bucket, **kwargs)
 
     def _listed(self, full_prefix: str) -> Iterator[dict[str, Any]]:

@@ -102,6 +102,25 @@ def is_busy(exc: BaseException) -> bool:
     return status in BUSY_STATUSES or code in ("SlowDown", "Throttling")
 
 
+# What S3 and STS answer for a session credential past its expiry (S3: ExpiredToken, 400; some
+# S3-compatible servers and STS-fronted APIs: ExpiredTokenException, TokenRefreshRequired).
+EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired"})
+
+
+def is_expired_credential(exc: BaseException) -> bool:
+    """Did the server reject the request because its credential has expired? Either one of EXPIRED_CODES,
+    or a 400/401/403 whose message says the token or credential expired (servers that answer a bare
+    AccessDenied for an expired session say so in the message)."""
+    cause = exc.__cause__ if isinstance(exc, BackendError) else exc
+    if not isinstance(cause, botocore.exceptions.ClientError):
+        return False
+    code, status = _client_error_code(cause)
+    if code in EXPIRED_CODES:
+        return True
+    message = str(cause.response.get("Error", {}).get("Message", "") or "").lower()
+    return status in (400, 401, 403) and "expired" in message and ("token" in message or "credential" in message)
+
+
 def is_code(exc: BaseException, *codes: str) -> bool:
     cause = exc.__cause__ if isinstance(exc, BackendError) else exc
     return isinstance(cause, botocore.exceptions.ClientError) and _client_error_code(cause)[0] in codes
@@ -117,6 +136,10 @@ def check_message(exc: BackendError, *, url: str, bucket: str, region: str, endp
                 " or fix the URL")
     if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"):
         return f"bucket {bucket!r} is in another region than {region}; set AWS_REGION to its region"
+    if isinstance(cause, botocore.exceptions.CredentialRetrievalError):
+        return (f"cannot get AWS credentials for {url}: {cause}; check AWS_WEB_IDENTITY_TOKEN_FILE and"
+                " AWS_ROLE_ARN (IRSA), AWS_CONTAINER_CREDENTIALS_FULL_URI and its token file (EKS Pod Identity),"
+                " or the profile's role, and that STS (AWS_ENDPOINT_URL_STS) is reachable")
     if isinstance(cause, botocore.exceptions.NoCredentialsError):
         return (f"no AWS credentials found for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,"
                 " or AWS_PROFILE, or run with an instance/pod role")
