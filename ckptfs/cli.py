@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--read-ahead")
     mount.add_argument("--metrics-addr")
     mount.add_argument("--drain-timeout", type=float)
+    mount.add_argument("--preempt-on-sigterm", type=float, metavar="SECONDS",
+                       help="SIGTERM is a preemption notice with this deadline: the newest complete step first, the"
+                            " whole stop within it (0: off)")
+    mount.add_argument("--preemption-notice", choices=["aws", "gcp", "azure", "off"],
+                       help="watch the cloud's preemption notice and act on it (ckptfs preempt) by itself")
+    mount.add_argument("--preemption-notice-url", metavar="URL", help="the metadata endpoint to ask (default: the"
+                       " cloud's own)")
     mount.add_argument("--allow-other", action="store_true", default=None)
     mount.add_argument("--daemon", action="store_true", default=None, help="detach once the mount is live")
     mount.add_argument("--foreground", dest="daemon", action="store_false", help="stay in the foreground"
@@ -164,6 +172,16 @@ def _parser() -> argparse.ArgumentParser:
     limit.add_argument("--download", metavar="RATE", help="bytes per second read from the store; off: no cap")
     limit.add_argument("--json", action="store_true")
 
+    preempt = sub.add_parser("preempt", help="a preemption notice: upload the newest complete step first, then the"
+                             " next, for up to DEADLINE; print the report (also JSON in the cache dir)")
+    preempt.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
+    preempt.add_argument("--deadline", required=True, metavar="SECONDS",
+                         help="the time the node has left, like 30 or 30s (or 2m)")
+    preempt.add_argument("--keep-limits", action="store_true", help="keep the bandwidth caps (they are lifted"
+                         " by default)")
+    preempt.add_argument("--no-wait", dest="wait", action="store_false", help="return at once, not with the report")
+    preempt.add_argument("--json", action="store_true")
+
     nodes = sub.add_parser("nodes", help="the nodes whose work on this prefix is not durable yet (cross-node"
                            " ordering of commit markers); --forget gives up on a node lost for good")
     nodes.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
@@ -205,6 +223,9 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "download_limit": args.download_limit,
         "metrics_addr": args.metrics_addr,
         "drain_timeout": args.drain_timeout,
+        "preempt_on_sigterm": args.preempt_on_sigterm,
+        "preemption_notice": args.preemption_notice,
+        "preemption_notice_url": args.preemption_notice_url,
         "allow_other": args.allow_other,
         "daemon": args.daemon,
         "log_level": args.log_level,
@@ -560,6 +581,36 @@ def cmd_limit(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_deadline(text: str) -> float:
+    """`--deadline`: seconds, with an optional unit: 30, 30s, 2m."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|)\s*", text)
+    if match is None or float(match.group(1)) <= 0:
+        raise UsageError(f"--deadline {text!r} is not a time: give the seconds the node has left, like 30s or 2m")
+    return float(match.group(1)) * (60 if match.group(2) == "m" else 1)
+
+
+def cmd_preempt(args: argparse.Namespace) -> int:
+    """Exit 0 when every complete step is durable, EXIT_NOT_DURABLE when one is not."""
+    deadline = parse_deadline(args.deadline)
+    _mountpoint_from_environment(args)
+    report = client.preempt(args.mountpoint, deadline, wait=args.wait, keep_limits=args.keep_limits,
+                            reason="ckptfs preempt")
+    if report is None:
+        print("preemption started; the report is written to the cache dir")
+        return 0
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        for step in report["steps"]:
+            state = ("durable, published" if step["published"] else "durable") if step["durable"] else (
+                f"NOT durable: {step['why']}")
+            print(f"{step['step']:<30} {state}")
+        if not report["steps"]:
+            print("no step had work pending")
+    complete_left = [s for s in report["steps"] if s["complete"] and not s["durable"]]
+    return EXIT_NOT_DURABLE if complete_left else 0
+
+
 def cmd_flush(args: argparse.Namespace) -> int:
     client.wait_durable(args.mountpoint, args.paths, timeout=args.timeout, all_nodes=args.all_nodes)  # exit 3
     return 0
@@ -638,6 +689,7 @@ COMMANDS = {
     "mount": cmd_mount, "umount": cmd_umount, "restart": cmd_restart,
     "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
     "prune": cmd_prune, "nodes": cmd_nodes, "guard": cmd_guard, "unguard": cmd_unguard, "limit": cmd_limit,
+    "preempt": cmd_preempt,
 }
 
 

@@ -55,6 +55,8 @@ from ckptfs.lister import DirLister
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
 from ckptfs.mountpoint import check_fusermount, check_mountpoint, set_read_ahead, wait_until_mounted
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
+from ckptfs.notices import watch_notices
+from ckptfs.preempt import Preempter
 from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
 from ckptfs.pruner import Pruner
 from ckptfs.recovery import RecoveryReport, recover
@@ -89,6 +91,8 @@ RESTART_PAUSE_CAP = 60.0
 # `ckptfs restart`: how long the requests being served may take to finish before the connection goes to the
 # new daemon anyway (the kernel sends it the unfinished ones again)
 RESTART_REQUESTS_WAIT = 10.0
+# A stop under a preemption notice: how long it waits past its drain for the report to be written.
+PREEMPTION_REPORT_WAIT = 2.0
 
 
 class _StartedOnce:
@@ -192,6 +196,8 @@ class Daemon:
         self.fs.listing.on_straggler = lambda message: self.faults.record("rename", message)
         self.pruner = Pruner(journal, self.fs, self.lister, is_commit_marker=self.drain.is_commit_marker,
                              peers=self.peers, faults=self.faults)
+        self.preempter = Preempter(self.drain, engine, cache.root)
+        self.pruner.held = lambda: self.preempter.active  # retention waits under a preemption notice
         self.lister.forget_kernel_data = forget_kernel_data
         self.lister.forget_kernel_entry = forget_kernel_entry
         self.lister.forget_kernel_entry_now = forget_kernel_entry_now
@@ -212,7 +218,7 @@ class Daemon:
         self.fuse_ops: FuseOperations | None = None
         self.control = ControlRequests(self, self.drain, self.lister, self.pruner, cache_root=cache.root,
                                        node_id=self.node_id, records=self.records, peers=self.peers,
-                                       bandwidth=engine.bandwidth)
+                                       bandwidth=engine.bandwidth, preempter=self.preempter)
         self.guarded, self.guard_why = guard.availability(config.guard_mountpoint)
         # The mount outliving this daemon (takeover.py): holder, systemd's store, the handles taken over.
         self.keeper = ConnectionKeeper(
@@ -314,6 +320,10 @@ class Daemon:
                 if self.records is not None and self.peers is not None:
                     await nursery.start(self._supervised, "node records", self.records.run)
                     await nursery.start(self._supervised, "other nodes' records", self.peers.run)
+                await nursery.start(self._supervised, "preemption", self.preempter.run)
+                if self.config.preemption_notice != "off":
+                    nursery.start_soon(self._supervised, "preemption notices", functools.partial(
+                        watch_notices, self.config, self.preempter))
                 await nursery.start(self._serve_control)
                 device = await wait_until_mounted(self.mountpoint)
                 if self.held is None:
@@ -442,6 +452,12 @@ class Daemon:
                              self.mountpoint)
                     self._leaving = True
                     self.request_stop(self.config.drain_timeout)
+                elif not self._stop_requested.is_set() and self.config.preempt_on_sigterm:
+                    # A spot node's stop (systemd, a pod's preStop): the newest complete step first, and the
+                    # whole stop bounded by the notice's deadline.
+                    seconds = self.config.preempt_on_sigterm
+                    self.preempter.begin(seconds, reason=signal.Signals(signum).name)
+                    self.request_stop(min(seconds, self.config.drain_timeout))
                 elif not self._stop_requested.is_set():
                     log.info(
                         "%s: draining for up to %ss, then unmounting", signal.Signals(signum).name,
@@ -494,6 +510,9 @@ class Daemon:
         self.notifier.notify(stopping=1, status=status_line(self.statistics()))
         self.fs.stop_writes()
         self.result = await self.drain.flush(None, deadline_after(self._stop_timeout))
+        if self.preempter.active and not self.preempter.reported.is_set():
+            with trio.move_on_after(PREEMPTION_REPORT_WAIT):
+                await self.preempter.reported.wait()
         if self.result.ok and self.records is not None:
             # Nothing of this node is pending: its records go, so that no other node's marker waits for it.
             with trio.move_on_after(RETIRE_RECORDS_WAIT):
