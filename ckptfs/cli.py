@@ -545,6 +545,10 @@ def cmd_status(args: argparse.Namespace) -> int:
               " 10 minutes; see the log):")
         for failing in status["failing"][:10]:
             print(f"  {failing['path']}: {failing['job']}: {failing['error']}")
+    for held in status.get("markers_held", [])[:10]:
+        print(f"held back  commit marker {held['marker']}: {held['held_by']} is failing (never published over it)")
+    if status.get("preempting"):
+        print("preempting the newest complete step goes first (a preemption notice came)")
     return 0
 
 

@@ -204,6 +204,21 @@ class Drain:
     def failing(self) -> list[tuple[str, Parked]]:
         return self.retries.failing()
 
+    def markers_held(self) -> list[tuple[str, str]]:
+        """(commit marker, the failing entry that holds it back) for every pending marker a parked job holds
+        back (ordering.held_by): what `ckptfs status` names and ckptfs_markers_held counts."""
+        failing = [p.inode_id for p in self.retries.parked.values() if p.job != "delete"]
+        if not failing:
+            return []
+        failing_inodes = list(self.journal.get_many(failing).values())
+        held = []
+        for inode in self.journal.pending_uploads():
+            if inode.path is not None and self.markers.match(inode.name):
+                by = ordering.held_by(inode, failing_inodes)
+                if by is not None:
+                    held.append((inode.path, by))
+        return held
+
     @property
     def spill_room(self) -> int:
         return self.spills.room
