@@ -110,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                             " whole stop within it (0: off)")
     mount.add_argument("--preemption-notice", choices=["aws", "gcp", "azure", "off"],
                        help="watch the cloud's preemption notice and act on it (ckptfs preempt) by itself")
+    mount.add_argument("--preemption-keep-limits", action="store_true", default=None,
+                       help="keep the bandwidth caps under a preemption notice (they are lifted by default)")
     mount.add_argument("--preemption-notice-url", metavar="URL", help="the metadata endpoint to ask (default: the"
                        " cloud's own)")
     mount.add_argument("--allow-other", action="store_true", default=None)
@@ -226,6 +228,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "preempt_on_sigterm": args.preempt_on_sigterm,
         "preemption_notice": args.preemption_notice,
         "preemption_notice_url": args.preemption_notice_url,
+        "preemption_keep_limits": args.preemption_keep_limits,
         "allow_other": args.allow_other,
         "daemon": args.daemon,
         "log_level": args.log_level,
@@ -594,7 +597,7 @@ def parse_deadline(text: str) -> float:
 
 
 def cmd_preempt(args: argparse.Namespace) -> int:
-    """Exit 0 when every complete step is durable, EXIT_NOT_DURABLE when one is not."""
+    """Exit 0 when the newest complete step is durable (or no step had work), EXIT_NOT_DURABLE when not."""
     deadline = parse_deadline(args.deadline)
     _mountpoint_from_environment(args)
     report = client.preempt(args.mountpoint, deadline, wait=args.wait, keep_limits=args.keep_limits,
@@ -611,8 +614,8 @@ def cmd_preempt(args: argparse.Namespace) -> int:
             print(f"{step['step']:<30} {state}")
         if not report["steps"]:
             print("no step had work pending")
-    complete_left = [s for s in report["steps"] if s["complete"] and not s["durable"]]
-    return EXIT_NOT_DURABLE if complete_left else 0
+    newest = next((s for s in report["steps"] if s["complete"]), None)
+    return EXIT_NOT_DURABLE if newest is not None and not newest["durable"] else 0
 
 
 def cmd_flush(args: argparse.Namespace) -> int:

@@ -38,7 +38,7 @@ DEFAULT_COMMIT_MARKERS: tuple[str, ...] = (
 
 
 _BOOL_KEYS = ("allow_other", "daemon", "cross_node_ordering", "keep_mount", "keep_mount_on_stop", "guard_mountpoint",
-              "gateway")
+              "gateway", "preemption_keep_limits")
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,10 @@ class Config:
     preemption_deadline: float = 25.0
     """Seconds a notice seen by the watcher leaves for the drain (shortened to the time the notice itself
     names, less PREEMPTION_MARGIN, where it names one)."""
+
+    preemption_keep_limits: bool = False
+    """Keep the bandwidth caps under a preemption notice (by default they are lifted: what is left must go as
+    fast as it can)."""
 
     preemption_poll: float = 5.0
     """Seconds between the watcher's looks at the metadata endpoint (AWS advises every 5 s)."""

@@ -322,7 +322,7 @@ class Daemon:
                     await nursery.start(self._supervised, "other nodes' records", self.peers.run)
                 await nursery.start(self._supervised, "preemption", self.preempter.run)
                 if self.config.preemption_notice != "off":
-                    nursery.start_soon(self._supervised, "preemption notices", functools.partial(
+                    await nursery.start(self._supervised, "preemption notices", functools.partial(
                         watch_notices, self.config, self.preempter))
                 await nursery.start(self._serve_control)
                 device = await wait_until_mounted(self.mountpoint)
@@ -456,7 +456,8 @@ class Daemon:
                     # A spot node's stop (systemd, a pod's preStop): the newest complete step first, and the
                     # whole stop bounded by the notice's deadline.
                     seconds = self.config.preempt_on_sigterm
-                    self.preempter.begin(seconds, reason=signal.Signals(signum).name)
+                    self.preempter.begin(seconds, reason=signal.Signals(signum).name,
+                                         lift_limits=not self.config.preemption_keep_limits)
                     self.request_stop(min(seconds, self.config.drain_timeout))
                 elif not self._stop_requested.is_set():
                     log.info(

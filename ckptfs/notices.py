@@ -98,8 +98,10 @@ def seconds_left(notice: Notice, configured: float, now: float) -> float:
     return max(1.0, min(configured, notice.ends_at - now - PREEMPTION_MARGIN))
 
 
-async def watch_notices(config: Config, preempter: Preempter) -> None:
+async def watch_notices(config: Config, preempter: Preempter, *,
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Poll until a notice comes, then preempt (once: the order lasts until the daemon ends)."""
+    task_status.started()
     cloud = config.preemption_notice
     base = config.preemption_notice_url or DEFAULT_URLS[cloud]
     log.info("watching %s's preemption notices at %s every %.0f s", cloud, base, config.preemption_poll)
@@ -115,6 +117,6 @@ async def watch_notices(config: Config, preempter: Preempter) -> None:
             notice = None
         if notice is not None:
             preempter.begin(seconds_left(notice, config.preemption_deadline, time.time()),
-                            reason=f"{cloud} notice: {notice.detail}")
+                            reason=f"{cloud} notice: {notice.detail}", lift_limits=not config.preemption_keep_limits)
             return
         await trio.sleep(config.preemption_poll)

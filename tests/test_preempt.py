@@ -155,7 +155,7 @@ async def test_a_parked_file_holds_its_steps_marker_back_and_is_named_by_the_rep
     assert by_step["step_300"]["failing"][0]["path"] == "step_300/bad"
     assert by_step["step_300"]["why"].startswith("failing: step_300/bad (")
     assert by_step["step_300"]["markers_left"] == ["step_300/.metadata"]
-    assert len(stack.drain.failing()) == 1 and PARK_AFTER == stack.drain.faults.counts["drain"]
+    assert len(stack.drain.failing()) == 1 and stack.drain.faults.counts["drain"] == PARK_AFTER
 
 
 def test_a_notice_that_names_its_end_shortens_the_deadline() -> None:

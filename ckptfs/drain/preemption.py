@@ -30,9 +30,9 @@ from ckptfs.drain.ordering import CommitMarkers
 from ckptfs.journal import DIR, FILE, Inode, Journal
 from ckptfs.retention import step_of
 
-# While a notice lasts, which steps are complete (a file closed, a marker written) is looked at again at
-# most this often (trio seconds): a replan reads the pending work and each pending step's entries.
-REPLAN_INTERVAL = 1.0
+# While a notice lasts, which steps are complete is looked at again after every change of the mount (a
+# file closed, a marker written: `stale`), and at least this often (trio seconds).
+REPLAN_INTERVAL = 0.5
 OPEN_NAMED = 5  # files still open that the report names per step
 
 
@@ -63,6 +63,7 @@ class Preemption:
         self._rank: dict[str, int] = {}  # complete step -> its rank (0: the newest)
         self._waiting: dict[str, str] = {}  # incomplete step -> why its work waits
         self._planned_at = -math.inf
+        self.stale = False  # the mount changed since the last plan
         self.steps_seen: set[str] = set()  # every step with work pending since the notice (the report's rows)
         # Steps found complete since the notice, with the key they rank by (they stay so once durable).
         self._complete_seen: dict[str, tuple[int, int]] = {}
@@ -97,11 +98,12 @@ class Preemption:
         return top_of(path)
 
     def replan_if_due(self, now: float) -> None:
-        if now - self._planned_at >= REPLAN_INTERVAL:
+        if self.stale or now - self._planned_at >= REPLAN_INTERVAL:
             self.replan(now)
 
     def replan(self, now: float) -> None:
         self._planned_at = now
+        self.stale = False
         ranked: list[tuple[str, Inode]] = []
         self._waiting = {}
         for name, (top, _below, open_paths, markers) in self._pending_steps().items():

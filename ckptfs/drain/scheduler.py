@@ -27,7 +27,7 @@ from ckptfs.drain.lane import SmallLane
 from ckptfs.drain.namespace import Namespace
 from ckptfs.drain.open_uploads import OpenUploads
 from ckptfs.drain.ordering import CommitMarkers, Job, below, keyed
-from ckptfs.drain.preemption import Preemption, focus
+from ckptfs.drain.preemption import REPLAN_INTERVAL, Preemption, focus
 from ckptfs.drain.records import Records
 from ckptfs.drain.retries import Parked, Retries
 from ckptfs.drain.spills import Spills
@@ -144,6 +144,7 @@ class Drain:
         files and everything else go on as before; a flush, cache pressure and shutdown do not wait."""
         self._changed_at = trio.current_time()
         self._new_work.set()
+        self.preemption.stale = True  # a close may complete a step: the next scan replans
 
     def fsynced(self, inode_id: int) -> None:
         """A file was fsynced (an NFS server's COMMIT arrives so): in gateway mode, a file open for writing
@@ -409,7 +410,7 @@ class Drain:
             jobs.append(Job("delete", delete.id, (delete.key,)))
         if self.preemption.active:
             jobs = self._preempt_order(jobs)
-            next_due = min(next_due, now + 1.0)  # a step may become complete (preemption.REPLAN_INTERVAL)
+            next_due = min(next_due, now + REPLAN_INTERVAL)  # a step may become complete
         return jobs, next_due
 
     def _preempt_order(self, jobs: list[Job]) -> list[Job]:
