@@ -14,6 +14,8 @@ import trio
 from fsharness import Stack, make_stack
 
 from ckptfs.drain import PARK_AFTER, Drain, retries
+from ckptfs.drain.ordering import Job
+from ckptfs.drain.preemption import choose
 from ckptfs.journal import ROOT_ID, Inode
 from ckptfs.notices import Notice, seconds_left
 from ckptfs.preempt import REPORT_NAME, Preempter
@@ -102,11 +104,11 @@ async def test_steps_being_written_and_deletes_wait_under_a_notice(tmp_path: Pat
     assert by_step["step_300"]["published"]
     assert not by_step["step_400"]["complete"]
     assert by_step["step_400"]["why"] == "files still open for writing: step_400/shard1"
-    # They went after the complete step: the delete, then the closed shard of the step still written.
-    await wait_for(lambda: "step_400/shard0" in stack.store_files())
+    # They went after the complete step: the delete, and the closed shard of the step still written.
+    await wait_for(lambda: "step_400/shard0" in stack.store_files() and "old.pt" not in stack.store_files())
     calls = stack.store.calls
-    assert calls.index(("commit", "step_300/.metadata")) < calls.index(("delete", "old.pt")) < calls.index(
-        ("commit", "step_400/shard0"))
+    published = calls.index(("commit", "step_300/.metadata"))
+    assert published < calls.index(("delete", "old.pt")) and published < calls.index(("commit", "step_400/shard0"))
     stack.drain.upload_delay = upload_delay_was
     stack.fs.release(fh)
     await stack.flush()
@@ -163,3 +165,20 @@ def test_a_notice_that_names_its_end_shortens_the_deadline() -> None:
     assert seconds_left(Notice("aws", 1120.0, ""), 25.0, 1000.0) == 25.0
     assert seconds_left(Notice("azure", 1020.0, ""), 25.0, 1000.0) == 15.0
     assert seconds_left(Notice("azure", 990.0, ""), 25.0, 1000.0) == 1.0
+
+
+def test_the_order_under_a_notice_holds_back_only_bandwidth_and_deletes() -> None:
+    """choose(): uploads of the first rank only (a running one of a later rank is cut short), moves of any
+    rank (an upload may wait for one to free its key: seed 1209 of the crash harness waited forever when a
+    move of a step still being written was held back), deletes once no complete step has work left."""
+    ranks = {("upload", 1): 0, ("upload", 2): 1, ("move", 3): 3, ("meta", 4): 2, ("upload", 5): 1,
+             ("upload", 6): None}
+    jobs = [Job("upload", 2, ("s2/a",)), Job("delete", 9, ("old/",)), Job("move", 3, ("x", "w/x")),
+            Job("upload", 1, ("s1/a",)), Job("meta", 4, ("t",))]
+    chosen, cut = choose(jobs, {("upload", 5), ("upload", 6)}, lambda kind, ident: ranks[(kind, ident)], 2)
+    assert [(j.kind, j.ident) for j in chosen] == [("upload", 1), ("meta", 4), ("move", 3)]
+    assert sorted(cut) == [("upload", 5), ("upload", 6)]
+    # No complete step's work left (ranks 0 and 1 of other_rank 2): deletes go, after the rest.
+    later = [Job("move", 3, ("x", "w/x")), Job("delete", 9, ("old/",))]
+    chosen, cut = choose(later, set(), lambda kind, ident: ranks[(kind, ident)], 2)
+    assert [(j.kind, j.ident) for j in chosen] == [("move", 3), ("delete", 9)] and not cut

@@ -6,27 +6,28 @@ directory. It is complete when nothing below it is open for writing (and, with c
 it holds one). Under a notice:
 
 - the jobs of complete steps go newest first (by the step number in the name, like retention, else by
-  the directory's mtime), one step at a time: a step's jobs get every slot and the bandwidth until none is
-  left to start, then the next step's; running uploads of later ranks are cut short (they resume from
+  the directory's mtime), one step at a time: a step's uploads get every slot and the bandwidth until none
+  is left to start, then the next step's; running uploads of later ranks are cut short (they resume from
   their uploaded parts when their turn comes: uploads.py saves each part in the journal);
 - a step's commit markers wait only for the work before them in their own step (not for older steps'
   files, which may never leave before the node goes); top-level markers keep the plain rule;
-- work outside any step (top-level files) goes after the complete steps, then deletes (retention's, old
-  copies), then what is closed of the steps still being written: none of these takes a slot or bandwidth
-  while a complete step has work left.
+- work outside any step (top-level files) goes after the complete steps, then what is closed of the steps
+  still being written: neither takes bandwidth while a complete step has uploads left. Moves and metadata
+  updates (no file's bytes) go in rank order without waiting; deletes (retention's, old copies) wait until
+  no complete step has work left.
 
 Owns: the plan (which step ranks where, which wait and why), replanned at most every REPLAN_INTERVAL
 while a notice lasts, and the per-step account of what is left (`steps_left`) that the report is made of.
-No store I/O; the scheduler asks `rank_of` for each job it could start.
+No store I/O; the scheduler asks `choose` (with `rank_of`) which of the jobs it could start go.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from ckptfs.drain.ordering import CommitMarkers
+from ckptfs.drain.ordering import CommitMarkers, Job
 from ckptfs.journal import DIR, FILE, Inode, Journal
 from ckptfs.retention import step_of
 
@@ -77,17 +78,13 @@ class Preemption:
         """The rank of work outside any step (after every complete step)."""
         return len(self._rank)
 
-    @property
-    def delete_rank(self) -> int:
-        return len(self._rank) + 1
-
     def rank_of(self, path: str | None) -> int | None:
         """Where a job on `path` goes in the order (lower first); None: an unlinked entry's, which waits."""
         if path is None:
             return None
         top = top_of(path)
         if top in self._waiting:
-            return len(self._rank) + 2
+            return len(self._rank) + 1
         return self._rank.get(top, self.other_rank)
 
     def step_dir(self, inode: Inode) -> str | None:
@@ -180,12 +177,26 @@ class Preemption:
         return steps
 
 
-def focus(ranks: Iterable[int | None]) -> int | None:
-    """The rank whose jobs go now: the lowest of the jobs that could start or run (None: none)."""
-    known = [rank for rank in ranks if rank is not None]
-    return min(known) if known else None
+def choose(
+    jobs: list[Job], running: Collection[tuple[str, int]], rank: Callable[[str, int], int | None], other_rank: int,
+) -> tuple[list[Job], list[tuple[str, int]]]:
+    """Under a notice, the jobs of a scan that may start, in rank order, and the running jobs to cut short.
+    Uploads and spills (the bandwidth): of the first rank with any, ready or running, only; running ones of a
+    later rank are cut. Moves and metadata updates, which move no file's bytes, all, in rank order (an upload
+    may wait for a move of another rank to free its key: holding those back would hold it forever). Deletes
+    once no step's work is left. `rank(kind, id)` is None for an entry gone meanwhile (it waits)."""
+    heavy = ("upload", "spill")
+    ranked = [(job, rank(job.kind, job.ident)) for job in jobs if job.kind != "delete"]
+    running_ranks = {job_id: rank(*job_id) for job_id in running if job_id[0] != "delete"}
+    heavy_ranks = [r for job, r in ranked if job.kind in heavy] + [
+        r for job_id, r in running_ranks.items() if job_id[0] in heavy]
+    first = min((r for r in heavy_ranks if r is not None), default=None)
+    cut = [job_id for job_id, r in running_ranks.items()
+           if job_id[0] in heavy and (r is None or first is None or r > first)]
+    chosen = sorted(((job, r) for job, r in ranked if r is not None and (job.kind not in heavy or r == first)),
+                    key=lambda item: item[1])
+    step_work_left = any(r is not None and r < other_rank for r in [*(r for _, r in ranked), *running_ranks.values()])
+    deletes = [] if step_work_left else [job for job in jobs if job.kind == "delete"]
+    return [job for job, _ in chosen] + deletes, cut
 
 
-def marker_waits_in_step(inode: Inode, step: str, work_before_under: Callable[[int, str, int], list[Inode]]) -> bool:
-    """Under a notice, a marker inside a step waits for the work before it in that step only."""
-    return bool(work_before_under(inode.seq, step, 1))

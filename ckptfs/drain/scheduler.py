@@ -27,7 +27,7 @@ from ckptfs.drain.lane import SmallLane
 from ckptfs.drain.namespace import Namespace
 from ckptfs.drain.open_uploads import OpenUploads
 from ckptfs.drain.ordering import CommitMarkers, Job, below, keyed
-from ckptfs.drain.preemption import REPLAN_INTERVAL, Preemption, focus
+from ckptfs.drain.preemption import REPLAN_INTERVAL, Preemption, choose
 from ckptfs.drain.records import Records
 from ckptfs.drain.retries import Parked, Retries
 from ckptfs.drain.spills import Spills
@@ -414,29 +414,24 @@ class Drain:
         return jobs, next_due
 
     def _preempt_order(self, jobs: list[Job]) -> list[Job]:
-        """Under a notice: only the jobs of the first rank with work (preemption.py); running uploads and
-        spills of a later rank, or of work that waits, are cut short (they resume from their saved parts)."""
+        """Under a notice: the jobs of a scan that may start, in the order of preemption.choose; running
+        uploads and spills it leaves out are cut short (they resume from their saved parts)."""
         self.preemption.replan_if_due(trio.current_time())
         ids = {job.ident for job in jobs if job.kind != "delete"} | {i for k, i in self._running if k != "delete"}
         inodes = self.journal.get_many(ids)
 
         def rank(kind: str, ident: int) -> int | None:
-            if kind == "delete":
-                return self.preemption.delete_rank
             inode = inodes.get(ident)
             return None if inode is None else self.preemption.rank_of(inode.path)
 
-        ranked = [(job, rank(job.kind, job.ident)) for job in jobs]
-        running = {job_id: rank(*job_id) for job_id in self._running}
-        now_first = focus([r for _, r in ranked] + list(running.values()))
-        for job_id, job_rank in running.items():
-            if job_id[0] in ("upload", "spill") and (job_rank is None or now_first is None or job_rank > now_first):
-                scope = self._scopes.get(job_id)
-                if scope is not None:
-                    scope.cancel()
-                else:
-                    self._cut_at_start.add(job_id)
-        return [job for job, job_rank in ranked if job_rank is not None and job_rank == now_first]
+        chosen, cut = choose(jobs, self._running, rank, self.preemption.other_rank)
+        for job_id in cut:
+            scope = self._scopes.get(job_id)
+            if scope is not None:
+                scope.cancel()
+            else:
+                self._cut_at_start.add(job_id)
+        return chosen
 
     def _scan_open(
         self, open_ids: list[int], jobs: list[Job], unmarked: set[str],
