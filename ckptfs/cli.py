@@ -183,6 +183,7 @@ def _parser() -> argparse.ArgumentParser:
                          " by default)")
     preempt.add_argument("--no-wait", dest="wait", action="store_false", help="return at once, not with the report")
     preempt.add_argument("--json", action="store_true")
+    preempt.add_argument("--config", type=Path, help="take the mountpoint from this file")
 
     nodes = sub.add_parser("nodes", help="the nodes whose work on this prefix is not durable yet (cross-node"
                            " ordering of commit markers); --forget gives up on a node lost for good")
@@ -599,7 +600,8 @@ def parse_deadline(text: str) -> float:
 def cmd_preempt(args: argparse.Namespace) -> int:
     """Exit 0 when the newest complete step is durable (or no step had work), EXIT_NOT_DURABLE when not."""
     deadline = parse_deadline(args.deadline)
-    _mountpoint_from_environment(args)
+    if args.mountpoint is None or args.config is not None:
+        _settings(args)
     report = client.preempt(args.mountpoint, deadline, wait=args.wait, keep_limits=args.keep_limits,
                             reason="ckptfs preempt")
     if report is None:
