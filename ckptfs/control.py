@@ -20,7 +20,7 @@ from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, UsageError
 from ckptfs.lister import DirLister
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
-from ckptfs.preempt import Preempter
+from ckptfs.preempter import Preempter
 from ckptfs.pruner import Pruner
 from ckptfs.snapshot import MountStats, limits_json, status_json
 from ckptfs.transfer import Bandwidth
@@ -140,7 +140,7 @@ class ControlRequests:
         return {"ok": True, "limits": limits_json(*self.bandwidth.now())}
 
     async def _preempt(self, request: dict[str, Any]) -> dict[str, Any]:
-        """`ckptfs preempt`: a preemption notice with `deadline` seconds left (preempt.py); with `wait`, answer
+        """`ckptfs preempt`: a preemption notice with `deadline` seconds left (preempter.py); with `wait`, answer
         with the report once it is written (when every complete step is durable, or at the deadline)."""
         seconds = request.get("deadline")
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < math.inf:

@@ -56,7 +56,7 @@ from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
 from ckptfs.mountpoint import check_fusermount, check_mountpoint, set_read_ahead, wait_until_mounted
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
 from ckptfs.notices import watch_notices
-from ckptfs.preempt import Preempter
+from ckptfs.preempter import Preempter
 from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
 from ckptfs.pruner import Pruner
 from ckptfs.recovery import RecoveryReport, recover

@@ -18,7 +18,7 @@ from ckptfs.drain.ordering import Job
 from ckptfs.drain.preemption import choose
 from ckptfs.journal import ROOT_ID, Inode
 from ckptfs.notices import Notice, seconds_left
-from ckptfs.preempt import REPORT_NAME, Preempter
+from ckptfs.preempter import REPORT_NAME, Preempter
 
 MiB = 1 << 20
 SHARD = 2 * MiB  # above SMALL_FILE: each shard is an upload job of its own
