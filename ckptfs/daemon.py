@@ -446,30 +446,26 @@ class Daemon:
     async def _watch_signals(self, nursery: trio.Nursery) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                if not self._stop_requested.is_set() and self.config.keep_mount_on_stop and self.keeper.kept_by_service:
-                    log.info("%s: draining for up to %ss, then leaving the mount of %s to the node's holder service"
-                             " for the next daemon", signal.Signals(signum).name, self.config.drain_timeout,
-                             self.mountpoint)
-                    self._leaving = True
-                    self.request_stop(self.config.drain_timeout)
-                elif not self._stop_requested.is_set() and self.config.preempt_on_sigterm:
-                    # A spot node's stop (systemd, a pod's preStop): the newest complete step first, and the
-                    # whole stop bounded by the notice's deadline.
-                    seconds = self.config.preempt_on_sigterm
-                    self.preempter.begin(seconds, reason=signal.Signals(signum).name,
-                                         lift_limits=not self.config.preemption_keep_limits)
-                    self.request_stop(min(seconds, self.config.drain_timeout))
-                elif not self._stop_requested.is_set():
-                    log.info(
-                        "%s: draining for up to %ss, then unmounting", signal.Signals(signum).name,
-                        self.config.drain_timeout,
-                    )
-                    self.request_stop(self.config.drain_timeout)
-                else:
+                name = signal.Signals(signum).name
+                if self._stop_requested.is_set():
                     log.warning("second signal: exiting now; pending uploads stay journaled for the next start")
                     self._exiting_now = True
                     nursery.cancel_scope.cancel()
                     return
+                timeout = self.config.drain_timeout
+                if self.config.preempt_on_sigterm:
+                    # A spot node's stop (a node agent, a pod's SIGTERM): a preemption notice, the newest
+                    # complete step first, and the whole stop bounded by its deadline.
+                    timeout = min(self.config.preempt_on_sigterm, timeout)
+                    self.preempter.begin(self.config.preempt_on_sigterm, reason=name,
+                                         lift_limits=not self.config.preemption_keep_limits)
+                if self.config.keep_mount_on_stop and self.keeper.kept_by_service:
+                    log.info("%s: draining for up to %ss, then leaving the mount of %s to the node's holder service"
+                             " for the next daemon", name, timeout, self.mountpoint)
+                    self._leaving = True
+                else:
+                    log.info("%s: draining for up to %ss, then unmounting", name, timeout)
+                self.request_stop(timeout)
 
     async def _publish_metrics(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         assert self.metrics is not None
@@ -511,9 +507,7 @@ class Daemon:
         self.notifier.notify(stopping=1, status=status_line(self.statistics()))
         self.fs.stop_writes()
         self.result = await self.drain.flush(None, deadline_after(self._stop_timeout))
-        if self.preempter.active and not self.preempter.reported.is_set():
-            with trio.move_on_after(PREEMPTION_REPORT_WAIT):
-                await self.preempter.reported.wait()
+        await self._preemption_reported()
         if self.result.ok and self.records is not None:
             # Nothing of this node is pending: its records go, so that no other node's marker waits for it.
             with trio.move_on_after(RETIRE_RECORDS_WAIT):
@@ -532,6 +526,12 @@ class Daemon:
         with trio.move_on_after(5):
             await self._control_done.wait()
 
+    async def _preemption_reported(self) -> None:
+        """A stop under a preemption notice: its report is written before the daemon goes (for a moment)."""
+        if self.preempter.active and not self.preempter.reported.is_set():
+            with trio.move_on_after(PREEMPTION_REPORT_WAIT):
+                await self.preempter.reported.wait()
+
     async def _drain_before_leaving(self) -> None:
         """SIGTERM with keep_mount_on_stop: upload what is pending for up to drain_timeout while the mount
         goes on serving as before (the job keeps saving: nothing refuses its writes), then leave. What is
@@ -539,6 +539,7 @@ class Daemon:
         drained for good)."""
         self.notifier.notify(stopping=1, status="draining before leaving the mount to the holder service")
         self.result = await self.drain.flush(None, deadline_after(self._stop_timeout))
+        await self._preemption_reported()
         if self.result.ok:
             log.info("drained; leaving the mount of %s to the holder service", self.mountpoint)
         else:
