@@ -182,3 +182,31 @@ def test_the_order_under_a_notice_holds_back_only_bandwidth_and_deletes() -> Non
     later = [Job("move", 3, ("x", "w/x")), Job("delete", 9, ("old/",))]
     chosen, cut = choose(later, set(), lambda kind, ident: ranks[(kind, ident)], 2)
     assert [(j.kind, j.ident) for j in chosen] == [("move", 3), ("delete", 9)] and not cut
+
+
+async def test_a_step_whose_files_close_after_the_notice_goes_first_once_they_do(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """The kernel releases a file after close() returns: a SIGTERM right after a save found the newest step's
+    files still open, ranked it behind the older steps and kept it there until the next timed replan (the
+    older step went first). A close replans at once."""
+    stack = capped_stack(tmp_path)
+    stack.drain.upload_delay = 3600.0
+    await nursery.start(stack.drain.run)
+    write_step(stack, "step_100")
+    write_step(stack, "step_200")
+    stack.fs.mkdir(ROOT_ID, b"step_300", 0o755, 0, 0)
+    handles = []
+    for name, data in ((b"shard0", b"\x07" * SHARD), (b"shard1", b"\x08" * SHARD), (b".metadata", b"done")):
+        fh, _ = stack.fs.create(stack.resolve_dir("step_300"), name, 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+        stack.fs.write(fh, 0, data)
+        handles.append(fh)
+    preempter = Preempter(stack.drain, stack.drain.engine, stack.cache.root)
+    await nursery.start(preempter.run)
+    preempter.begin(STEP_SECONDS * 1.75, reason="test", lift_limits=False)
+    await trio.sleep(0.1)
+    for fh in handles:
+        stack.fs.release(fh)
+    report = await preempter.wait_report()
+    assert report["durable"] == ["step_300"], report["not_durable"]
+    assert stack.store_files()["step_300/.metadata"] == b"done"

@@ -34,6 +34,9 @@ from ckptfs.retention import step_of
 # While a notice lasts, which steps are complete is looked at again after every change of the mount (a
 # file closed, a marker written: `stale`), and at least this often (trio seconds).
 REPLAN_INTERVAL = 0.5
+# A replan reads every pending entry: during a burst of closes (a save of thousands of small files going on
+# under the notice), at most this often.
+STALE_REPLAN_INTERVAL = 0.1
 OPEN_NAMED = 5  # files still open that the report names per step
 
 
@@ -95,7 +98,8 @@ class Preemption:
         return top_of(path)
 
     def replan_if_due(self, now: float) -> None:
-        if self.stale or now - self._planned_at >= REPLAN_INTERVAL:
+        since = now - self._planned_at
+        if since >= REPLAN_INTERVAL or (self.stale and since >= STALE_REPLAN_INTERVAL):
             self.replan(now)
 
     def replan(self, now: float) -> None:
