@@ -7,7 +7,8 @@ the order of the contenders rotating from one repetition to the next (a run righ
 for its writeback). Before every timed write or load an untimed write and delete of as many bytes primes the
 VM's memory, right before the timing starts (see prime(); --no-prime to skip):
 
-  fio      The mount's ceiling. fio --ioengine=psync --bs=1M --end_fsync=1: write --fio-size with 1 job;
+  fio      The mount's ceiling. fio --ioengine=psync --bs=1M --end_fsync=1 (and fio's default preallocation;
+           --fio-fallocate none for plain writes): write --fio-size with 1 job;
            read that file back (its pages still cached: what a program reading a file it just wrote sees);
            write --fio-jobs x --fio-job-size with --fio-jobs jobs, each its own file. Contenders: the bare
            directory; ckptfs (passthrough auto, the default); ckptfs --passthrough off; passthrough_hp
@@ -72,10 +73,12 @@ LABELS = {
 CKPTFS_ARGS = ("--small-file-wait", "0", "--metrics-addr", "off", "--min-free", "0")
 CKPTFS_UPLOAD_DELAY = 100000.0
 FIO_COMMON = ("--ioengine=psync", "--bs=1M", "--end_fsync=1", "--group_reporting",
-              # the same plain writes for every contender (ckptfs has no fallocate), and a read that finds
-              # the pages the write left: the default invalidate=1 would drop them for the bare dir only
-              # (fadvise on a FUSE file does not reach the backing file's pages)
-              "--fallocate=none", "--invalidate=0")
+              # a read that finds the pages the write left: the default invalidate=1 would drop them for
+              # the bare dir only (fadvise on a FUSE file does not reach the backing file's pages)
+              "--invalidate=0")
+# fio preallocates each file before it writes (fallocate=native on Linux) unless told not to: what a user
+# running fio gets, and what issue 46 measures; --fio-fallocate none gives every contender plain writes.
+FIO_FALLOCATE_DEFAULT = "default"
 SAVE_TENSOR_BYTES = 128 * MIB
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -395,10 +398,12 @@ def fio_jobs(args: argparse.Namespace) -> list[FioJob]:
     ]
 
 
-def run_fio(job: FioJob, d: Path, out: Path) -> float:
+def run_fio(job: FioJob, d: Path, out: Path, fallocate: str = FIO_FALLOCATE_DEFAULT) -> float:
     """Run one fio job in d; -> fio's own seconds for it (end_fsync included), checking the bytes moved."""
     argv = ["fio", f"--name={job.name}", f"--rw={job.rw}", f"--size={job.size}", f"--numjobs={job.jobs}",
             *FIO_COMMON, "--output-format=json", f"--output={out}"]
+    if fallocate != FIO_FALLOCATE_DEFAULT:
+        argv.append(f"--fallocate={fallocate}")
     # one job: a fixed file name, so that the read finds what write1 wrote; more: one file per job in d
     argv.append(f"--filename={d / 'fio1.bin'}" if job.jobs == 1 else f"--directory={d}")
     result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=3600)
@@ -423,7 +428,7 @@ def bench_fio(session: Session, where: str, root: Path, samples: list[Sample]) -
                     fio_seconds: list[float] = []
 
                     def work(job: FioJob = job, target: Target = target, acc: list[float] = fio_seconds) -> None:
-                        acc.append(run_fio(job, target.dir, out))
+                        acc.append(run_fio(job, target.dir, out, args.fio_fallocate))
 
                     primer = (root, job.nbytes) if args.prime and job.rw == "write" else None
                     wall, cpu, opens = timed(target, args.pause, work, primer=primer)
@@ -697,6 +702,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-prime", dest="prime", action="store_false",
                    help="do not write and delete a file of the workload's size before each timed write or load")
     p.add_argument("--fio-size", type=parse_size, default=2 * GIB, help="fio 1-job write and read (2G)")
+    p.add_argument("--fio-fallocate", default=FIO_FALLOCATE_DEFAULT,
+                   help="fio's --fallocate: default (fio's own: it preallocates), none, native, posix, keep")
     p.add_argument("--fio-jobs", type=int, default=4, help="jobs of the parallel fio write (4)")
     p.add_argument("--fio-job-size", type=parse_size, default=512 * MIB, help="bytes per parallel job (512M)")
     p.add_argument("--save-size", type=parse_size, default=1 * GIB, help="torch.save state dict (1G)")

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 import pyfuse3
 import trio
 
-from ckptfs import ctl, guard, holder
+from ckptfs import ctl, guard, holder_link
 from ckptfs.backends import check_store, open_store
 from ckptfs.backends.base import UploadState
 from ckptfs.cache import CacheDir
@@ -39,7 +39,7 @@ from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, Faults
 from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
-from ckptfs.fs import Filesystem
+from ckptfs.fs import Filesystem, probe_passthrough
 from ckptfs.fuse_ops import (
     FuseOperations,
     forget_kernel_attrs,
@@ -47,7 +47,8 @@ from ckptfs.fuse_ops import (
     forget_kernel_entry,
     forget_kernel_entry_now,
     inode_generation,
-    probe_passthrough,
+    kernel_backing_files,
+    passthrough_granted,
 )
 from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import Inode, Journal, JournalError, JournalFull, journal_unusable
@@ -136,7 +137,7 @@ class Daemon:
     def __init__(
         self, config: Config, engine: Transfers, cache: CacheDir, journal: Journal,
         metrics: MetricsServer | None = None, *, handle_table: HandleTable | None = None,
-        held: holder.Held | None = None, restored: list[OpenHandle] | None = None,
+        held: holder_link.Held | None = None, restored: list[OpenHandle] | None = None,
         restart_argv: list[str] | None = None,
     ) -> None:
         self.config = config
@@ -388,7 +389,8 @@ class Daemon:
         return 0
 
     def _probe_passthrough(self) -> None:
-        backing, self.passthrough_why = probe_passthrough(self.config.passthrough,
+        backing, self.passthrough_why = probe_passthrough(self.config.passthrough, kernel_backing_files(),
+                                                          passthrough_granted(),
                                                           self.cache.tmp_path(0) + ".passthrough-probe")
         if backing is not None:
             self.fs.backing = backing
@@ -614,7 +616,7 @@ async def run(
 
 
 async def _run_on(
-    config: Config, store: InstrumentedStore, held: holder.Held | None, from_systemd: bool,
+    config: Config, store: InstrumentedStore, held: holder_link.Held | None, from_systemd: bool,
     ready: Callable[[], None], restart_argv: list[str] | None,
 ) -> int:
     cache = CacheDir(config.resolved_cache_dir())

@@ -112,7 +112,7 @@ class NotFoundBackendError(BackendError):
 class UploadGoneError(NotFoundBackendError):
     """The store no longer has the staged upload (aborted, expired, or completed): no part can be added to
     it, nor can it be completed. After a complete whose answer was lost, the object may be at its key all
-    the same: the engine checks that (Transfers._complete), not the store."""
+    the same: the engine checks that (StagedUploads.complete), not the store."""
 
 
 class TooLargeToCopyError(PermanentBackendError):

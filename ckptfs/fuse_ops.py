@@ -3,10 +3,11 @@
 Owns only type conversion and error translation: every request goes through one wrapper (`_timed`, or
 the inline copy in the hot read/write) whose `_fuse_error` turns whatever it raised into a FUSEError, here
 and nowhere else. A handler never lets an exception reach pyfuse3: that would end the FUSE session.
-No POSIX semantics live here (the fs package has them), and no store is reached from here. It also
-registers cache files with the kernel for FUSE passthrough (KernelBackingFiles, probed once by
-`probe_passthrough`) and names the backing id in open and create replies; when a handle gets one is
-fs/kernel_cache.py's decision. How long the kernel may keep names, attributes and directory listings is
+No POSIX semantics live here (the fs package has them: what a request the kernel sent again after a
+takeover means is fs/requests.py's, whether passthrough works fs/kernel_cache.py's probe), and no store is
+reached from here. It also gives the fs package this pyfuse3's registry of backing files for FUSE
+passthrough (KernelBackingFiles) and names the backing id in open and create replies; when a handle gets
+one is fs/kernel_cache.py's decision. How long the kernel may keep names, attributes and directory listings is
 said here (the replies' timeouts, FOPEN_CACHE_DIR); what drops them early is the forget_kernel_* notifications.
 """
 
@@ -15,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
-import stat
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
@@ -38,7 +37,7 @@ from pyfuse3 import (
 )
 
 from ckptfs.errors import Faults, FsError
-from ckptfs.fs import RESENT, Attr, Filesystem, RoomNeeded, SetAttrs
+from ckptfs.fs import Attr, Filesystem, RoomNeeded, SetAttrs
 from ckptfs.journal import JournalFull, journal_unusable
 from ckptfs.metrics import OpStats
 
@@ -69,11 +68,10 @@ TIMED_OPS = (
 )
 
 
-def _sent_again(ctx: RequestContext) -> bool:
-    """The kernel sent this request again after a takeover (FUSE_NOTIFY_RESEND): the daemon before had read
-    it and died before its answer went out, perhaps after it had done what it asked. Builds of pyfuse3
-    without the request id (the stock one) never say so."""
-    return bool(getattr(ctx, "unique", 0) & RESENT)
+def _request_id(ctx: RequestContext) -> int:
+    """The kernel's id of the request (its high bit set when it was sent again after a takeover: see
+    fs/requests.py); 0 from builds of pyfuse3 without it (the stock one)."""
+    return int(getattr(ctx, "unique", 0))
 
 
 def inode_generation(owner_tag: str) -> int:
@@ -192,31 +190,11 @@ def passthrough_granted() -> bool:
     return passthrough_build() and bool(getattr(pyfuse3, "passthrough_enabled")())  # noqa: B009
 
 
-def probe_passthrough(mode: str, probe_path: str) -> tuple[KernelBackingFiles | None, str]:
-    """FUSE passthrough where the option (`mode`), the pyfuse3 build, the kernel and this process's
-    privileges allow it: the backing files to use (None: the mount works as without it), and why. Never a
-    failure. `probe_path`: a scratch file on the cache filesystem, removed again."""
-    if mode == "off":
-        return None, "off: passthrough = off"
-    if not passthrough_build():
-        return None, ("off: this pyfuse3 is the stock build, without passthrough support (scripts/install.sh"
-                      " builds one against libfuse >= 3.17; elsewhere `pip install` the pyfuse3 wheel that"
-                      " scripts/build-wheels.sh makes: docs/INSTALL.md)")
-    if not passthrough_granted():
-        return None, ("off: the kernel did not grant FUSE passthrough (it needs Linux >= 6.9"
-                      " with CONFIG_FUSE_PASSTHROUGH)")
-    backing = KernelBackingFiles()
-    try:
-        fd = os.open(probe_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            backing.close(backing.open(fd))
-        finally:
-            os.close(fd)
-            os.unlink(probe_path)
-    except OSError as exc:
-        need = " (it needs CAP_SYS_ADMIN: run the daemon as root)" if exc.errno == errno.EPERM else ""
-        return None, f"off: the kernel refused a backing file: {exc.strerror}{need}"
-    return backing, "on: the kernel reads and writes the cache files of open files itself"
+def kernel_backing_files() -> KernelBackingFiles | None:
+    """This pyfuse3's registry of backing files for FUSE passthrough: None for a build without it (the
+    stock one). Whether the kernel grants it, and whether it lets this process register one, is probed by
+    fs.kernel_cache.probe_passthrough."""
+    return KernelBackingFiles() if passthrough_build() else None
 
 
 # -- telling the kernel what the daemon changed behind its back (FUSE notifications) --------------------------
@@ -347,49 +325,20 @@ class FuseOperations(pyfuse3.Operations):
         raise AssertionError("link() always raises")
 
     async def mkdir(self, parent_inode: InodeT, name: FileNameT, mode: ModeT, ctx: RequestContext) -> EntryAttributes:
-        try:
-            attr = self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid)
-        except FsError as exc:
-            attr = self._done_before(exc, errno.EEXIST, ctx, parent_inode, name, stat.S_IFDIR)
-        await self.fs.announce(attr.ino)
+        attr = await self.fs.requests.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid, _request_id(ctx))
         return _entry(attr, self.generation, self._kept_for(parent_inode))
-
-    def _done_before(self, exc: FsError, found: int, ctx: RequestContext, parent_inode: InodeT, name: FileNameT,
-                     kind: int) -> Attr:
-        """A mkdir or symlink sent again after a takeover that finds its entry made: the daemon before made
-        it and died before answering. Anything else re-raises `exc`."""
-        if exc.errno != found or not _sent_again(ctx):
-            raise exc
-        attr = self.fs.lookup(parent_inode, name)
-        if stat.S_IFMT(attr.mode) != kind:
-            raise exc
-        return attr
 
     async def symlink(
         self, parent_inode: InodeT, name: FileNameT, target: FileNameT, ctx: RequestContext
     ) -> EntryAttributes:
-        try:
-            attr = self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid)
-        except FsError as exc:
-            attr = self._done_before(exc, errno.EEXIST, ctx, parent_inode, name, stat.S_IFLNK)
-        await self.fs.announce(attr.ino)
+        attr = await self.fs.requests.symlink(parent_inode, name, target, ctx.uid, ctx.gid, _request_id(ctx))
         return _entry(attr, self.generation, self._kept_for(parent_inode))
 
     async def unlink(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
-        try:
-            self.fs.unlink(parent_inode, name)
-        except FsError as exc:
-            if exc.errno != errno.ENOENT or not _sent_again(ctx):
-                raise
-            # (sent again after a takeover: the daemon before removed it and died before answering)
+        self.fs.requests.unlink(parent_inode, name, _request_id(ctx))
 
     async def rmdir(self, parent_inode: InodeT, name: FileNameT, ctx: RequestContext) -> None:
-        try:
-            await self.fs.prepare_rmdir(parent_inode, name)
-            self.fs.rmdir(parent_inode, name)
-        except FsError as exc:
-            if exc.errno != errno.ENOENT or not _sent_again(ctx):
-                raise
+        await self.fs.requests.rmdir(parent_inode, name, _request_id(ctx))
 
     async def rename(
         self,
@@ -400,58 +349,16 @@ class FuseOperations(pyfuse3.Operations):
         flags: FlagT,
         ctx: RequestContext,
     ) -> None:
-        try:
-            entries = await self.fs.prepare_rename(parent_inode_old, name_old, parent_inode_new, name_new)
-            # No await in between: what prepare_rename read is still what the journal holds.
-            moved = self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, entries)
-        except FsError as exc:
-            if exc.errno != errno.ENOENT or not _sent_again(ctx):
-                raise
-            # Sent again after a takeover, and the source is gone: the daemon before renamed it and died
-            # before answering, if the new name is there.
-            self.fs.lookup(parent_inode_new, name_new)  # ENOENT if not: then it is the caller's error
-            return
-        if moved is not None:
-            await self.fs.announce(*moved)
+        await self.fs.requests.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags, _request_id(ctx))
 
     async def create(
         self, parent_inode: InodeT, name: FileNameT, mode: ModeT, flags: FlagT, ctx: RequestContext
     ) -> tuple[FileInfo, EntryAttributes]:
-        resent = _sent_again(ctx)
-        fh = self.fs.unanswered(ctx.unique) if resent else None
-        if fh is not None:  # made by the daemon before, which died before its answer went out
-            ino = self.fs.inode_of(fh)
-            self.fs.remember(ino)
-            return self._file_info(fh, ctx), _entry(self.fs.getattr(ino), self.generation, self._kept_for(parent_inode))
-        try:
-            fh, attr = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
-        except FsError as exc:
-            if exc.errno != errno.EEXIST or (flags & os.O_EXCL and not resent):
-                raise
-            # The kernel sends CREATE only for a name it saw missing: this is one it sent again after a
-            # takeover (the daemon before created the file and died before answering). open(O_CREAT) of a
-            # name that exists opens it.
-            attr = self.fs.lookup(parent_inode, name)
-            fh = await self.fs.open(attr.ino, flags)
-            attr = self.fs.getattr(attr.ino)
-        await self._announced(fh)
+        fh, attr = await self.fs.requests.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid, _request_id(ctx))
         return self._file_info(fh, ctx), _entry(attr, self.generation, self._kept_for(parent_inode))
 
     async def open(self, inode: InodeT, flags: FlagT, ctx: RequestContext) -> FileInfo:
-        fh = self.fs.unanswered(ctx.unique) if _sent_again(ctx) else None
-        if fh is None:
-            fh = await self.fs.open(inode, flags)
-            await self._announced(fh)
-        return self._file_info(fh, ctx)
-
-    async def _announced(self, fh: int) -> None:
-        """Announce a writer (cross-node ordering); a handle whose open then fails is released here, since
-        the kernel never sends RELEASE for an open it got an error for."""
-        try:
-            await self.fs.announce_writer(fh)
-        except BaseException:
-            self.fs.release(fh)
-            raise
+        return self._file_info(await self.fs.requests.open(inode, flags, _request_id(ctx)), ctx)
 
     def _file_info(self, fh: int, ctx: RequestContext) -> FileInfo:
         direct_io, keep_cache = self.fs.caching(fh)
@@ -461,7 +368,7 @@ class FuseOperations(pyfuse3.Operations):
             setattr(info, _BACKING_ID, backing)
         if _HAS_NOFLUSH:
             setattr(info, _NOFLUSH, True)
-        self.fs.handed_out(fh, getattr(ctx, "unique", 0))
+        self.fs.handed_out(fh, _request_id(ctx))
         return info
 
     async def read(self, fh: FileHandleT, off: int, size: int) -> bytes:

@@ -90,6 +90,9 @@ class DirLister:
         self._listed[inode_id] = at
         self.journal.set_listed(inode_id, at)
 
+    def listed_before(self, inode_id: int) -> bool:
+        return inode_id in self._listed
+
     def fresh_for(self, inode_id: int) -> float:
         """Seconds until the directory's listing is stale (0 if it is, or was never listed): the kernel
         keeps the directory's names that long (fuse_ops), so a name is looked up, and its directory

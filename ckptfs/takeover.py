@@ -19,7 +19,7 @@ from typing import Protocol
 
 import trio
 
-from ckptfs import guard, holder
+from ckptfs import guard, holder, holder_link
 from ckptfs.errors import CkptfsError
 from ckptfs.fs import Filesystem
 from ckptfs.handles import HandleTable, OpenHandle
@@ -65,7 +65,7 @@ def can_keep(connection: object) -> bool:
     return all(callable(getattr(connection, name, None)) for name in KEEP_MOUNT_CALLS)
 
 
-def find_held_connection(mountpoint: Path, connection: object) -> tuple[holder.Held | None, bool]:
+def find_held_connection(mountpoint: Path, connection: object) -> tuple[holder_link.Held | None, bool]:
     """The connection a daemon before left for this one to take over, if any, and whether it came from
     systemd's store (which then still keeps it). Looked for before anything touches the mountpoint.
     `connection`: the pyfuse3 module, which must be able to take a connection over if one is held."""
@@ -81,16 +81,16 @@ def find_held_connection(mountpoint: Path, connection: object) -> tuple[holder.H
     return held, from_systemd
 
 
-def _find_held(mountpoint: Path) -> tuple[holder.Held | None, bool]:
-    held = holder.inherited()  # from the daemon before in this process (`ckptfs restart`)
+def _find_held(mountpoint: Path) -> tuple[holder_link.Held | None, bool]:
+    held = holder_link.inherited()  # from the daemon before in this process (`ckptfs restart`)
     from_systemd = False
     if held is None:
-        held = holder.from_systemd(listen_fds())  # from a daemon of this unit that died (Restart=)
+        held = holder_link.from_systemd(listen_fds())  # from a daemon of this unit that died (Restart=)
         from_systemd = held is not None
     if held is None:
-        held = holder.attach(mountpoint)
+        held = holder_link.attach(mountpoint)
     else:
-        held.link = holder.attach_link(mountpoint)
+        held.link = holder_link.attach_link(mountpoint)
     return held, from_systemd
 
 
@@ -103,7 +103,7 @@ class ConnectionKeeper:
 
     def __init__(
         self, connection: FuseConnection, fs: Filesystem, notifier: Notifier, *, mountpoint: Path, cache_root: Path,
-        keep_mount: bool, guard_mountpoint: bool, handle_table: HandleTable | None, held: holder.Held | None,
+        keep_mount: bool, guard_mountpoint: bool, handle_table: HandleTable | None, held: holder_link.Held | None,
         wait_for_service: bool = False,
         restored: list[OpenHandle], restart_argv: list[str] | None,
     ) -> None:
@@ -121,7 +121,7 @@ class ConnectionKeeper:
         # keep_mount_on_stop: the connection is for the node's holder service only (a holder of this daemon's
         # own would die with its pod); without one yet, wait for it rather than start one
         self.wait_for_service = wait_for_service
-        self.link: holder.Link | None = held.link if held is not None else None
+        self.link: holder_link.Link | None = held.link if held is not None else None
         self.handles_taken_over = 0
         # keep_mount under systemd: the unit's file descriptor store keeps the connection (no holder there)
         self.systemd_keeps = False
@@ -190,10 +190,10 @@ class ConnectionKeeper:
         if self.notifier.enabled:
             # Under systemd a holder would be killed with the unit's other processes; its file descriptor
             # store keeps the connection instead, and Restart= starts the daemon that takes it over.
-            memfd = holder.init_memfd(init_request)
+            memfd = holder_link.init_memfd(init_request)
             try:
-                self.systemd_keeps = (self.notifier.store_fd(holder.SYSTEMD_FUSE_FD, fuse_fd)
-                                      and self.notifier.store_fd(holder.SYSTEMD_INIT_FD, memfd))
+                self.systemd_keeps = (self.notifier.store_fd(holder_link.SYSTEMD_FUSE_FD, fuse_fd)
+                                      and self.notifier.store_fd(holder_link.SYSTEMD_INIT_FD, memfd))
             finally:
                 os.close(memfd)
             if self.systemd_keeps:
@@ -224,7 +224,7 @@ class ConnectionKeeper:
             argv += ["--cache-dir", str(self.cache_root)]
         try:
             self.link = await trio.to_thread.run_sync(
-                lambda: holder.start(self.mountpoint, fuse_fd, init_request, argv=argv))
+                lambda: holder_link.start(self.mountpoint, fuse_fd, init_request, argv=argv))
         except CkptfsError as exc:
             self.why = f"off: {exc}; {_WITHOUT_KEEP_MOUNT}"
             log.warning("keep_mount %s", self.why)
@@ -236,7 +236,7 @@ class ConnectionKeeper:
     async def _hand_to_service(self, fuse_fd: int, init_request: bytes) -> bool:
         """Hand the connection to the node's holder service; False if none listens."""
         link = await trio.to_thread.run_sync(
-            lambda: holder.hand_to_service(self.mountpoint, fuse_fd, init_request))
+            lambda: holder_link.hand_to_service(self.mountpoint, fuse_fd, init_request))
         if link is None:
             return False
         self.link = link
@@ -304,7 +304,7 @@ class ConnectionKeeper:
                 self.link.handover()
                 self.link = None
             os.set_inheritable(fd, True)
-            return Restart(self.restart_argv, holder.handover_env(fd, init_request))
+            return Restart(self.restart_argv, holder_link.handover_env(fd, init_request))
         failed = not unmounted and not journal_failed and not exiting_now
         if (self.link is not None or self.systemd_keeps) and failed:
             self.connection.close(unmount=False)
@@ -313,8 +313,8 @@ class ConnectionKeeper:
             log.error("the daemon fails; the mount stays, held for the daemon started next")
             return None
         if self.systemd_keeps:
-            self.notifier.remove_fds(holder.SYSTEMD_FUSE_FD)
-            self.notifier.remove_fds(holder.SYSTEMD_INIT_FD)
+            self.notifier.remove_fds(holder_link.SYSTEMD_FUSE_FD)
+            self.notifier.remove_fds(holder_link.SYSTEMD_INIT_FD)
             self.systemd_keeps = False
         # Closing our /dev/fuse descriptor without unmounting aborts the connection (with no holder left).
         self.connection.close(unmount=not journal_failed)

@@ -248,7 +248,7 @@ def test_external_unmount_drains_before_exit(mount_factory) -> None:  # type: ig
 def test_large_writes_fault_in_no_fresh_pages(mount_factory) -> None:  # type: ignore[no-untyped-def]
     """The daemon runs with a pad kept at the top of glibc's heap (cli.MALLOC_TUNABLE), the same process
     the supervisor started. Without it every 1 MiB write request faulted in 256 fresh zeroed pages: half of
-    the daemon's CPU for a large write (bench/README.md, "Write path")."""
+    the daemon's CPU for a large write (bench/results/HISTORY.md, "Where the time goes")."""
     # the drain stays away: only the FUSE requests allocate; the daemon restarts itself to set the pad
     m = mount_factory(upload_delay=3600, restarts_for_malloc_pad=True)
     pid = m.proc.pid

@@ -73,9 +73,9 @@ def test_a_held_connection_that_this_pyfuse3_cannot_take_over_is_one_clear_error
 ) -> None:
     read_end, write_end = os.pipe()
     os.close(write_end)
-    from ckptfs import holder
+    from ckptfs import holder_link
 
-    monkeypatch.setattr(holder, "inherited", lambda: holder.Held(read_end, b"init", None))
+    monkeypatch.setattr(holder_link, "inherited", lambda: holder_link.Held(read_end, b"init", None))
     with pytest.raises(CkptfsError, match="stock build, which cannot take a connection over"):
         takeover.find_held_connection(tmp_path / "mnt", object())
     with pytest.raises(OSError):

@@ -32,6 +32,7 @@ from ckptfs.fs.listing import Listing, NothingToList
 from ckptfs.fs.namespace import Namespace, RenameEntries
 from ckptfs.fs.open_files import OpenFiles
 from ckptfs.fs.references import References
+from ckptfs.fs.requests import KernelRequests
 from ckptfs.fs.takeover import Takeover
 from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import Inode, Journal
@@ -76,6 +77,9 @@ class Filesystem:
             self._kernel_cache, self._references, self._namespace, self._takeover, self._announcements,
         )
         self._attributes = Attributes(journal, cache, self._data_path, self._changes, notify_drain, failure_of)
+        # What the FUSE adapter calls for the requests that change names or open files.
+        self.requests = KernelRequests(self._namespace, self._listing, self._data_path, self._attributes,
+                                       open_files, self._takeover, self._references, self._announcements)
         self.write = self._data_path.write
         self.read = self._data_path.read
 

@@ -118,6 +118,11 @@ class Lister(Protocol):
 
     def mark_listed(self, inode_id: int) -> None: ...
 
+    def listed_before(self, inode_id: int) -> bool:
+        """The directory was listed from the store, or made here, at some time: the journal holds its
+        entries as of then (a directory never listed holds only what this node put in it)."""
+        ...
+
     def fresh_for(self, inode_id: int) -> float:
         """Seconds the directory's listing stays fresh (0: it is listed again at the next access)."""
         ...

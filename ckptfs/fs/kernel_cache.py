@@ -5,7 +5,9 @@ drops when a handle that bypassed it changed the file meanwhile (caching)."""
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 
 from ckptfs.cache import CacheDir, CacheFile
 from ckptfs.fs.interface import BackingFiles
@@ -17,6 +19,35 @@ log = logging.getLogger(__name__)
 # PASSTHROUGH_ROOM_SHARE of the budget: its writes no longer wait for room (see KernelCache.choose).
 PASSTHROUGH_ROOM = 1 << 30
 PASSTHROUGH_ROOM_SHARE = 0.1
+
+
+def probe_passthrough(mode: str, backing: BackingFiles | None, granted: bool, probe_path: str
+                      ) -> tuple[BackingFiles | None, str]:
+    """FUSE passthrough where the option (`mode`), the FUSE binding, the kernel and this process's
+    privileges allow it: the backing files to use (None: the mount works as without it), and why. Never a
+    failure. `backing`: the binding's registry of backing files (None: a binding without passthrough, such
+    as the stock pyfuse3); `granted`: the kernel granted FUSE_PASSTHROUGH at INIT; `probe_path`: a scratch
+    file on the cache filesystem, removed again."""
+    if mode == "off":
+        return None, "off: passthrough = off"
+    if backing is None:
+        return None, ("off: this pyfuse3 is the stock build, without passthrough support (scripts/install.sh"
+                      " builds one against libfuse >= 3.17; elsewhere `pip install` the pyfuse3 wheel that"
+                      " scripts/build-wheels.sh makes: docs/INSTALL.md)")
+    if not granted:
+        return None, ("off: the kernel did not grant FUSE passthrough (it needs Linux >= 6.9"
+                      " with CONFIG_FUSE_PASSTHROUGH)")
+    try:
+        fd = os.open(probe_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            backing.close(backing.open(fd))
+        finally:
+            os.close(fd)
+            os.unlink(probe_path)
+    except OSError as exc:
+        need = " (it needs CAP_SYS_ADMIN: run the daemon as root)" if exc.errno == errno.EPERM else ""
+        return None, f"off: the kernel refused a backing file: {exc.strerror}{need}"
+    return backing, "on: the kernel reads and writes the cache files of open files itself"
 
 
 class KernelCache:

@@ -28,6 +28,9 @@ class NothingToList:
     def mark_listed(self, inode_id: int) -> None:
         return None
 
+    def listed_before(self, inode_id: int) -> bool:
+        return True
+
     def fresh_for(self, inode_id: int) -> float:
         return float("inf")  # nothing but this filesystem changes the journal
 
@@ -49,7 +52,10 @@ class Listing:
         are in the store, so that its listing brings them (Orbax's hosts close their shards, meet at a
         barrier, and the primary renames the tmp dir). Their records name the top-level entry their work is
         in; the wait is for those records to go. Past `rename_wait` the operation goes on, and what those
-        nodes upload later lands under the old name: said once in the log and in `ckptfs status`."""
+        nodes upload later lands under the old name: said once in the log and in `ckptfs status`. A store
+        that cannot be asked (its errors outlast the transfer engine's retries) is such a bound too: the
+        rename is served locally, as the mount promises, and what the others may have pending there is
+        named the same way."""
         if self.other_nodes is None or not inode.path:
             return
         entry = inode.path.split("/", 1)[0]
@@ -57,26 +63,45 @@ class Listing:
             try:
                 await self.other_nodes.wait_for_entry(entry)
             except BackendError as exc:
-                # As a directory whose listing fails: not knowing what the others have pending fails it
-                raise FsError(errno_for_backend_error(exc), f"cannot list the other nodes' records: {exc}") from None
+                self._straggler(f"{doing} {inode.path} without knowing what other nodes have pending in {entry}:"
+                                f" their records cannot be read ({exc}); what they upload there later lands"
+                                " under the old name")
             return
         left = self.other_nodes.pending_in(entry)
         if left:
-            message = (f"{doing} {inode.path} while other nodes still have work pending in {entry} after"
-                       f" {self.rename_wait:.0f} s (rename_wait): {'; '.join(left)}; what they upload there"
-                       " later lands under the old name")
-            log.warning("%s", message)
-            self.on_straggler(message)
+            self._straggler(f"{doing} {inode.path} while other nodes still have work pending in {entry} after"
+                            f" {self.rename_wait:.0f} s (rename_wait): {'; '.join(left)}; what they upload there"
+                            " later lands under the old name")
+
+    def _straggler(self, message: str) -> None:
+        log.warning("%s", message)
+        self.on_straggler(message)
+
+    async def _list_fresh(self, inode: Inode, doing: str) -> None:
+        """A directory listed from the store now, before its rename or rmdir, for what other nodes wrote in
+        it. One the journal has held the entries of (made here, or listed before) is renamed or removed
+        with those if the store cannot be listed now, and what the store has beyond them is named as left
+        behind; one it never had must be listed: a store that refuses fails the request."""
+        if not await self._list_required(inode.id, fresh=True):
+            self._straggler(f"{doing} {inode.path} as this node knows it: the store cannot list it now;"
+                            " what other nodes wrote there stays under the old name")
 
     async def ensure_listed(self, inode_id: int) -> None:
         """Before a lookup in or a readdir of a directory: the store's entries of it are in the journal."""
         await self.lister.ensure(inode_id)
 
-    async def _list_required(self, inode_id: int, *, fresh: bool = False) -> None:
+    async def _list_required(self, inode_id: int, *, fresh: bool = False) -> bool:
+        """The directory's entries are in the journal before a rename or rmdir needs them all: listed now
+        (`fresh`) or recently. False if the store could not list it but the journal holds its entries as of
+        an earlier listing (or it was made here): the request goes on with those, as a lookup does. A
+        directory never listed fails the request with the store's errno."""
         try:
             await self.lister.ensure(inode_id, required=True, fresh=fresh)
         except BackendError as exc:
+            if self.lister.listed_before(inode_id):
+                return False
             raise FsError(errno_for_backend_error(exc), f"cannot list the store: {exc}") from None
+        return True
 
     async def _list_tree(self, inode_id: int) -> None:
         """Every directory at and below `inode_id` is listed from the store now, so the journal knows the
@@ -85,9 +110,11 @@ class Listing:
         tmp dir, then one host renames it). Re-read after each await: entries may come and go meanwhile."""
         pending = [inode_id]
         while pending:
-            folder = pending.pop()
-            await self._list_required(folder, fresh=True)
-            pending.extend(c.id for c in self.journal.all_children(folder) if c.kind == DIR)
+            folder = self.journal.get(pending.pop())
+            if folder is None:
+                continue
+            await self._list_fresh(folder, "renaming")
+            pending.extend(c.id for c in self.journal.all_children(folder.id) if c.kind == DIR)
 
     async def prepare_rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes
                              ) -> RenameEntries | None:
@@ -126,7 +153,7 @@ class Listing:
         inode = self._maybe_child(parent_id, raw_name)
         if inode is not None and inode.kind == DIR:
             await self._wait_for_other_nodes(inode, "removing")
-            await self._list_required(inode.id, fresh=True)
+            await self._list_fresh(inode, "removing")
 
     def _maybe_child(self, parent_id: int, raw_name: bytes) -> Inode | None:
         try:

@@ -6,9 +6,11 @@ background uploads after, commit markers last), retries with backoff of each par
 resume from a journaled UploadState and the one way to abandon one (`abandon`), small files in one PUT
 each, spills (the start of a file still being written, staged at a hidden key), ranged downloads, and the
 bandwidth caps, one token bucket per direction across all of them.
-Modules: engine.py (`Transfers`: the plumbing of every store call, uploads, small files, downloads),
-bandwidth.py (`Transfers.bandwidth`: the caps, where each transfer takes its tokens, and why there),
-spills.py (`Transfers.spills`), copies.py (`Transfers.copies`), pool.py (the worker pool of one transfer),
+Modules: engine.py (`Transfers`: uploads of closed files, small files, downloads), staging.py
+(`Transfers.staging`: the store calls every upload is made of, retried, under the caps and the memory
+budget, which the engine, its spills and its copies share), bandwidth.py (`Transfers.bandwidth`: the caps,
+where each transfer takes its tokens, and why there), spills.py (`Transfers.spills`), copies.py
+(`Transfers.copies`), pool.py (the worker pool of one transfer),
 values.py (what callers hand it and get back). Beside it: memory.py (the budget), leftovers.py (what
 interrupted uploads leave in the store, and the sweeps), checksums.py (CRC32 math), local_io.py (reading
 and writing the local files).

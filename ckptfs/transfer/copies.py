@@ -17,16 +17,16 @@ from ckptfs.transfer.pool import for_each
 from ckptfs.transfer.values import UPLOAD_SPREAD, MiB, plan_part_size
 
 if TYPE_CHECKING:
-    from ckptfs.transfer.engine import Transfers
+    from ckptfs.transfer.staging import StagedUploads
 
 COPY_PART_SIZE = 512 * MiB  # server-side part copies of an object larger than the store copies at once
 
 
 class Copies:
-    """The engine's copies (`Transfers.copies`)."""
+    """The engine's copies (`Transfers.copies`), on the store calls every upload is made of."""
 
-    def __init__(self, engine: Transfers) -> None:
-        self.engine = engine
+    def __init__(self, staging: StagedUploads) -> None:
+        self.staging = staging
 
     async def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None,
                    checksum: str | None = None) -> None:
@@ -35,44 +35,44 @@ class Copies:
         by part: open_upload, copy_part in parallel (pinned to the source's version), complete. Raises
         NotFoundBackendError only if the source is missing."""
         try:
-            await self.engine.call(self.engine.store.copy, src_key, dst_key, meta, checksum)
+            await self.staging.call(self.staging.store.copy, src_key, dst_key, meta, checksum)
             return
         except TooLargeToCopyError:
             pass
-        source = await self.engine.call(self.engine.store.head, src_key)
+        source = await self.staging.call(self.staging.store.head, src_key)
         if source is None:
             raise NotFoundBackendError(f"copy {src_key}: no such object")
         # What is not given stays the source's, as in a copy in one request.
         meta = meta if meta is not None else ObjectMeta(source.mtime_ns, source.mode)
         checksum = checksum if checksum is not None else source.checksum
-        limits = self.engine.store.limits
+        limits = self.staging.store.limits
         part_size = plan_part_size(source.size, COPY_PART_SIZE, UPLOAD_SPREAD, min_part=limits.min_part_size,
                                    max_parts=limits.max_parts)
-        copy_part = functools.partial(self.engine.store.copy_part, if_match=source.etag)
-        ref = await self.engine._open_upload(dst_key, meta, checksum)
+        copy_part = functools.partial(self.staging.store.copy_part, if_match=source.etag)
+        ref = await self.staging.open_upload(dst_key, meta, checksum)
         parts: list[UploadPart] = []
 
         async def copy_one(numbered: tuple[int, int]) -> None:
             number, offset = numbered
             length = min(part_size, source.size - offset)
-            parts.append(await self.engine._retry(copy_part, ref, number, src_key, offset, length,
-                                                  limiter=self.engine._part_threads))
+            parts.append(await self.staging.retry(copy_part, ref, number, src_key, offset, length,
+                                                  limiter=self.staging.part_threads))
 
         try:
             await for_each(enumerate(range(0, source.size, part_size), start=1), copy_one, UPLOAD_SPREAD)
-            await self.engine._complete(ref, sorted(parts, key=lambda p: p.number), source.size, checksum)
+            await self.staging.complete(ref, sorted(parts, key=lambda p: p.number), source.size, checksum)
         except BaseException as exc:
             with trio.move_on_after(30, shield=True):
-                await self.engine._abort(ref)
+                await self.staging.abort(ref)
             if isinstance(exc, UploadGoneError):  # the staged copy went, not the source (a NotFound to callers)
                 raise TransientBackendError(f"copy {src_key} to {dst_key}: {exc}") from exc
             raise
-        self.engine.leftovers.finished(ref)
+        self.staging.leftovers.finished(ref)
 
     async def set_meta(self, key: str, meta: ObjectMeta) -> None:
         """ObjectStore.set_meta; where the store rewrites metadata by copying an object onto itself and the
         object is larger than it copies in one request, a copy onto itself part by part (copy)."""
         try:
-            await self.engine.call(self.engine.store.set_meta, key, meta)
+            await self.staging.call(self.staging.store.set_meta, key, meta)
         except TooLargeToCopyError:
             await self.copy(key, key, meta)

@@ -1,11 +1,10 @@
-"""The transfer engine (see the package docstring): `Transfers`, one scheduler for every part transfer,
-with the plumbing every store call goes through (`call`: a worker thread, the limiters, retries with
-backoff), uploads of closed files (staged, committed, resumed, abandoned), small files in one PUT each,
-and ranged downloads."""
+"""The transfer engine (see the package docstring): `Transfers`, one scheduler for every part transfer:
+uploads of closed files (staged, committed, resumed, abandoned), small files in one PUT each, and ranged
+downloads, on the store calls of staging.py (`call`: a worker thread, the limiters, retries with backoff),
+which its spills and copies share."""
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -17,27 +16,18 @@ import trio
 from ckptfs.backends.base import (
     ObjectMeta,
     ObjectStore,
-    RangeSink,
-    UploadPart,
-    UploadRef,
     UploadState,
-    backoff_delays,
 )
 from ckptfs.checksums import crc32, crc_text, whole_crc
 from ckptfs.errors import (
     BackendError,
-    ObjectChangedError,
     PermanentBackendError,
     TransientBackendError,
-    UploadGoneError,
 )
-from ckptfs.leftovers import Leftovers
 from ckptfs.local_io import (
     RangeWriter,
     SourceChangedError,
-    read_part,
     read_whole,
-    scan_crc,
     source_error,
 )
 from ckptfs.memory import MemoryBudget
@@ -45,6 +35,7 @@ from ckptfs.transfer.bandwidth import NO_LIMIT, Bandwidth, Timetable
 from ckptfs.transfer.copies import Copies
 from ckptfs.transfer.pool import for_each, parallel
 from ckptfs.transfer.spills import Spills
+from ckptfs.transfer.staging import StagedUploads
 from ckptfs.transfer.values import (
     UPLOAD_SPREAD,
     FetchedRange,
@@ -67,9 +58,6 @@ DEFAULT_DOWNLOAD_PART_SIZE = 16 * MiB
 DEFAULT_PARTS_IN_FLIGHT = 16
 DEFAULT_MULTIPART_THRESHOLD = 8 * MiB
 DEFAULT_ATTEMPTS = 5  # per part or request; the drain retries whole jobs forever on top
-# Store calls that carry no part data (open, complete, abort, head, list) run on their own threads, so
-# that they never queue behind big parts.
-CONTROL_THREADS = 8
 RATE_WINDOW = 5.0  # seconds over which status reports bytes per second
 
 
@@ -100,18 +88,20 @@ class Transfers:
         self.parts_in_flight = max(1, parts_in_flight)
         self.multipart_threshold = max(1, multipart_threshold)
         self.attempts = max(1, attempts)
-        self._sleep = sleep
-        self._part_threads = trio.CapacityLimiter(self.parts_in_flight)
-        self._control_threads = trio.CapacityLimiter(CONTROL_THREADS)
         self._stats = TransferStats()
         self._recent: collections.deque[tuple[float, int, int]] = collections.deque()  # (time, up, down)
         # The caps, one token bucket per direction shared by every transfer (transfer/bandwidth.py says
         # where each kind of transfer takes its tokens, and why there).
         self.bandwidth = Bandwidth(upload_limit, download_limit)
-        # What interrupted uploads leave in the store: the uploads this process works on, the sweeps.
-        self.leftovers = Leftovers(store, self.call)
-        self.spills = Spills(self)  # the start of a file still being written, staged at a hidden key
-        self.copies = Copies(self)  # server-side copies, part by part where the store copies less at once
+        # The store calls uploads are made of (retried, under the caps and the memory budget), which the
+        # spills and the copies share with the uploads of closed files here.
+        self.staging = StagedUploads(
+            store, self.memory, self.bandwidth, self._stats, parts_in_flight=self.parts_in_flight,
+            download_part_size=self.download_part_size, attempts=self.attempts, sleep=sleep, moved=self._moved,
+        )
+        self.leftovers = self.staging.leftovers
+        self.copies = Copies(self.staging)  # server-side copies, part by part where the store copies less at once
+        self.spills = Spills(self.staging, self.copies)  # the start of a file still being written, at a hidden key
 
     def statistics(self) -> TransferStats:
         now = trio.current_time()
@@ -140,7 +130,7 @@ class Transfers:
     async def call(self, fn: Callable[..., T], *args: Any, gated: bool = True) -> T:
         """One store call that carries no part data, in a worker thread, retried on transient errors.
         `gated=False`: it leaves nothing in the store, and may run while a sweep lists (Leftovers)."""
-        return await self._retry(fn, *args, limiter=self._control_threads, gated=gated)
+        return await self.staging.call(fn, *args, gated=gated)
 
     async def note_call(self, fn: Callable[..., T], *args: Any) -> T:
         """call() of a store note (put_note, get_note, list_notes, delete_note). A note is written whole
@@ -149,39 +139,6 @@ class Transfers:
         start-up sweep of the last run's leftovers, which a throttling store can make long."""
         return await self.call(fn, *args, gated=False)
 
-    async def _retry(
-        self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter, abandon: bool = True,
-        gated: bool = True, sends: int = 0,
-    ) -> T:
-        """`sends`: the bytes each attempt uploads, for the upload cap. The caller took them for the first
-        attempt (before it asked for memory); a retry sends them again, so it takes them again."""
-        delays = backoff_delays()
-        for attempt in range(self.attempts):
-            if attempt and sends:
-                await self.bandwidth.up.take(sends)
-            try:
-                if gated:  # a call that may leave something in the store (not a download)
-                    return await self._gated(fn, args, limiter, abandon)
-                return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=abandon)
-            except (SourceChangedError, ObjectChangedError):
-                raise
-            except TransientBackendError as exc:
-                if attempt == self.attempts - 1:
-                    raise
-                self._stats.retries += 1
-                log.debug("retrying %s after: %s", getattr(fn, "__name__", fn), exc)
-                await self._sleep(next(delays))
-        raise AssertionError("unreachable")
-
-    async def _gated(self, fn: Callable[..., T], args: tuple[Any, ...], limiter: trio.CapacityLimiter,
-                     abandon: bool) -> T:
-        """One attempt of a store call, never while a sweep lists the leftovers (Leftovers.store_call)."""
-        async with self.leftovers.store_call():
-            # Abandoned on cancel (unless it writes into a file descriptor its caller owns) so that shutdown
-            # never waits for a transfer; what the thread leaves half done is invisible (a staged part) or
-            # harmless (an object the journal redoes, a leftover the next sweep removes).
-            return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=abandon)
-
     def upload_part_size(self, size: int) -> int:
         """Parts small enough that UPLOAD_SPREAD of them fit the memory budget at once (one stream per part
         is what fills a link), and no larger than part_size."""
@@ -189,42 +146,6 @@ class Transfers:
         part_size = min(self.part_size, max(limits.min_part_size, self.memory.limit // UPLOAD_SPREAD))
         spread = max(1, min(self.parts_in_flight, self.memory.limit // part_size))
         return plan_part_size(size, part_size, spread, min_part=limits.min_part_size, max_parts=limits.max_parts)
-
-    async def _put_part(
-        self, ref: UploadRef, number: int, offset: int, length: int, src_path: str, expected_crc: int | None,
-        priority: Priority,
-    ) -> tuple[UploadPart, int]:
-        """Read one part of the local file and stage it, under the upload cap and the memory budget; (part,
-        its CRC32)."""
-        # Its turn under the cap first, holding nothing meanwhile (bandwidth.py: why not after the memory).
-        await self.bandwidth.up.take(length)
-        buffer: bytearray | None = None
-        if self.store.limits.reusable_buffers:
-            granted, buffer = await self.memory.acquire_buffer(length, priority)
-        else:
-            granted = await self.memory.acquire(length, priority)
-        self._stats.parts_up += 1
-        try:
-            result = await self._retry(self._read_and_put, ref, number, offset, length, buffer, src_path,
-                                       expected_crc, limiter=self._part_threads, sends=length)
-            if buffer is not None:  # only now: a thread abandoned by a cancellation may still send from it
-                self.memory.keep(buffer, granted)
-        finally:
-            self._stats.parts_up -= 1
-            self.memory.release(granted)
-        self._moved(length, 0)
-        return result
-
-    def _read_and_put(
-        self, ref: UploadRef, number: int, offset: int, length: int, buffer: bytearray | None, src_path: str,
-        expected_crc: int | None,
-    ) -> tuple[UploadPart, int]:
-        data = read_part(src_path, ref.key, offset, length, buffer)
-        crc = crc32(data)
-        if expected_crc is not None and crc != expected_crc:
-            raise SourceChangedError(f"{ref.key}: the file changed while it was being uploaded")
-        part = self.store.put_part(ref, number, offset, data, crc)
-        return part, crc
 
     # -- uploads of closed files --------------------------------------------------------------------------
 
@@ -250,41 +171,15 @@ class Transfers:
             if size < self.multipart_threshold:
                 if resume is not None:
                     await self.abandon(resume, "the file is now below the multipart threshold")
-                crcs = await self._scan(fd, size, max(size, 1), key, sync_source=sync_source)
+                crcs = await self.staging.scan(fd, size, max(size, 1), key, sync_source=sync_source)
                 return StagedUpload(key, size, crc_text(crcs[0]), meta, src_path, None)
             async with parallel() as nursery:
                 if sync_source:
-                    nursery.start_soon(self._sync_source, fd, key)
+                    nursery.start_soon(self.staging.sync_source, fd, key)
                 staged = await self._stage_parts(key, src_path, fd, size, meta, resume, progress, priority)
             return staged
         finally:
             os.close(fd)
-
-    @staticmethod
-    async def _sync_source(fd: int, key: str) -> None:
-        try:
-            # Not abandoned: it syncs the caller's descriptor.
-            await trio.to_thread.run_sync(os.fsync, fd)
-        except OSError as exc:
-            raise source_error(exc, key) from exc
-
-    async def _scan(self, fd: int, size: int, part_size: int, key: str, *, sync_source: bool = False) -> list[int]:
-        """CRC32 of every part of the file, read IO_CHUNK at a time, parts in parallel. `sync_source`
-        (a file of one part only) fsyncs it in the same thread."""
-        assert not sync_source or size <= part_size
-        count = max(1, -(-size // part_size))
-        crcs = [0] * count
-
-        def scan(index: int) -> None:
-            offset = index * part_size
-            crcs[index] = scan_crc(fd, offset, min(size, offset + part_size), key, sync=sync_source)
-
-        async def scan_part(index: int) -> None:
-            # Not abandoned: it reads the caller's descriptor (and a local read is quick).
-            await trio.to_thread.run_sync(scan, index, limiter=self._part_threads)
-
-        await for_each(range(count), scan_part, self.parts_in_flight)
-        return crcs
 
     async def _stage_parts(
         self, key: str, src_path: str, fd: int, size: int, meta: ObjectMeta, resume: UploadState | None,
@@ -292,14 +187,14 @@ class Transfers:
     ) -> StagedUpload:
         reusable = resume is not None and resume.key == key and resume.size == size and not resume.spilled
         part_size = resume.part_size if reusable and resume is not None else self.upload_part_size(size)
-        crcs = await self._scan(fd, size, part_size, key)
+        crcs = await self.staging.scan(fd, size, part_size, key)
         checksum = crc_text(whole_crc(crcs, part_size, size))
 
         state: UploadState | None = None
         if resume is not None:
             state = await self._resumable(resume, key, size, checksum, meta, crcs)
         if state is None:
-            ref = await self._open_upload(key, meta, checksum)
+            ref = await self.staging.open_upload(key, meta, checksum)
             state = UploadState(key=key, upload_id=ref.upload_id, marker=ref.marker, size=size, checksum=checksum,
                                 mtime_ns=meta.mtime_ns, mode=meta.mode, part_size=part_size)
         else:
@@ -313,7 +208,7 @@ class Transfers:
 
         async def put(number: int) -> None:
             offset = (number - 1) * part_size
-            part, _ = await self._put_part(current[0].ref, number, offset, min(part_size, size - offset),
+            part, _ = await self.staging.put_part(current[0].ref, number, offset, min(part_size, size - offset),
                                            src_path, crcs[number - 1], priority)
             parts = tuple(sorted((*current[0].parts, part), key=lambda p: p.number))
             current[0] = replace(current[0], parts=parts)
@@ -355,12 +250,6 @@ class Transfers:
                 kept.append(part)
         return replace(resume, parts=tuple(kept))
 
-    async def _open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
-        ref = await self.call(self.store.open_upload, key, meta, checksum)
-        # No checkpoint since the call returned: a sweep cannot list it before it is live.
-        self.leftovers.opened(ref)
-        return ref
-
     async def abandon(self, state: UploadState | None, why: str = "") -> None:
         """Throw a staged upload or spill away (best effort; None: nothing staged): the one way to, for a
         state just staged or one a journal row remembers. Aborted, and a spill's hidden object (which a
@@ -369,22 +258,13 @@ class Transfers:
             return
         if why:
             log.info("upload of %s: %s; aborting the interrupted upload", state.key, why)
-        await self._abort(state.ref)
+        await self.staging.abort(state.ref)
         if state.spilled:
             try:
                 await self.call(self.store.delete, state.key)
             except BackendError as exc:
                 log.warning("could not remove the spilled start of %s: %s; it is removed later", state.key, exc)
                 self.leftovers.cleanup_failed()
-
-    async def _abort(self, ref: UploadRef) -> None:
-        """Abort a staged upload, best effort: what fails is left for a sweep."""
-        try:
-            await self.call(self.store.abort_upload, ref)
-        except BackendError as exc:
-            log.warning("could not abort the upload of %s: %s; it is removed later", ref.key, exc)
-            self.leftovers.cleanup_failed()
-        self.leftovers.finished(ref)
 
     async def commit_upload(self, staged: StagedUpload, *, priority: Priority = Priority.UPLOAD) -> None:
         """Make a staged upload the object at its key, atomically. Below the multipart threshold, one PUT of
@@ -396,7 +276,7 @@ class Transfers:
                 raise outcome
             return
         state = staged.state
-        await self._complete(state.ref, state.parts, state.size, state.checksum)
+        await self.staging.complete(state.ref, state.parts, state.size, state.checksum)
         self.leftovers.finished(state.ref)
 
     async def put_files(
@@ -421,15 +301,16 @@ class Transfers:
             ]
             wanted = commit([i for i, item in enumerate(read) if not isinstance(item, BaseException)])
             staged = [(files[i], read[i]) for i in wanted]
-            put = await self._gated(self._put_read, (staged,), self._part_threads, True) if staged else []
+            put = (await self.staging.gated_once(self._put_read, (staged,), self.staging.part_threads, True)
+                   if staged else [])
             for index, outcome in zip(wanted, put, strict=True):
                 outcomes[index] = outcome
                 if isinstance(outcome, TransientBackendError) and not isinstance(outcome, SourceChangedError):
                     self._stats.retries += 1
                     try:
                         item = read[index]
-                        outcomes[index] = await self._retry(self._put_one, files[index], item,
-                                                            limiter=self._part_threads,
+                        outcomes[index] = await self.staging.retry(self._put_one, files[index], item,
+                                                            limiter=self.staging.part_threads,
                                                             sends=len(item) if isinstance(item, bytes) else 0)
                     except Exception as exc:
                         outcomes[index] = exc
@@ -444,7 +325,7 @@ class Transfers:
         def read() -> list[bytes | BaseException]:
             return [read_whole(small.src_path, small.key, small.changed) for small in files]
 
-        return await trio.to_thread.run_sync(read, limiter=self._part_threads)
+        return await trio.to_thread.run_sync(read, limiter=self.staging.part_threads)
 
     def _put_read(self, staged: list[tuple[SmallFile, bytes | BaseException]]) -> list[PutFile | BaseException]:
         outcomes: list[PutFile | BaseException] = []
@@ -472,45 +353,6 @@ class Transfers:
         self.store.put_object(small.key, data, small.meta, checksum)
         return PutFile(len(data), checksum)
 
-    async def _complete(
-        self, ref: UploadRef, parts: Sequence[UploadPart], size: int, checksum: str | None, *, key: str | None = None,
-        meta: ObjectMeta | None = None,
-    ) -> None:
-        """complete_upload, retried. An upload the store no longer has (UploadGoneError) was completed all the
-        same if the object is at its key (a complete whose answer was lost, retried): then what the first
-        complete left of the upload's bookkeeping goes too."""
-        complete = self.store.complete_upload
-        if key is not None:
-            complete = functools.partial(complete, key=key, meta=meta)
-        try:
-            await self.call(complete, ref, parts, size, checksum)
-        except UploadGoneError:
-            if not await self._holds(key or ref.key, size, checksum):
-                raise
-            await self._abort(ref)
-
-    async def _holds(self, key: str, size: int, checksum: str | None) -> bool:
-        """Is the object at `key` the one of `size` bytes and `checksum` (None: any) that a commit made?"""
-        info = await self.call(self.store.head, key)
-        if info is None or info.size != size:
-            return False
-        if checksum is None:
-            return True
-        if info.checksum is not None:
-            return info.checksum == checksum
-        # A store without checksums in its metadata (file://): read it. Rare: only a retried commit.
-        return await self.call(self._checksum_of, key, info.size) == checksum
-
-    def _checksum_of(self, key: str, size: int) -> str:
-        counted = RangeWriter(-1, 0)  # the ranges arrive in order: one running CRC over all of them
-        paced = self._paced(counted)
-        while counted.written < size:
-            offset = counted.written
-            self.store.get_range(key, offset, min(self.download_part_size, size - offset), sink=paced)
-            if counted.written == offset:
-                break
-        return crc_text(counted.crc)
-
     # -- downloads --------------------------------------------------------------------------------------
 
     async def fetch_range(
@@ -526,8 +368,8 @@ class Transfers:
             self._stats.parts_down += 1
             try:
                 # Not abandoned: it writes into the caller's descriptor, which must outlive the thread.
-                fetched = await self._retry(self._get_and_write, key, fd, offset, length, if_match,
-                                            limiter=self._part_threads, abandon=False, gated=False)
+                fetched = await self.staging.retry(self._get_and_write, key, fd, offset, length, if_match,
+                                            limiter=self.staging.part_threads, abandon=False, gated=False)
             finally:
                 self._stats.parts_down -= 1
                 self.memory.release(granted)
@@ -538,29 +380,10 @@ class Transfers:
         # Streamed: each piece is checksummed and written while it is still in the CPU's cache, and the
         # range is never one fresh buffer of its own (see RANGE_PIECE).
         writer = RangeWriter(fd, offset)
-        answer = self.store.get_range(key, offset, length, if_match=if_match, sink=self._paced(writer))
+        answer = self.store.get_range(key, offset, length, if_match=if_match, sink=self.staging.paced(writer))
         expected = min(length, max(0, answer.size - offset))
         if writer.written != expected:
             raise TransientBackendError(f"download {key}: got {writer.written} of {expected} bytes")
         return FetchedRange(offset, writer.written, writer.crc, answer.size, answer.etag, answer.checksum)
 
-    def _paced(self, sink: RangeSink) -> RangeSink:
-        """`sink` taking each piece's tokens of the download cap first, in the worker thread that reads the
-        range: the next piece is not read from the socket before its turn. A cancelled transfer stops
-        waiting (trio.from_thread.check_cancelled raises trio.Cancelled through the store call)."""
-        down = self.bandwidth.down
 
-        def paced(piece: bytes) -> None:
-            down.take_blocking(len(piece), _check_cancelled)
-            sink(piece)
-
-        return paced
-
-
-def _check_cancelled() -> None:
-    """trio.from_thread.check_cancelled, in a thread trio started; elsewhere (a direct call, as in a test)
-    there is nothing to cancel the wait."""
-    try:
-        trio.from_thread.check_cancelled()
-    except RuntimeError:
-        pass

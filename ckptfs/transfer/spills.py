@@ -21,19 +21,22 @@ from ckptfs.transfer.pool import for_each, parallel
 from ckptfs.transfer.values import Priority
 
 if TYPE_CHECKING:
-    from ckptfs.transfer.engine import Transfers
+    from ckptfs.transfer.copies import Copies
+    from ckptfs.transfer.staging import StagedUploads
 
 
 class Spills:
-    """The engine's spills (`Transfers.spills`)."""
+    """The engine's spills (`Transfers.spills`), on the store calls every upload is made of and the copies."""
 
-    def __init__(self, engine: Transfers) -> None:
-        self.engine = engine
+    def __init__(self, staging: StagedUploads, copies: Copies) -> None:
+        self.staging = staging
+        self.copies = copies
 
     async def begin(self, part_size: int, *, early: bool = False) -> UploadState:
-        key = f"{SPILL_PREFIX}{self.engine.store.owner}.{secrets.token_hex(8)}"
-        ref = await self.engine._open_upload(key, None, None)
-        part_size = min(max(part_size, self.engine.store.limits.min_part_size), self.engine.store.limits.max_part_size)
+        key = f"{SPILL_PREFIX}{self.staging.store.owner}.{secrets.token_hex(8)}"
+        ref = await self.staging.open_upload(key, None, None)
+        limits = self.staging.store.limits
+        part_size = min(max(part_size, limits.min_part_size), limits.max_part_size)
         return UploadState(key=key, upload_id=ref.upload_id, marker=ref.marker, size=0, checksum="", mtime_ns=0,
                            mode=0, part_size=part_size, spilled=True, early=early)
 
@@ -47,11 +50,11 @@ class Spills:
             raise source_error(exc, state.key) from exc
         try:
             async with parallel() as nursery:
-                nursery.start_soon(self.engine._sync_source, fd, state.key)
+                nursery.start_soon(self.staging.sync_source, fd, state.key)
                 if not state.size:
                     return True
                 try:
-                    crcs = await self.engine._scan(fd, state.size, state.part_size, state.key)
+                    crcs = await self.staging.scan(fd, state.size, state.part_size, state.key)
                 except SourceChangedError:  # shorter than what was staged
                     return False
         finally:
@@ -69,19 +72,19 @@ class Spills:
         part_size = state.part_size
         offsets = list(range(state.size, end, part_size))
         first = len(state.parts) + 1
-        if first + len(offsets) - 1 > self.engine.store.limits.max_parts:
-            raise PermanentBackendError(f"a spilled file needs more than {self.engine.store.limits.max_parts} parts;"
+        if first + len(offsets) - 1 > self.staging.store.limits.max_parts:
+            raise PermanentBackendError(f"a spilled file needs more than {self.staging.store.limits.max_parts} parts;"
                                         " raise part_size")
         done: list[tuple[UploadPart, int]] = []
 
         async def put(index: int) -> None:
             offset = offsets[index]
-            done.append(await self.engine._put_part(state.ref, first + index, offset, min(part_size, end - offset),
+            done.append(await self.staging.put_part(state.ref, first + index, offset, min(part_size, end - offset),
                                              src_path, None, priority))
 
-        await for_each(range(len(offsets)), put, self.engine.parts_in_flight)
+        await for_each(range(len(offsets)), put, self.staging.parts_in_flight)
         if sync_source:
-            await trio.to_thread.run_sync(fdatasync_path, src_path, state.key, limiter=self.engine._part_threads)
+            await trio.to_thread.run_sync(fdatasync_path, src_path, state.key, limiter=self.staging.part_threads)
         done.sort(key=lambda item: item[0].number)
         pieces = [(crc, min(part_size, end - offset)) for (_, crc), offset in zip(done, offsets, strict=True)]
         whole = combine_crcs(pieces, crc_of(state.checksum))
@@ -91,24 +94,24 @@ class Spills:
         """Make the staged bytes the object at `key`, atomically, with `meta` and the whole checksum: where
         the store can, by completing the upload there; else by completing it at its hidden key, copying it to
         `key` and deleting the hidden object."""
-        if self.engine.store.limits.completes_anywhere:
-            await self.engine._complete(state.ref, state.parts, state.size, state.checksum, key=key, meta=meta)
-            self.engine.leftovers.finished(state.ref)
+        if self.staging.store.limits.completes_anywhere:
+            await self.staging.complete(state.ref, state.parts, state.size, state.checksum, key=key, meta=meta)
+            self.staging.leftovers.finished(state.ref)
             return
         try:
-            await self.engine._complete(state.ref, state.parts, state.size, None)
+            await self.staging.complete(state.ref, state.parts, state.size, None)
         except BackendError:
-            if await self.engine._holds(key, state.size, state.checksum):  # a retried commit: the first one got through
-                await self.engine.call(self.engine.store.delete, state.key)  # if its delete of the spill did not
-                self.engine.leftovers.finished(state.ref)
+            if await self.staging.holds(key, state.size, state.checksum):  # a retried commit: the first one got through
+                await self.staging.call(self.staging.store.delete, state.key)  # if its delete of the spill did not
+                self.staging.leftovers.finished(state.ref)
                 return
             raise
         try:
-            await self.engine.copies.copy(state.key, key, meta, state.checksum)
+            await self.copies.copy(state.key, key, meta, state.checksum)
         except NotFoundBackendError:
-            if await self.engine._holds(key, state.size, state.checksum):  # a retried commit: the first one copied it
-                self.engine.leftovers.finished(state.ref)
+            if await self.staging.holds(key, state.size, state.checksum):  # a retried commit: the first one copied it
+                self.staging.leftovers.finished(state.ref)
                 return
             raise NotFoundBackendError(f"{key}: the spilled upload is gone") from None
-        await self.engine.call(self.engine.store.delete, state.key)
-        self.engine.leftovers.finished(state.ref)
+        await self.staging.call(self.staging.store.delete, state.key)
+        self.staging.leftovers.finished(state.ref)
