@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +105,15 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--read-ahead")
     mount.add_argument("--metrics-addr")
     mount.add_argument("--drain-timeout", type=float)
+    mount.add_argument("--preempt-on-sigterm", type=float, metavar="SECONDS",
+                       help="SIGTERM is a preemption notice with this deadline: the newest complete step first, the"
+                            " whole stop within it (0: off)")
+    mount.add_argument("--preemption-notice", choices=["aws", "gcp", "azure", "off"],
+                       help="watch the cloud's preemption notice and act on it (ckptfs preempt) by itself")
+    mount.add_argument("--preemption-keep-limits", action="store_true", default=None,
+                       help="keep the bandwidth caps under a preemption notice (they are lifted by default)")
+    mount.add_argument("--preemption-notice-url", metavar="URL", help="the metadata endpoint to ask (default: the"
+                       " cloud's own)")
     mount.add_argument("--allow-other", action="store_true", default=None)
     mount.add_argument("--daemon", action="store_true", default=None, help="detach once the mount is live")
     mount.add_argument("--foreground", dest="daemon", action="store_false", help="stay in the foreground"
@@ -164,6 +174,17 @@ def _parser() -> argparse.ArgumentParser:
     limit.add_argument("--download", metavar="RATE", help="bytes per second read from the store; off: no cap")
     limit.add_argument("--json", action="store_true")
 
+    preempt = sub.add_parser("preempt", help="a preemption notice: upload the newest complete step first, then the"
+                             " next, for up to DEADLINE; print the report (also JSON in the cache dir)")
+    preempt.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
+    preempt.add_argument("--deadline", required=True, metavar="SECONDS",
+                         help="the time the node has left, like 30 or 30s (or 2m)")
+    preempt.add_argument("--keep-limits", action="store_true", help="keep the bandwidth caps (they are lifted"
+                         " by default)")
+    preempt.add_argument("--no-wait", dest="wait", action="store_false", help="return at once, not with the report")
+    preempt.add_argument("--json", action="store_true")
+    preempt.add_argument("--config", type=Path, help="take the mountpoint from this file")
+
     nodes = sub.add_parser("nodes", help="the nodes whose work on this prefix is not durable yet (cross-node"
                            " ordering of commit markers); --forget gives up on a node lost for good")
     nodes.add_argument("mountpoint", type=Path, nargs="?", help=MOUNTPOINT_HELP)
@@ -205,6 +226,10 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "download_limit": args.download_limit,
         "metrics_addr": args.metrics_addr,
         "drain_timeout": args.drain_timeout,
+        "preempt_on_sigterm": args.preempt_on_sigterm,
+        "preemption_notice": args.preemption_notice,
+        "preemption_notice_url": args.preemption_notice_url,
+        "preemption_keep_limits": args.preemption_keep_limits,
         "allow_other": args.allow_other,
         "daemon": args.daemon,
         "log_level": args.log_level,
@@ -545,6 +570,10 @@ def cmd_status(args: argparse.Namespace) -> int:
               " 10 minutes; see the log):")
         for failing in status["failing"][:10]:
             print(f"  {failing['path']}: {failing['job']}: {failing['error']}")
+    for held in status.get("markers_held", [])[:10]:
+        print(f"held back  commit marker {held['marker']}: {held['held_by']} is failing (never published over it)")
+    if status.get("preempting"):
+        print("preempting the newest complete step goes first (a preemption notice came)")
     return 0
 
 
@@ -579,6 +608,37 @@ def cmd_limit(args: argparse.Namespace) -> int:
     for direction, limit in limits.items():
         print(f"{direction:<9} {_limit_text(limit)}")
     return 0
+
+
+def parse_deadline(text: str) -> float:
+    """`--deadline`: seconds, with an optional unit: 30, 30s, 2m."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|)\s*", text)
+    if match is None or float(match.group(1)) <= 0:
+        raise UsageError(f"--deadline {text!r} is not a time: give the seconds the node has left, like 30s or 2m")
+    return float(match.group(1)) * (60 if match.group(2) == "m" else 1)
+
+
+def cmd_preempt(args: argparse.Namespace) -> int:
+    """Exit 0 when the newest complete step is durable (or no step had work), EXIT_NOT_DURABLE when not."""
+    deadline = parse_deadline(args.deadline)
+    if args.mountpoint is None or args.config is not None:
+        _settings(args)
+    report = client.preempt(args.mountpoint, deadline, wait=args.wait, keep_limits=args.keep_limits,
+                            reason="ckptfs preempt")
+    if report is None:
+        print("preemption started; the report is written to the cache dir")
+        return 0
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        for step in report["steps"]:
+            state = ("durable, published" if step["published"] else "durable") if step["durable"] else (
+                f"NOT durable: {step['why']}")
+            print(f"{step['step']:<30} {state}")
+        if not report["steps"]:
+            print("no step had work pending")
+    newest = next((s for s in report["steps"] if s["complete"]), None)
+    return EXIT_NOT_DURABLE if newest is not None and not newest["durable"] else 0
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
@@ -659,6 +719,7 @@ COMMANDS = {
     "mount": cmd_mount, "umount": cmd_umount, "restart": cmd_restart,
     "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
     "prune": cmd_prune, "nodes": cmd_nodes, "guard": cmd_guard, "unguard": cmd_unguard, "limit": cmd_limit,
+    "preempt": cmd_preempt,
 }
 
 

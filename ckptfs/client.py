@@ -238,6 +238,25 @@ def limit(
     return limits
 
 
+def preempt(
+    mountpoint: StrPath, deadline: float = 30.0, *, wait: bool = True, keep_limits: bool = False,
+    reason: str = "ckptfs.preempt()",
+) -> dict[str, Any] | None:
+    """A preemption notice with `deadline` seconds left: the drain uploads the newest complete step first
+    (its files, then its commit markers), then the next; deletes and steps still being written wait;
+    bandwidth caps are lifted (not with `keep_limits`). With `wait`, return the report once every complete
+    step is durable or the deadline passed: {"durable": [steps], "not_durable": {step: why}, "steps": [...],
+    ...}, also written as JSON in the cache dir. Without, return None at once."""
+    if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not deadline > 0:
+        raise UsageError(f"deadline must be a number of seconds > 0 (the time the node has left), not {deadline!r}")
+    request = {"op": "preempt", "deadline": deadline, "wait": wait, "keep_limits": keep_limits, "reason": reason}
+    reply = call(mountpoint, request, timeout=deadline + REPLY_GRACE_SECONDS + 10)
+    if not reply.get("ok") and reply.get("usage"):
+        raise UsageError(reply["error"])
+    report: dict[str, Any] | None = _checked(reply, "preempt")["report"]
+    return report
+
+
 def refresh(mountpoint: StrPath) -> None:
     """Show what other nodes wrote to (or deleted from) the store now, not after refresh_interval."""
     _checked(call(mountpoint, {"op": "refresh"}, timeout=300), "refresh")

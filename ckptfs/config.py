@@ -38,7 +38,7 @@ DEFAULT_COMMIT_MARKERS: tuple[str, ...] = (
 
 
 _BOOL_KEYS = ("allow_other", "daemon", "cross_node_ordering", "keep_mount", "keep_mount_on_stop", "guard_mountpoint",
-              "gateway")
+              "gateway", "preemption_keep_limits")
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,30 @@ class Config:
 
     drain_timeout: float = 300.0
     """Seconds SIGTERM/SIGINT waits for the drain before unmounting anyway (the rest stays journaled)."""
+
+    preempt_on_sigterm: float = 0.0
+    """Seconds: SIGTERM is a preemption notice with this deadline (docs/OPERATIONS.md, preemption): the newest
+    complete step goes first, and the whole stop (drain, report, unmount) takes at most this long (and at most
+    drain_timeout). 0: off, SIGTERM drains whatever is queued for up to drain_timeout."""
+
+    preemption_notice: str = "off"
+    """Watch the cloud's preemption notice and act on it by itself: aws (IMDS spot/instance-action), gcp
+    (metadata instance/preempted), azure (scheduled events, Preempt), or off."""
+
+    preemption_notice_url: str | None = None
+    """The metadata endpoint the watcher asks (default: the cloud's own, 169.254.169.254 or
+    metadata.google.internal); a URL of scheme http."""
+
+    preemption_deadline: float = 25.0
+    """Seconds a notice seen by the watcher leaves for the drain (shortened to the time the notice itself
+    names, less PREEMPTION_MARGIN, where it names one)."""
+
+    preemption_keep_limits: bool = False
+    """Keep the bandwidth caps under a preemption notice (by default they are lifted: what is left must go as
+    fast as it can)."""
+
+    preemption_poll: float = 5.0
+    """Seconds between the watcher's looks at the metadata endpoint (AWS advises every 5 s)."""
 
     commit_markers: tuple[str, ...] = DEFAULT_COMMIT_MARKERS
     """Glob patterns (matched against the file name) of files uploaded only after everything before them."""
@@ -317,7 +341,7 @@ def _coerce(name: str, value: Any) -> Any:
     if name in ("mountpoint", "cache_dir") and value is not None:
         return Path(value)
     if name in ("upload_delay", "small_file_wait", "drain_timeout", "dirty_wait", "refresh_interval", "idle_upload",
-                "rename_wait"):
+                "rename_wait", "preempt_on_sigterm", "preemption_deadline", "preemption_poll"):
         try:
             value = float(value)
         except (TypeError, ValueError):
@@ -346,6 +370,15 @@ def _coerce(name: str, value: Any) -> Any:
         if mode not in ("auto", "on", "off"):
             raise UsageError(f"upload_while_writing must be auto, on or off, not {value!r}")
         return mode
+    if name == "preemption_notice":
+        kind = str(value).strip().lower()
+        if kind not in ("off", "aws", "gcp", "azure"):
+            raise UsageError(f"preemption_notice must be aws, gcp, azure or off, not {value!r}")
+        return kind
+    if name == "preemption_notice_url" and value is not None:
+        if not isinstance(value, str) or urllib.parse.urlsplit(value).scheme != "http":
+            raise UsageError(f"preemption_notice_url must be an http:// URL (a metadata endpoint), not {value!r}")
+        return value.rstrip("/")
     if name == "passthrough":
         mode = {True: "auto", False: "off"}.get(value, value) if isinstance(value, bool) else str(value).lower()
         if mode not in ("auto", "off"):

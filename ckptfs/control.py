@@ -1,4 +1,5 @@
-"""The answers to the control socket's requests (`ckptfs status|flush|limit|nodes|prune|refresh|restart|umount`).
+"""The answers to the control socket's requests (`ckptfs status|flush|limit|nodes|preempt|prune|refresh|restart|
+umount`).
 
 ctl.py is the socket (who may connect, one JSON object per line); this module decides what each request
 does, through the parts of the mount it is given. What only the daemon's lifecycle can do (stop, restart,
@@ -19,6 +20,7 @@ from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, UsageError
 from ckptfs.lister import DirLister
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
+from ckptfs.preempter import Preempter
 from ckptfs.pruner import Pruner
 from ckptfs.snapshot import MountStats, limits_json, status_json
 from ckptfs.transfer import Bandwidth
@@ -53,7 +55,7 @@ class ControlRequests:
 
     def __init__(
         self, daemon: Lifecycle, drain: Drain, lister: DirLister, pruner: Pruner, *, cache_root: Path, node_id: str,
-        records: NodeRecords | None, peers: PeerRecords | None, bandwidth: Bandwidth,
+        records: NodeRecords | None, peers: PeerRecords | None, bandwidth: Bandwidth, preempter: Preempter,
     ) -> None:
         self.daemon = daemon
         self.drain = drain
@@ -64,6 +66,7 @@ class ControlRequests:
         self.records = records
         self.peers = peers
         self.bandwidth = bandwidth
+        self.preempter = preempter
 
     async def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         """The answer to one request of the control socket (ctl.serve calls this)."""
@@ -85,6 +88,8 @@ class ControlRequests:
                     "remaining_count": len(result.remaining)}
         if op == "limit":
             return self._limit(request)
+        if op == "preempt":
+            return await self._preempt(request)
         if op == "nodes":
             return await self._nodes(request)
         if op == "prune":
@@ -133,6 +138,20 @@ class ControlRequests:
         for direction, rate in changes.items():
             self.bandwidth.direction(direction).set_runtime(rate)
         return {"ok": True, "limits": limits_json(*self.bandwidth.now())}
+
+    async def _preempt(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`ckptfs preempt`: a preemption notice with `deadline` seconds left (preempter.py); with `wait`, answer
+        with the report once it is written (when every complete step is durable, or at the deadline)."""
+        seconds = request.get("deadline")
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < math.inf:
+            return {"ok": False, "usage": True,
+                    "error": f"deadline {seconds!r} is not a number of seconds > 0; give the time left, like 30"}
+        self.preempter.begin(float(seconds), reason=str(request.get("reason") or "ckptfs preempt"),
+                             lift_limits=not request.get("keep_limits"))
+        if not request.get("wait", True):
+            return {"ok": True, "report": None, "report_path": str(self.preempter.report_path)}
+        report = await self.preempter.wait_report()
+        return {"ok": True, "report": report, "report_path": str(self.preempter.report_path)}
 
     async def _flush_other_nodes(self, deadline: float) -> FlushResult:
         """After this node's flush: wait until every other node's work pending now is durable."""

@@ -56,6 +56,8 @@ from ckptfs.lister import DirLister
 from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
 from ckptfs.mountpoint import check_fusermount, check_mountpoint, set_read_ahead, wait_until_mounted
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
+from ckptfs.notices import watch_notices
+from ckptfs.preempter import Preempter
 from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
 from ckptfs.pruner import Pruner
 from ckptfs.recovery import RecoveryReport, recover
@@ -90,6 +92,8 @@ RESTART_PAUSE_CAP = 60.0
 # `ckptfs restart`: how long the requests being served may take to finish before the connection goes to the
 # new daemon anyway (the kernel sends it the unfinished ones again)
 RESTART_REQUESTS_WAIT = 10.0
+# A stop under a preemption notice: how long it waits past its drain for the report to be written.
+PREEMPTION_REPORT_WAIT = 2.0
 
 
 class _StartedOnce:
@@ -193,6 +197,8 @@ class Daemon:
         self.fs.listing.on_straggler = lambda message: self.faults.record("rename", message)
         self.pruner = Pruner(journal, self.fs, self.lister, is_commit_marker=self.drain.is_commit_marker,
                              peers=self.peers, faults=self.faults)
+        self.preempter = Preempter(self.drain, engine, cache.root)
+        self.pruner.held = lambda: self.preempter.active  # retention waits under a preemption notice
         self.lister.forget_kernel_data = forget_kernel_data
         self.lister.forget_kernel_entry = forget_kernel_entry
         self.lister.forget_kernel_entry_now = forget_kernel_entry_now
@@ -213,7 +219,7 @@ class Daemon:
         self.fuse_ops: FuseOperations | None = None
         self.control = ControlRequests(self, self.drain, self.lister, self.pruner, cache_root=cache.root,
                                        node_id=self.node_id, records=self.records, peers=self.peers,
-                                       bandwidth=engine.bandwidth)
+                                       bandwidth=engine.bandwidth, preempter=self.preempter)
         self.guarded, self.guard_why = guard.availability(config.guard_mountpoint)
         # The mount outliving this daemon (takeover.py): holder, systemd's store, the handles taken over.
         self.keeper = ConnectionKeeper(
@@ -315,6 +321,10 @@ class Daemon:
                 if self.records is not None and self.peers is not None:
                     await nursery.start(self._supervised, "node records", self.records.run)
                     await nursery.start(self._supervised, "other nodes' records", self.peers.run)
+                await nursery.start(self._supervised, "preemption", self.preempter.run)
+                if self.config.preemption_notice != "off":
+                    await nursery.start(self._supervised, "preemption notices", functools.partial(
+                        watch_notices, self.config, self.preempter))
                 await nursery.start(self._serve_control)
                 device = await wait_until_mounted(self.mountpoint)
                 if self.held is None:
@@ -438,23 +448,26 @@ class Daemon:
     async def _watch_signals(self, nursery: trio.Nursery) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                if not self._stop_requested.is_set() and self.config.keep_mount_on_stop and self.keeper.kept_by_service:
-                    log.info("%s: draining for up to %ss, then leaving the mount of %s to the node's holder service"
-                             " for the next daemon", signal.Signals(signum).name, self.config.drain_timeout,
-                             self.mountpoint)
-                    self._leaving = True
-                    self.request_stop(self.config.drain_timeout)
-                elif not self._stop_requested.is_set():
-                    log.info(
-                        "%s: draining for up to %ss, then unmounting", signal.Signals(signum).name,
-                        self.config.drain_timeout,
-                    )
-                    self.request_stop(self.config.drain_timeout)
-                else:
+                name = signal.Signals(signum).name
+                if self._stop_requested.is_set():
                     log.warning("second signal: exiting now; pending uploads stay journaled for the next start")
                     self._exiting_now = True
                     nursery.cancel_scope.cancel()
                     return
+                timeout = self.config.drain_timeout
+                if self.config.preempt_on_sigterm:
+                    # A spot node's stop (a node agent, a pod's SIGTERM): a preemption notice, the newest
+                    # complete step first, and the whole stop bounded by its deadline.
+                    timeout = min(self.config.preempt_on_sigterm, timeout)
+                    self.preempter.begin(self.config.preempt_on_sigterm, reason=name,
+                                         lift_limits=not self.config.preemption_keep_limits)
+                if self.config.keep_mount_on_stop and self.keeper.kept_by_service:
+                    log.info("%s: draining for up to %ss, then leaving the mount of %s to the node's holder service"
+                             " for the next daemon", name, timeout, self.mountpoint)
+                    self._leaving = True
+                else:
+                    log.info("%s: draining for up to %ss, then unmounting", name, timeout)
+                self.request_stop(timeout)
 
     async def _publish_metrics(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         assert self.metrics is not None
@@ -497,6 +510,7 @@ class Daemon:
         self.notifier.notify(stopping=1, status=status_line(self.statistics()))
         self.fs.stop_writes()
         self.result = await self.drain.flush(None, deadline_after(self._stop_timeout))
+        await self._preemption_reported()
         if self.result.ok and self.records is not None:
             # Nothing of this node is pending: its records go, so that no other node's marker waits for it.
             with trio.move_on_after(RETIRE_RECORDS_WAIT):
@@ -515,6 +529,12 @@ class Daemon:
         with trio.move_on_after(5):
             await self._control_done.wait()
 
+    async def _preemption_reported(self) -> None:
+        """A stop under a preemption notice: its report is written before the daemon goes (for a moment)."""
+        if self.preempter.active and not self.preempter.reported.is_set():
+            with trio.move_on_after(PREEMPTION_REPORT_WAIT):
+                await self.preempter.reported.wait()
+
     async def _drain_before_leaving(self) -> None:
         """SIGTERM with keep_mount_on_stop: upload what is pending for up to drain_timeout while the mount
         goes on serving as before (the job keeps saving: nothing refuses its writes), then leave. What is
@@ -522,6 +542,7 @@ class Daemon:
         drained for good)."""
         self.notifier.notify(stopping=1, status="draining before leaving the mount to the holder service")
         self.result = await self.drain.flush(None, deadline_after(self._stop_timeout))
+        await self._preemption_reported()
         if self.result.ok:
             log.info("drained; leaving the mount of %s to the holder service", self.mountpoint)
         else:

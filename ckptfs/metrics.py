@@ -74,6 +74,11 @@ METRICS: tuple[MetricDef, ...] = (
               " sessions), by source.", ("source",)),
     MetricDef("ckptfs_drain_parked", "gauge",
               "Drain jobs parked after failing unexpectedly again and again (ckptfs status names them)."),
+    MetricDef("ckptfs_markers_held", "gauge",
+              "Commit markers held back by a parked entry of their step: a checkpoint that will not be published"
+              " until it uploads (ckptfs status names both). Alert on > 0."),
+    MetricDef("ckptfs_preempting", "gauge",
+              "1 once a preemption notice came (ckptfs preempt, SIGTERM with preempt_on_sigterm, a watcher)."),
     MetricDef("ckptfs_passthrough_enabled", "gauge",
               "1 when the kernel reads and writes cached files itself (FUSE passthrough), 0 when it is off."),
     MetricDef("ckptfs_passthrough_opens", "counter", "Opens served with FUSE passthrough since start."),

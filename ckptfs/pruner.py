@@ -41,6 +41,8 @@ class Pruner:
         self.peers = peers
         self.faults = faults
         self._wanted = trio.Event()
+        # True while a preemption notice lasts: retention's deletes wait (the daemon wires it; preempter.py).
+        self.held: Callable[[], bool] = lambda: False
         # Retention deletes behind the kernel's back (no FUSE request): what it held of a deleted checkpoint
         # goes with these (fuse_ops.forget_kernel_entry_now and forget_kernel_data), called in a worker thread.
         self.forget_kernel_entry_now: Callable[[int, str], None] = lambda parent_id, name: None
@@ -57,6 +59,9 @@ class Pruner:
         while True:
             await self._wanted.wait()
             self._wanted = trio.Event()
+            if self.held():
+                log.info("retention waits: a preemption notice is being carried out")
+                continue
             try:
                 result = await self.prune(keep_last, keep_globs, dry_run=False)
             except Exception as exc:

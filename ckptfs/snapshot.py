@@ -97,6 +97,8 @@ class MountStats:
     drain: DrainStats
     moved: TransferStats
     failing: list[tuple[str, Parked]]
+    markers_held: list[tuple[str, str]]  # (commit marker, the failing entry that holds it back)
+    preempting: bool
     faults: Faults
     store_ops: OpStats | None  # None: the store is not instrumented
     fuse_ops: OpStats | None  # None: not serving yet
@@ -128,7 +130,8 @@ def gather(
         cache_used=cache.used, cache_limit=cache.limit, cache_squeezed=cache.squeezed,
         cache_hits=fs.cache_hits, cache_misses=fs.cache_misses, writes_waiting=evictor.waiting,
         evictions=evictor.stats, reads=fetcher.statistics(), drain=drain.stats, moved=engine.statistics(),
-        failing=drain.failing(), faults=faults, store_ops=store_ops, fuse_ops=fuse_ops, credentials=credentials,
+        failing=drain.failing(), markers_held=drain.markers_held(), preempting=drain.preemption.active,
+        faults=faults, store_ops=store_ops, fuse_ops=fuse_ops, credentials=credentials,
     )
 
 
@@ -252,6 +255,9 @@ def status_json(stats: MountStats) -> dict[str, Any]:
             for path, parked in stats.failing[:FAILING_LISTED]
         ],
         "failing_count": len(stats.failing),
+        "markers_held": [{"marker": marker, "held_by": by} for marker, by in stats.markers_held[:FAILING_LISTED]],
+        "markers_held_count": len(stats.markers_held),
+        "preempting": stats.preempting,
         "shutting_down": stats.shutting_down,
     }
 
@@ -321,6 +327,8 @@ def metrics_snapshot(stats: MountStats) -> Snapshot:
         "ckptfs_guard_enabled": [((), 1.0 if stats.guard_why.startswith("on") else 0.0)],
         "ckptfs_passthrough_opens": [((), stats.passthrough_opens)],
         "ckptfs_drain_parked": [((), len(stats.failing))],
+        "ckptfs_markers_held": [((), len(stats.markers_held))],
+        "ckptfs_preempting": [((), 1.0 if stats.preempting else 0.0)],
         "ckptfs_node_records": [((), len(stats.nodes.records["records"]) if stats.nodes.records else 0)],
         "ckptfs_node_record_failures": [((), stats.nodes.announce_failures)],
         "ckptfs_markers_waiting_for_nodes": [((), len(stats.nodes.waiting_markers))],

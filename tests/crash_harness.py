@@ -30,6 +30,13 @@ comment above MULTI_MARKERS, and docs/design/crash-harness.md).
     python -m tests.crash_harness --rounds 30 --seed 7 --store seaweedfs --faults
     python -m tests.crash_harness --seed 7 --store file --round 17 --rounds 1      # replay round 17
     python -m tests.crash_harness --rounds 20 --seed 7 --store file --nodes 2
+    python -m tests.crash_harness --rounds 20 --seed 7 --store file --preempt
+
+`--preempt` (issue 44): every step ends with a commit marker of its own (`step/COMMITTED`, before the
+`latest` pointer), and at a random moment of the workload `ckptfs preempt --deadline D --no-wait` reorders
+the drain (the newest complete step first; a step's marker then waits for its own step only) before the
+kill: at the kill point, no step marker is in the store without every file its step had closed before it
+(nothing published over a hole), and the checks after the restart say nothing was lost.
 
 One line per round, then a summary. The workload, the kill mode and the kill point (an operation index)
 are functions of the seed and the round index; only the exact instant within the kill window depends on
@@ -56,6 +63,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import zlib
@@ -80,6 +88,8 @@ MiB = 1 << 20
 SPILL_CACHE_SIZE = 24 * MiB
 MARKER = "latest"
 MARKER_PREFIX = b"ckpt-marker "
+STEP_MARKER = "COMMITTED"  # --preempt: a step's own commit marker (one of the default commit_markers)
+PREEMPT_UPLOAD_LIMIT = "8M"  # --preempt: the workload's daemon uploads at most this fast (until the notice)
 TEMP_PREFIX = ".ckptfs-tmp."
 NOTES_DIR = f"{TEMP_PREFIX}notes"  # the stores' bookkeeping notes (pending records of cross-node ordering)
 WRITE_CHUNK = 1 * MiB  # one plan op per chunk: a kill lands between chunks as often as inside one
@@ -131,6 +141,7 @@ class PlanBuilder:
         # Gateway rounds: half the files stay open a moment after their last write, as an NFS server keeps
         # them, so that the drain uploads them while open (drawn only then: other rounds replay unchanged).
         self.hold_open = False
+        self.step_markers = False  # --preempt: each step gets a commit marker of its own (STEP_MARKER)
         # The cache budget of the round: a file above it cannot be opened for writing without O_TRUNC, nor
         # truncated above 0, once its data left the cache (EFBIG: docs/SEMANTICS.md, "What needs the whole
         # content waits for it"). Spill rounds set it; mutate() then renames such a file instead.
@@ -284,6 +295,10 @@ class PlanBuilder:
             self.write_file("model.pt", self.size(), style="temp_rename")
         for _ in range(self.rng.randint(0, 3)):
             self.mutate()
+        if self.step_markers:
+            self.markers += 1
+            self.write_step_marker(f"{top}/{STEP_MARKER}",
+                                   MARKER_PREFIX + f"{step} {self.tag}:{self.markers} step\n".encode())
         if staged:
             if step in self.dirs:
                 self.remove_tree(step)
@@ -299,6 +314,13 @@ class PlanBuilder:
         self.markers += 1
         content = MARKER_PREFIX + f"{step} {self.tag}:{self.markers}\n".encode()
         self.write_marker(content)
+
+    def write_step_marker(self, path: str, content: bytes) -> None:
+        """A step's own commit marker, written in place (DCP's .metadata, a COMMITTED file)."""
+        self.add({"op": "open", "path": path, "trunc": True})
+        self.add({"op": "write_bytes", "path": path, "offset": 0, "hex": content.hex()})
+        self.add({"op": "close", "path": path})
+        self.files[path] = len(content)
 
     def write_marker(self, content: bytes) -> None:
         # The marker's bytes are fixed, not random: they name the checkpoint. Encoded as a write op of a
@@ -699,6 +721,42 @@ def check_kill_point(store: Tree, model: Model, in_flight: Op | None) -> None:
         if digest(store.files[path]) != want:
             raise RoundFailed(f"kill point: {MARKER} ({store.files[MARKER].strip().decode()}) is in the store but "
                               f"{path} holds other bytes than it had when the marker was written")
+
+
+def touched_after(model: Model, position: int, in_flight: Op | None) -> list[str]:
+    """The paths the operations after `position` (and the one in flight) changed."""
+    touched: list[str] = []
+    for op in model.applied[position + 1:] + ([in_flight] if in_flight else []):
+        if op["op"] not in ("listdir", "read", "fsync"):
+            touched += [op[k] for k in ("path", "src", "dst") if k in op]
+    return touched
+
+
+def check_step_markers(store: Tree, model: Model, in_flight: Op | None) -> None:
+    """--preempt, with the daemon dead: every step marker in the store (STEP_MARKER) has every file its step
+    had closed before it there with those bytes: no step is published over a hole, in whatever order a
+    preemption notice made the drain go. (A step renamed since is not checked: its paths then were others.)"""
+    for path, data in sorted(store.files.items()):
+        if not path.endswith("/" + STEP_MARKER):
+            continue
+        snapshot = model.markers.get(digest(data))
+        if snapshot is None:
+            continue  # changed since by the workload (mutate): no longer a marker's content
+        step = path.rsplit("/", 1)[0]
+        if snapshot.files.get(path) != digest(data):
+            continue  # written under another name (a staged dir renamed after)
+        touched = touched_after(model, snapshot.position, in_flight)
+        for file_path, want in sorted(snapshot.files.items()):
+            if not file_path.startswith(step + "/") or file_path == path:
+                continue
+            if any(file_path == t or file_path.startswith(t + "/") or t.startswith(file_path + "/") for t in touched):
+                continue
+            if file_path not in store.files:
+                raise RoundFailed(f"kill point: {path} is in the store but {file_path}, closed before it (op "
+                                  f"#{snapshot.position}), is not: a step published over a hole")
+            if digest(store.files[file_path]) != want:
+                raise RoundFailed(f"kill point: {path} is in the store but {file_path} holds other bytes than it "
+                                  "had when the marker was written")
 
 
 def check_store_matches(store: Tree, mount: Tree, leftovers: list[str]) -> None:
@@ -1542,6 +1600,12 @@ class RoundConfig:
     # pause after each; drain and fetch kills: the pause before each (after the writer finished, or after
     # the previous daemon took over; after the reader started).
     keep_mount: bool = False
+    # --preempt: seconds after the workload starts at which `ckptfs preempt` is sent, and its deadline
+    preempt_after: float | None = None
+    preempt_deadline: float = 0.0
+    # and whether it keeps the daemons' upload cap (PREEMPT_UPLOAD_LIMIT: uploads slow enough that the kill
+    # lands while a step's files and its marker are in flight)
+    preempt_keep_limits: bool = False
     kill_ats: list[int] = field(default_factory=list)
     kill_sleeps: list[float] = field(default_factory=list)
 
@@ -1608,6 +1672,7 @@ def phase_builder(cfg: RoundConfig, rng: random.Random, label: str, names: dict[
     taken for a lost write; 76f0c57 had set the budget for the workload's plan only)."""
     builder = PlanBuilder(rng, label, names, dirs, scale, cfg.unlisted_dir_ops)
     builder.hold_open = gateway
+    builder.step_markers = cfg.preempt_after is not None
     if cfg.kill == "spill":
         builder.cache_budget = SPILL_CACHE_SIZE
     return builder
@@ -1621,6 +1686,7 @@ class Harness:
         self.workdir = Path(args.workdir or f"/tmp/ckptfs-crash-{self.seed}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.server: Any = None
+        self.preempter: threading.Thread | None = None  # --preempt: the round's `ckptfs preempt` call
         self.bucket = ""
         self.proxy: Any = None
         self.live: list[Mount] = []
@@ -1685,6 +1751,17 @@ class Harness:
             subprocess.run(["umount", "-l", str(path)], check=False)
         self.tmpfs.clear()
 
+    def preempt_later(self, m: Mount, after: float, deadline: float, keep_limits: bool) -> None:
+        """`ckptfs preempt --no-wait` `after` seconds from now, in a thread (the daemon may be dead by then:
+        the call fails, which is fine)."""
+        def send() -> None:
+            time.sleep(after)
+            m.cli("preempt", str(m.mnt), "--deadline", f"{deadline}s", "--no-wait",
+                  *(["--keep-limits"] if keep_limits else []), timeout=30)
+
+        self.preempter = threading.Thread(target=send, daemon=True)
+        self.preempter.start()
+
     def choose(self, rng: random.Random, index: int) -> RoundConfig:
         if self.args.nodes > 1:
             return self.choose_multi(rng, index)
@@ -1692,6 +1769,7 @@ class Harness:
         if self.store_kind == "seaweedfs" and not self.args.full_cache:
             kills.append("spill")
         kill = rng.choice(kills)
+        preempt = random.Random(f"{self.seed}:{index}:preempt")
         faults = sorted(rng.sample(FAULT_KINDS, rng.randint(1, 2))) if self.args.faults else []
         return RoundConfig(
             kill=kill, upload_delay=rng.choice([0.0, 0.05, 0.2, 0.5, 1.0]),
@@ -1702,6 +1780,9 @@ class Harness:
             unlisted_dir_ops=(rng.random() < 0.5) or self.args.unlisted_dir_ops,  # drawn either way: replays
             part_size=rng.choice(["64M", "1M", "2M"]), upload_while_writing=rng.choice(["off", "auto", "on"]),
             passthrough=self.args.passthrough or rng.choice(["auto", "off"]), keep_mount=self.args.keep_mount,
+            # Drawn apart from the round's RNG, so that rounds without --preempt draw (and replay) as before
+            preempt_after=preempt.uniform(0, 0.6) if self.args.preempt else None,
+            preempt_deadline=preempt.choice([0.5, 2.0, 10.0]), preempt_keep_limits=preempt.random() < 0.7,
         )
 
     def choose_multi(self, rng: random.Random, index: int) -> RoundConfig:
@@ -1967,6 +2048,8 @@ class Harness:
             else:
                 cfg.kill_sleeps = [rng.uniform(0, 0.4) for _ in range(rng.randint(1, 2))]
 
+        if cfg.preempt_after is not None:
+            extra = (*extra, "--upload-limit", PREEMPT_UPLOAD_LIMIT)
         m = self.mount(node, store, cfg, *extra)
         if cfg.keep_mount:
             self._kept_round(rng, cfg, store, model, plan, m, round_dir, result, check_faults)
@@ -1975,6 +2058,8 @@ class Harness:
         if filler is not None and cfg.filler_mib:
             filler.write_bytes(bytes(cfg.filler_mib * MiB))
         proc, log = self.run_writer(plan, round_dir, m.mnt, "main")
+        if cfg.preempt_after is not None:
+            self.preempt_later(m, cfg.preempt_after, cfg.preempt_deadline, cfg.preempt_keep_limits)
         killed_node: Mount | None = None
         if cfg.kill in ("workload", "spill"):
             deadline = time.monotonic() + 300
@@ -2010,8 +2095,12 @@ class Harness:
             bad = [f for f in failures if not any(e in f for e in CASCADE_ERRNOS)]
         if bad:
             raise RoundFailed(f"writer: {bad[0]}")
+        if self.preempter is not None:
+            self.preempter.join(timeout=60)
         if killed_node is not None:
-            check_kill_point(store.snapshot(), model, in_flight)
+            stored = store.snapshot()
+            check_kill_point(stored, model, in_flight)
+            check_step_markers(stored, model, in_flight)
             if filler is not None:
                 filler.unlink(missing_ok=True)
             killed_node.start()
@@ -2391,11 +2480,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gateway", action="store_true",
                         help="the daemons run in gateway mode (--gateway --idle-upload 0.1): files still open for "
                         "writing are uploaded once idle, and again when they change")
+    parser.add_argument("--preempt", action="store_true",
+                        help="each step gets a commit marker of its own and, at a random moment of the workload, "
+                        "`ckptfs preempt` reorders the drain before the kill: no step marker is ever in the store "
+                        "before the files of its step, nothing is lost")
     parser.add_argument("--keep-mount", action="store_true",
                         help="the daemons run with keep_mount: each kill (1 to 3 a round) leaves the mount to the "
                         "daemon the holder starts next, the workload goes on and must see no error (without it, "
                         "every mount has --no-keep-mount and a kill leaves a dead mount the harness restarts)")
     args = parser.parse_args(argv)
+    if args.preempt and (args.keep_mount or args.nodes > 1):
+        parser.error("--preempt does not combine with --keep-mount or --nodes (yet): their rounds have writers of"
+                     " their own; run it on its own (with --store, --faults, --full-cache as you like)")
     if args.keep_mount and (args.nodes > 1 or args.full_cache):
         parser.error("--keep-mount does not combine with --nodes or --full-cache (yet): their writers expect "
                      "dead mounts (restarted steps) or errors (ENOSPC), a takeover lets them see neither")

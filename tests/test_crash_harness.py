@@ -33,6 +33,7 @@ from crash_harness import (
     RoundFailed,
     Tree,
     check_kill_point,
+    check_step_markers,
     digest,
     first_difference,
     known_traceback,
@@ -58,6 +59,8 @@ RUNS = [
     ("keep-mount", ["--store", "file", "--keep-mount", "--seed", "1338"], 3),
     # gateway mode: files held open after their last write are uploaded while open (issue 32)
     ("gateway", ["--store", "file", "--gateway", "--seed", "1206"], 2),
+    # a preemption notice at a random moment before the kill (issue 44): steps with markers of their own
+    ("preempt", ["--store", "file", "--preempt", "--seed", "1209"], 2),
 ]
 # Each run in tests of at most two rounds (--round, --rounds): the same rounds as one test per run, since a
 # round's choices depend only on the seed and its index, but the suite's workers share a run's rounds (one
@@ -110,6 +113,29 @@ def test_the_checks_catch_what_they_claim() -> None:
                                           model.files, model.dirs, "t") or "")  # type: ignore[arg-type]
     assert "should not exist" in (first_difference(Tree(good.files, {"s", "old"}), model.files, model.dirs,
                                                    "t") or "")  # type: ignore[arg-type]
+
+
+def test_the_step_marker_check_catches_a_step_published_over_a_hole() -> None:
+    """--preempt: a step's own marker in the store without a file its step closed before it fails the round;
+    the same file changed after the marker, or a step's marker written under a name renamed since, does not."""
+    model = Model()
+    model.apply({"op": "mkdir", "path": "step_1"})
+    marker = b"ckpt-marker step_1 x:1 step\n"
+    for path, data in (("step_1/shard", b"data"), ("step_1/COMMITTED", marker)):
+        for op in _write(path, data):
+            model.apply(op)
+    check_step_markers(Tree({"step_1/shard": b"data", "step_1/COMMITTED": marker}, {"step_1"}), model, None)
+    with pytest.raises(RoundFailed, match=r"step_1/shard, closed before it .* published over a hole"):
+        check_step_markers(Tree({"step_1/COMMITTED": marker}, {"step_1"}), model, None)
+    with pytest.raises(RoundFailed, match="holds other bytes"):
+        check_step_markers(Tree({"step_1/shard": b"dat4", "step_1/COMMITTED": marker}, {"step_1"}), model, None)
+    changed_after = model.copy()
+    for op in _write("step_1/shard", b"new data"):
+        changed_after.apply(op)
+    check_step_markers(Tree({"step_1/COMMITTED": marker}, {"step_1"}), changed_after, None)
+    assert parse_args(["--preempt"]).preempt
+    with pytest.raises(SystemExit):
+        parse_args(["--preempt", "--keep-mount"])
 
 
 class _Store:

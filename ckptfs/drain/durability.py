@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import trio
 
 from ckptfs.drain.cleanup import Cleanup
-from ckptfs.drain.ordering import CommitMarkers, Job, durable, in_scope
+from ckptfs.drain.ordering import CommitMarkers, Job, durable, held_by, in_scope
 from ckptfs.drain.retries import Retries
 from ckptfs.journal import Inode, Journal
 
@@ -116,15 +116,20 @@ class Durability:
         deletes = {d.id: d.key for d in self.journal.pending_deletes() if in_scope(d.key, paths)}
         self._drop_durable(items, deletes)
         failing = {parked.inode_id: parked.error for parked in self.retries.parked.values() if parked.job != "delete"}
+        failing_inodes = list(self.journal.get_many(list(failing)).values()) if failing else []
         paths_left = []
         for inode_id in items:
             inode = self.journal.get(inode_id)
             if inode is None or inode.path is None:
                 continue
             error = failing.get(inode_id)
-            waiting = self.why_marker_waits(inode) if self.markers.match(inode.name) else None
+            marker = self.markers.match(inode.name)
+            waiting = self.why_marker_waits(inode) if marker else None
+            held = held_by(inode, failing_inodes) if marker and failing_inodes else None
             if error is not None:
                 paths_left.append(f"{inode.path} (failing: {error})")
+            elif held is not None:
+                paths_left.append(f"{inode.path} (commit marker held back: {held} is failing)")
             elif waiting is not None:
                 paths_left.append(f"{inode.path} ({waiting})")
             else:

@@ -54,6 +54,20 @@ def marker_blocked(
     return waits_for_nodes(inode) or work_before(inode.seq)
 
 
+def held_by(marker: Inode, failing: Iterable[Inode]) -> str | None:
+    """The path of a failing (parked) entry that holds this commit marker back (None: none does): one in
+    the marker's step (its top-level directory) that became work before it, or any earlier one for a marker
+    at the top. A step is never published over such a hole (marker_blocked); this names why."""
+    path = marker.path or ""
+    step = path.partition("/")[0] if "/" in path else None
+    for entry in failing:
+        if entry.path is None or entry.seq >= marker.seq or entry.id == marker.id:
+            continue
+        if step is None or entry.path.startswith(step + "/"):
+            return entry.path
+    return None
+
+
 def changed_since_scan(
     inode: Inode, scanned_keys: tuple[str, ...], keys: tuple[str, ...], marker_blocked: Callable[[Inode], bool]
 ) -> bool:

@@ -54,6 +54,8 @@ class Retries:
         # Unexpected failures in a row per job, and the jobs parked after PARK_AFTER of them.
         self._unexpected: dict[JobId, int] = {}
         self.parked: dict[JobId, Parked] = {}
+        # The last error of each job failing now (cleared by its success): what a preemption report names.
+        self._last_error: dict[JobId, str] = {}
         self._permanent_reported: set[str] = set()
 
     def due_at(self, job_id: JobId) -> float:
@@ -69,6 +71,7 @@ class Retries:
         self._retry_at.pop(job_id, None)
         self._attempts.pop(job_id, None)
         self._unexpected.pop(job_id, None)
+        self._last_error.pop(job_id, None)
         if self.parked.pop(job_id, None) is not None:
             log.info("%s job of inode %d succeeded again; no longer parked", job.kind, job.ident)
 
@@ -102,6 +105,7 @@ class Retries:
     def failed(self, job_id: JobId, op: str, exc: BackendError, *, logged: bool = False) -> None:
         attempts = self._attempts.get(job_id, 0) + 1
         self._attempts[job_id] = attempts
+        self._last_error[job_id] = str(exc)
         delays = backoff_delays(base=0.5, cap=60.0 if isinstance(exc, PermanentBackendError) else 30.0)
         delay = 0.0
         for _ in range(attempts):
@@ -143,6 +147,13 @@ class Retries:
             if ident == inode_id and kind != "delete":
                 return f"{kind}: {parked.error}"
         return None
+
+    def failing_now(self) -> dict[int, str]:
+        """inode id -> the last error of its job, for every job (not a delete) whose last attempt failed:
+        parked ones and those waiting for a retry after a store error."""
+        failing = {ident: error for (kind, ident), error in self._last_error.items() if kind != "delete"}
+        failing.update({p.inode_id: p.error for p in self.parked.values() if p.job != "delete"})
+        return failing
 
     def failing(self) -> list[tuple[str, Parked]]:
         """The parked jobs whose entries still exist, with their paths: what `ckptfs status` names."""

@@ -27,6 +27,7 @@ from ckptfs.drain.lane import SmallLane
 from ckptfs.drain.namespace import Namespace
 from ckptfs.drain.open_uploads import OpenUploads
 from ckptfs.drain.ordering import CommitMarkers, Job, below, keyed
+from ckptfs.drain.preemption import REPLAN_INTERVAL, Preemption, choose
 from ckptfs.drain.records import Records
 from ckptfs.drain.retries import Parked, Retries
 from ckptfs.drain.spills import Spills
@@ -91,6 +92,10 @@ class Drain:
         self._urgent = trio.Event()  # notify(), not mount_changed(): scan without the burst's coalescing
         self._changed_at = -math.inf  # trio time of the mount's last namespace change (mount_changed)
         self._running: set[tuple[str, int]] = set()
+        # Under a preemption notice, running jobs of a later rank are cut short by their scope (a job
+        # claimed but not started yet, a small one waiting in the lane, when it starts).
+        self._scopes: dict[tuple[str, int], trio.CancelScope] = {}
+        self._cut_at_start: set[tuple[str, int]] = set()
         self._busy_keys: set[str] = set()
         # Whether a closed commit marker must still wait for other nodes (nodes.PeerRecords.blocks); the
         # drain is notified when that may have changed.
@@ -100,6 +105,7 @@ class Drain:
 
         self.retries = Retries(journal, self.stats, self.faults, engine.store.url)
         self.records = Records(journal, self.markers)
+        self.preemption = Preemption(journal, self.markers)
         # Gateway mode: files still open for writing are uploaded once idle (None: only after their close).
         self.open_uploads = OpenUploads(journal, cache, open_upload_idle)
         self.cleanup = Cleanup(engine, notify=self.notify)
@@ -138,6 +144,7 @@ class Drain:
         files and everything else go on as before; a flush, cache pressure and shutdown do not wait."""
         self._changed_at = trio.current_time()
         self._new_work.set()
+        self.preemption.stale = True  # a close may complete a step: the next scan replans
 
     def fsynced(self, inode_id: int) -> None:
         """A file was fsynced (an NFS server's COMMIT arrives so): in gateway mode, a file open for writing
@@ -161,6 +168,15 @@ class Drain:
     @foreground_at.setter
     def foreground_at(self, clock: Callable[[], float]) -> None:
         self.lane.foreground_at = clock
+
+    def preempt(self) -> None:
+        """A preemption notice: from now on, the newest complete step first (preemption.py), upload_delay
+        ignored. It lasts until the daemon ends."""
+        if not self.preemption.active:
+            log.warning("preemption notice: uploading the newest complete step first; deletes and steps still"
+                        " being written wait")
+        self.preemption.begin(trio.current_time())
+        self.notify()
 
     def is_commit_marker(self, name: str | None) -> bool:
         return self.markers.match(name)
@@ -188,6 +204,21 @@ class Drain:
 
     def failing(self) -> list[tuple[str, Parked]]:
         return self.retries.failing()
+
+    def markers_held(self) -> list[tuple[str, str]]:
+        """(commit marker, the failing entry that holds it back) for every pending marker a parked job holds
+        back (ordering.held_by): what `ckptfs status` names and ckptfs_markers_held counts."""
+        failing = [p.inode_id for p in self.retries.parked.values() if p.job != "delete"]
+        if not failing:
+            return []
+        failing_inodes = list(self.journal.get_many(failing).values())
+        held = []
+        for inode in self.journal.pending_uploads():
+            if inode.path is not None and self.markers.match(inode.name):
+                by = ordering.held_by(inode, failing_inodes)
+                if by is not None:
+                    held.append((inode.path, by))
+        return held
 
     @property
     def spill_room(self) -> int:
@@ -259,7 +290,7 @@ class Drain:
         """The mount is in a burst of namespace changes and nothing presses (no flush waits, no cache
         pressure): the burst's own notifications need no scan of their own."""
         return (trio.current_time() < self._changed_at + BURST_QUIET and not self.spills.pressure
-                and not self.durability.waiting)
+                and not self.durability.waiting and not self.preemption.active)
 
     async def _guarded(self, what: str, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         """A background step whose unexpected failure is logged and counted, never the drain's end (an
@@ -300,7 +331,8 @@ class Drain:
         next_due = math.inf
         jobs: list[Job] = []
         pressure = self.spills.pressure
-        cut_off = math.inf if pressure or self.durability.waiting else now_wall - self.upload_delay
+        cut_off = math.inf if pressure or self.durability.waiting or self.preemption.active else (
+            now_wall - self.upload_delay)
         small_cut_off = cut_off
         if cut_off != math.inf:
             next_close = self.journal.next_close_after(cut_off)
@@ -376,7 +408,30 @@ class Drain:
             if waiting(("delete", delete.id)):
                 continue
             jobs.append(Job("delete", delete.id, (delete.key,)))
+        if self.preemption.active:
+            jobs = self._preempt_order(jobs)
+            next_due = min(next_due, now + REPLAN_INTERVAL)  # a step may become complete
         return jobs, next_due
+
+    def _preempt_order(self, jobs: list[Job]) -> list[Job]:
+        """Under a notice: the jobs of a scan that may start, in the order of preemption.choose; running
+        uploads and spills it leaves out are cut short (they resume from their saved parts)."""
+        self.preemption.replan_if_due(trio.current_time())
+        ids = {job.ident for job in jobs if job.kind != "delete"} | {i for k, i in self._running if k != "delete"}
+        inodes = self.journal.get_many(ids)
+
+        def rank(kind: str, ident: int) -> int | None:
+            inode = inodes.get(ident)
+            return None if inode is None else self.preemption.rank_of(inode.path)
+
+        chosen, cut = choose(jobs, self._running, rank, self.preemption.other_rank)
+        for job_id in cut:
+            scope = self._scopes.get(job_id)
+            if scope is not None:
+                scope.cancel()
+            else:
+                self._cut_at_start.add(job_id)
+        return chosen
 
     def _scan_open(
         self, open_ids: list[int], jobs: list[Job], unmarked: set[str],
@@ -416,6 +471,10 @@ class Drain:
         completion rescans."""
         if not self.markers.match(inode.name):
             return False
+        step = self.preemption.step_dir(inode) if self.preemption.active else None
+        if step is not None:
+            # Under a notice a step's marker waits for its own step only (preemption.py).
+            return self.waits_for_nodes(inode) or bool(self.journal.work_before_under(inode.seq, step, 1))
         return ordering.marker_blocked(inode, self.markers, self.waits_for_nodes,
                                        lambda seq: bool(self.journal.work_before(seq, 1))) or (
             # Gateway mode: also the files whose last change is older than the marker's, open or not.
@@ -463,7 +522,7 @@ class Drain:
     def _pressed(self) -> bool:
         """A flush waits or the cache needs room: small uploads do not wait for a lull in the writer's
         requests then (lane.py)."""
-        return self.spills.pressure or bool(self.durability.waiting)
+        return self.spills.pressure or bool(self.durability.waiting) or self.preemption.active
 
     def _claim(self, job: Job) -> bool:
         try:
@@ -478,24 +537,43 @@ class Drain:
         self._busy_keys.update(job.keys)
         return True
 
+    @contextmanager
+    def _cuttable(self, jobs: list[Job]) -> Iterator[None]:
+        """The jobs run in a scope that a preemption notice may cancel (_preempt_order)."""
+        job_ids = [(job.kind, job.ident) for job in jobs]
+        scope = trio.CancelScope()
+        if any(job_id in self._cut_at_start for job_id in job_ids):
+            scope.cancel()
+        for job_id in job_ids:
+            self._scopes[job_id] = scope
+        try:
+            with scope:
+                yield
+        finally:
+            for job_id in job_ids:
+                self._scopes.pop(job_id, None)
+                self._cut_at_start.discard(job_id)
+
     async def _run_job(self, job: Job, slots: trio.Semaphore) -> None:
         try:
-            await self._attempt(job)
+            with self._cuttable([job]):
+                await self._attempt(job)
         finally:
             self._settle([job], slots)
 
     async def _run_batch(self, jobs: list[Job], slots: trio.Semaphore) -> None:
         try:
-            try:
-                rest = await self.uploads.upload_small(jobs)
-            except Exception as exc:
-                if journal_unusable(exc):
-                    raise
-                for job in jobs:
-                    self.retries.failed_unexpectedly(job, exc)
-                return
-            for job in rest:
-                await self._attempt(job)
+            with self._cuttable(jobs):
+                try:
+                    rest = await self.uploads.upload_small(jobs)
+                except Exception as exc:
+                    if journal_unusable(exc):
+                        raise
+                    for job in jobs:
+                        self.retries.failed_unexpectedly(job, exc)
+                    return
+                for job in rest:
+                    await self._attempt(job)
         finally:
             self._settle(jobs, slots)
 

@@ -50,6 +50,19 @@ class DrainWork(PendingDeletes):
             (seq, after[0], after[1], limit),
         )
 
+    def work_before_under(self, seq: int, directory: str, limit: int) -> list[Inode]:
+        """work_before, of the work below the directory path `directory` only (a preemption: a step's
+        marker waits for its own step's files, not for older steps'; drain/preemption.py)."""
+        low, high = prefix_range(directory + "/")
+        return self._all(
+            f"SELECT {INODE_COLUMNS} FROM inodes WHERE seq < ? AND path >= ? AND path < ? AND id != 1 AND ("
+            " (state IN ('dirty', 'uploading') AND (kind != 'file' OR closed_at IS NOT NULL))"
+            " OR (state IN ('clean', 'remote') AND remote_key IS NOT NULL"
+            "     AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END))"
+            ") ORDER BY seq, id LIMIT ?",
+            (seq, low, high, limit),
+        )
+
     def closed_pending_after(self, seq: int, limit: int = 1000) -> list[Inode]:
         """Closed files not yet uploaded that became work after `seq` (gateway mode: a marker's check of
         files the server closed after the marker was written)."""
