@@ -9,11 +9,22 @@ FUSE, trio or cloud SDK module):
     ckptfs.status("/checkpoints")                                    # as `ckptfs status --json`
     ckptfs.wait_durable("/checkpoints", all_nodes=True)              # every node's files, too
     ckptfs.limit("/checkpoints", upload="200M")                      # cap the drain (until restart)
+    ckptfs.prefetch("/checkpoints/step_100", wait=True)              # warm this node's cache before a restore
 
 See docs/INTEGRATIONS.md for the few lines each training library needs.
 """
 
-from ckptfs.client import PruneResult, limit, pending_nodes, prune, refresh, status, unmount, wait_durable
+from ckptfs.client import (
+    PruneResult,
+    limit,
+    pending_nodes,
+    prefetch,
+    prune,
+    refresh,
+    status,
+    unmount,
+    wait_durable,
+)
 from ckptfs.errors import CkptfsError, DaemonError, NoDaemonError, NotDrainedError, NotDurableError, UsageError
 
 __version__ = "0.1.0"
@@ -28,6 +39,7 @@ __all__ = [
     "UsageError",
     "limit",
     "pending_nodes",
+    "prefetch",
     "prune",
     "refresh",
     "status",

@@ -1,4 +1,5 @@
-"""The answers to the control socket's requests (`ckptfs status|flush|limit|nodes|prune|refresh|restart|umount`).
+"""The answers to the control socket's requests (`ckptfs status|flush|limit|nodes|prefetch|prune|refresh|restart|
+umount`).
 
 ctl.py is the socket (who may connect, one JSON object per line); this module decides what each request
 does, through the parts of the mount it is given. What only the daemon's lifecycle can do (stop, restart,
@@ -17,6 +18,7 @@ import trio
 from ckptfs.config import parse_rate
 from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, UsageError
+from ckptfs.fetch.prefetch import Prefetcher
 from ckptfs.lister import DirLister
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
 from ckptfs.pruner import Pruner
@@ -53,7 +55,7 @@ class ControlRequests:
 
     def __init__(
         self, daemon: Lifecycle, drain: Drain, lister: DirLister, pruner: Pruner, *, cache_root: Path, node_id: str,
-        records: NodeRecords | None, peers: PeerRecords | None, bandwidth: Bandwidth,
+        records: NodeRecords | None, peers: PeerRecords | None, bandwidth: Bandwidth, prefetcher: Prefetcher,
     ) -> None:
         self.daemon = daemon
         self.drain = drain
@@ -64,6 +66,7 @@ class ControlRequests:
         self.records = records
         self.peers = peers
         self.bandwidth = bandwidth
+        self.prefetcher = prefetcher
 
     async def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         """The answer to one request of the control socket (ctl.serve calls this)."""
@@ -87,6 +90,8 @@ class ControlRequests:
             return self._limit(request)
         if op == "nodes":
             return await self._nodes(request)
+        if op == "prefetch":
+            return await self._prefetch(request)
         if op == "prune":
             keep_last = request.get("keep_last")
             if not isinstance(keep_last, int) or keep_last < 1:
@@ -133,6 +138,22 @@ class ControlRequests:
         for direction, rate in changes.items():
             self.bandwidth.direction(direction).set_runtime(rate)
         return {"ok": True, "limits": limits_json(*self.bandwidth.now())}
+
+    async def _prefetch(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`ckptfs prefetch`: fetch a path's files into the cache and keep them until read (fetch/prefetch.py);
+        `wait`: answer once done; `release`: let kept files under the path be evicted again instead."""
+        path = request.get("path")
+        if not isinstance(path, str):
+            return {"ok": False, "error": "prefetch needs a path inside the mount", "usage": True}
+        path = path.strip("/")
+        if request.get("release"):
+            return {"ok": True, "released": self.prefetcher.release(path)}
+        try:
+            job = await self.prefetcher.prefetch(path, wait=bool(request.get("wait")))
+        except UsageError as exc:
+            return {"ok": False, "error": str(exc), "usage": True}
+        reply = job.reply()
+        return {"ok": not job.failures, **reply}
 
     async def _flush_other_nodes(self, deadline: float) -> FlushResult:
         """After this node's flush: wait until every other node's work pending now is durable."""
