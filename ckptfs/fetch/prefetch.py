@@ -17,6 +17,7 @@ fetched to fetch the rest (an eviction storm). Clean files that are not kept may
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import trio
@@ -46,12 +47,15 @@ class PrefetchJob:
     fetched_files: int = 0
     fetched_bytes: int = 0
     failures: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0  # from the request to the last file fetched (once done)
 
     def reply(self) -> dict[str, object]:
         return {
             "path": self.path, "files": len(self.remote) + self.local, "already_local": self.local,
             "to_fetch_files": len(self.remote), "to_fetch_bytes": self.bytes_to_fetch,
             "fetched_files": self.fetched_files, "fetched_bytes": self.fetched_bytes, "done": self.done.is_set(),
+            "seconds": round(self.seconds, 3),
             "failed": self.failures[:FAILURES_NAMED], "failed_count": len(self.failures),
         }
 
@@ -131,9 +135,10 @@ class Prefetcher:
                 self.fetcher.prefetching.pop(inode.id, None)
                 self.evictor.kept.discard(inode.id)
             self.running.discard(job)
+            job.seconds = time.monotonic() - job.started
             job.done.set()
-        log.info("prefetched %s: %d files (%d bytes) fetched, %d failed", job.path or "/", job.fetched_files,
-                 job.fetched_bytes, len(job.failures))
+        log.info("prefetched %s: %d files (%d bytes) fetched in %.1f s, %d failed", job.path or "/",
+                 job.fetched_files, job.fetched_bytes, job.seconds, len(job.failures))
 
     async def _resolve(self, path: str) -> Inode:
         """The inode at mount-relative `path`, listing each directory on the way that is not listed yet."""
