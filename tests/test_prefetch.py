@@ -1,7 +1,8 @@
 """Prefetch (issue 44, part 4): `ckptfs prefetch MOUNTPOINT STEP` on a fresh node fetches the step's files into
 the cache and keeps them from eviction until they are read or released; a step the cache cannot hold is
 refused before a byte is fetched; and 100 processes that stat and open one checkpoint's files on a fresh
-node cost the store one listing per directory (counted at the store's door: a proxy in front of SeaweedFS)."""
+node, while launchers prefetch it, cost the store one listing per directory (counted at the store's door: a
+proxy in front of SeaweedFS)."""
 
 from __future__ import annotations
 
@@ -148,6 +149,17 @@ for path in files[rank % len(files):] + files[:rank % len(files)]:
         f.read(1)
 """
 RANKS = 100
+# A launcher that prefetches the checkpoint as the ranks start: its listings run beside theirs, not behind
+# the kernel's lock of a directory (which makes lookups in one directory take turns).
+PREFETCHER = """
+import os, sys, time
+import ckptfs
+go, step = sys.argv[1], sys.argv[2]
+while not os.path.exists(go):
+    time.sleep(0.005)
+ckptfs.prefetch(step, wait=True)
+"""
+PREFETCHERS = 4
 
 
 def test_a_hundred_ranks_opening_one_checkpoint_list_each_directory_once(
@@ -164,9 +176,12 @@ def test_a_hundred_ranks_opening_one_checkpoint_list_each_directory_once(
         go = node.root / "go"
         ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(go), str(rank), *(str(node.mnt / k) for k in keys)])
                  for rank in range(RANKS)]
+        step = str(node.mnt / "step_1000")
+        ranks += [subprocess.Popen([sys.executable, "-c", PREFETCHER, str(go), step], env=node.env)
+                  for _ in range(PREFETCHERS)]
         time.sleep(1)  # (not asserted on: most ranks are waiting for the signal by then, the rest join late)
         go.touch()
-        assert [rank.wait(timeout=300) for rank in ranks] == [0] * RANKS
+        assert [rank.wait(timeout=300) for rank in ranks] == [0] * (RANKS + PREFETCHERS)
         # A directory's listing: ListObjectsV2 with delimiter "/" (the start-up probe and the sweeps of ckptfs's
         # own hidden prefixes list without one).
         queries = [urllib.parse.parse_qs(urllib.parse.urlsplit(line.split()[1]).query)
@@ -175,3 +190,4 @@ def test_a_hundred_ranks_opening_one_checkpoint_list_each_directory_once(
                                        if query.get("list-type") == ["2"] and query.get("delimiter") == ["/"])
     assert set(listings) >= {"run-1/step_1000/", "run-1/step_1000/model/", "run-1/step_1000/optim/"}, listings
     assert max(listings.values()) <= 1, listings
+    assert node.status()["prefetch"]["files_prefetched"] >= len(keys)
