@@ -18,7 +18,6 @@ import trio
 from ckptfs.config import parse_rate
 from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, UsageError
-from ckptfs.fetch.prefetch import Prefetcher
 from ckptfs.lister import DirLister
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
 from ckptfs.pruner import Pruner
@@ -50,12 +49,26 @@ class Lifecycle(Protocol):
         ...
 
 
+class PrefetchRun(Protocol):
+    failures: list[str]
+
+    def reply(self) -> dict[str, object]: ...
+
+
+class Prefetching(Protocol):
+    """fetch.prefetch.Prefetcher, as `ckptfs prefetch` uses it."""
+
+    async def prefetch(self, path: str, *, wait: bool) -> PrefetchRun: ...
+
+    def release(self, path: str) -> int: ...
+
+
 class ControlRequests:
     """One mount's answers; `records` and `peers` are None without cross-node ordering."""
 
     def __init__(
         self, daemon: Lifecycle, drain: Drain, lister: DirLister, pruner: Pruner, *, cache_root: Path, node_id: str,
-        records: NodeRecords | None, peers: PeerRecords | None, bandwidth: Bandwidth, prefetcher: Prefetcher,
+        records: NodeRecords | None, peers: PeerRecords | None, bandwidth: Bandwidth, prefetcher: Prefetching,
     ) -> None:
         self.daemon = daemon
         self.drain = drain

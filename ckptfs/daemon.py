@@ -214,7 +214,7 @@ class Daemon:
         self.control = ControlRequests(self, self.drain, self.lister, self.pruner, cache_root=cache.root,
                                        node_id=self.node_id, records=self.records, peers=self.peers,
                                        bandwidth=engine.bandwidth,
-                                       prefetcher=Prefetcher(self.fetcher, self.lister))
+                                       prefetcher=Prefetcher(self.fetcher, self.lister.ensure))
         self.guarded, self.guard_why = guard.availability(config.guard_mountpoint)
         # The mount outliving this daemon (takeover.py): holder, systemd's store, the handles taken over.
         self.keeper = ConnectionKeeper(

@@ -1,7 +1,7 @@
 """Prefetch (`ckptfs prefetch MOUNTPOINT STEP`, ckptfs.prefetch()): warm this node's cache with the files
 under one path of the mount before a restart reads them, and keep them there until they are read.
 
-A prefetch lists the path's directories (through the DirLister: one listing per directory, shared with
+A prefetch lists the path's directories (through the daemon's DirLister: one listing per directory, shared with
 every lookup that needs it at the same time), checks that the cache can hold what it adds, then fetches
 its remote files whole with the Fetcher (many ranged GETs in flight per file, verified, adopted as clean
 cached files), FILES_AT_ONCE files at a time. Every file of the path is `kept` by the evictor from the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -27,7 +28,6 @@ from ckptfs.evict import HIGH_WATER, Evictor
 from ckptfs.evict import _size as _size
 from ckptfs.fetch.fetcher import Fetcher
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, Inode
-from ckptfs.lister import DirLister
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,15 @@ class PrefetchJob:
 
 
 class Prefetcher:
-    def __init__(self, fetcher: Fetcher, lister: DirLister) -> None:
+    def __init__(self, fetcher: Fetcher, ensure_listed: Callable[[int], Awaitable[None]]) -> None:
+        """`ensure_listed(dir inode id)`: returns once that directory's store entries are in the journal
+        (DirLister.ensure: one listing however many wait for it)."""
         assert fetcher.evictor is not None, "a prefetch needs the evictor: it keeps what it fetched"
         self.fetcher = fetcher
         self.evictor: Evictor = fetcher.evictor
         self.journal = fetcher.journal
         self.cache = fetcher.cache
-        self.lister = lister
+        self.ensure_listed = ensure_listed
         self.running: set[PrefetchJob] = set()
 
     async def prefetch(self, path: str, *, wait: bool) -> PrefetchJob:
@@ -148,7 +150,7 @@ class Prefetcher:
         for name in [part for part in path.split("/") if part]:
             if inode.kind != DIR:
                 raise UsageError(f"cannot prefetch {path}: {'/'.join(walked)} is not a directory")
-            await self.lister.ensure(inode.id)
+            await self.ensure_listed(inode.id)
             child = self.journal.lookup(inode.id, name)
             walked.append(name)
             if child is None:
@@ -165,7 +167,7 @@ class Prefetcher:
         directories = [top] if top.kind == DIR else []
         while directories:
             directory = directories.pop()
-            await self.lister.ensure(directory.id)
+            await self.ensure_listed(directory.id)
             for child in self.journal.all_children(directory.id):
                 if child.kind == DIR:
                     directories.append(child)
