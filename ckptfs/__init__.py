@@ -10,6 +10,7 @@ FUSE, trio or cloud SDK module):
     ckptfs.wait_durable("/checkpoints", all_nodes=True)              # every node's files, too
     ckptfs.limit("/checkpoints", upload="200M")                      # cap the drain (until restart)
     ckptfs.preempt("/checkpoints", deadline=30)                      # newest complete step first; a report
+    ckptfs.prefetch("/checkpoints/step_100", wait=True)              # warm this node's cache before a restore
 
 See docs/INTEGRATIONS.md for the few lines each training library needs.
 """
@@ -19,6 +20,7 @@ from ckptfs.client import (
     limit,
     pending_nodes,
     preempt,
+    prefetch,
     prune,
     refresh,
     status,
@@ -40,6 +42,7 @@ __all__ = [
     "limit",
     "pending_nodes",
     "preempt",
+    "prefetch",
     "prune",
     "refresh",
     "status",

@@ -184,6 +184,15 @@ def _parser() -> argparse.ArgumentParser:
     preempt.add_argument("--no-wait", dest="wait", action="store_false", help="return at once, not with the report")
     preempt.add_argument("--json", action="store_true")
     preempt.add_argument("--config", type=Path, help="take the mountpoint from this file")
+    prefetch = sub.add_parser("prefetch", help="fetch a checkpoint's files into this node's cache before a restart"
+                              " reads them; they stay until read once or released")
+    prefetch.add_argument("mountpoint", type=Path, help=MOUNTPOINT_HELP)
+    prefetch.add_argument("step", nargs="?", help="a directory or file under the mount (relative to it, or"
+                          " absolute); with --release, default the whole mount")
+    prefetch.add_argument("--wait", action="store_true", help="return once every file is in the cache")
+    prefetch.add_argument("--release", action="store_true", help="fetch nothing; let the prefetched files not"
+                          " read yet be evicted again")
+    prefetch.add_argument("--json", action="store_true")
 
     nodes = sub.add_parser("nodes", help="the nodes whose work on this prefix is not durable yet (cross-node"
                            " ordering of commit markers); --forget gives up on a node lost for good")
@@ -542,6 +551,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     credentials = status.get("credentials")
     if credentials:
         print(f"credential {_credential_text(credentials)}")
+    prefetched = status.get("prefetch")
+    if prefetched and (prefetched["files_prefetched"] or prefetched["files_pending"] or prefetched["files_kept"]):
+        print(f"prefetch   {prefetched['files_prefetched']} files ({_human_bytes(prefetched['bytes_prefetched'])})"
+              f" fetched; {prefetched['files_pending']} pending ({_human_bytes(prefetched['bytes_pending'])} to go);"
+              f" {prefetched['files_kept']} kept until read ({_human_bytes(prefetched['bytes_kept'])});"
+              f" {prefetched['failures']} failed")
     reads = status.get("reads")
     if reads is not None:
         print(f"reads      {_human_bytes(reads['bytes_downloaded'])} downloaded in {reads['chunks_fetched']} chunks;"
@@ -639,6 +654,22 @@ def cmd_preempt(args: argparse.Namespace) -> int:
             print("no step had work pending")
     newest = next((s for s in report["steps"] if s["complete"]), None)
     return EXIT_NOT_DURABLE if newest is not None and not newest["durable"] else 0
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    if args.step is None and not args.release:
+        raise UsageError("name what to prefetch: ckptfs prefetch MOUNTPOINT STEP (a directory or file in the mount)")
+    reply = client.prefetch(args.step or args.mountpoint, mountpoint=args.mountpoint, wait=args.wait,
+                            release=args.release)
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    elif args.release:
+        print(f"released {reply['released']} prefetched files")
+    else:
+        fetched = (f"fetched {reply['fetched_files']} files ({_human_bytes(reply['fetched_bytes'])})" if args.wait
+                   else f"fetching {reply['to_fetch_files']} files ({_human_bytes(reply['to_fetch_bytes'])}); ckptfs"
+                   " status shows the progress")
+        print(f"{reply['path'] or '/'}: {reply['files']} files, {reply['already_local']} in the cache already;"
+              f" {fetched}")
+    return 0
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
@@ -720,6 +751,7 @@ COMMANDS = {
     "status": cmd_status, "flush": cmd_flush, "refresh": cmd_refresh,
     "prune": cmd_prune, "nodes": cmd_nodes, "guard": cmd_guard, "unguard": cmd_unguard, "limit": cmd_limit,
     "preempt": cmd_preempt,
+    "prefetch": cmd_prefetch,
 }
 
 

@@ -262,6 +262,48 @@ def refresh(mountpoint: StrPath) -> None:
     _checked(call(mountpoint, {"op": "refresh"}, timeout=300), "refresh")
 
 
+
+def prefetch(
+    path: StrPath, *, mountpoint: StrPath | None = None, wait: bool = False, release: bool = False,
+) -> dict[str, Any]:
+    """Warm this node's cache with the files under `path` (a step's directory or one file) before they are
+    read: many ranged GETs at once per file. They are kept from eviction until a process opens them (read
+    once) or a release. `path`: inside a ckptfs mount (absolute, or relative to `mountpoint`); `mountpoint`:
+    default the ckptfs mount that holds `path`. `wait`: return once every file is in the cache (else at
+    once, the fetch going on in the daemon; `status()["prefetch"]` shows its progress). `release`: fetch
+    nothing, let the kept files under `path` be evicted again. Returns the daemon's answer: "files",
+    "to_fetch_files", "to_fetch_bytes", "fetched_files", "fetched_bytes", "failed" (or "released").
+    Raises UsageError if the path is not in the mount or the cache cannot hold its files (nothing is
+    fetched then), DaemonError naming the files that could not be fetched."""
+    if mountpoint is None:
+        mountpoint = _ckptfs_mount_of(path)
+    [relative] = mount_relative_paths(mountpoint, [path])
+    request: dict[str, Any] = {"op": "prefetch", "path": relative, "wait": wait, "release": release}
+    # Without `wait` the daemon answers once the path is listed and its room checked.
+    reply = call(mountpoint, request, timeout=None if wait else 300.0)
+    if not reply.get("ok") and reply.get("usage"):
+        raise UsageError(reply["error"])
+    if not reply.get("ok") and reply.get("failed_count"):
+        raise DaemonError(f"prefetch of {relative or '/'}: {reply['failed_count']} files could not be fetched: "
+                          + "; ".join(reply["failed"]))
+    reply = _checked(reply, "prefetch")
+    reply.pop("ok")
+    return reply
+
+
+def _ckptfs_mount_of(path: StrPath) -> Path:
+    """The innermost FUSE mount that holds `path` (from /proc/self/mountinfo: nothing in a mount is stat'ed)."""
+    absolute = canonical_mountpoint(path)
+    best: Path | None = None
+    for mounted in _fuse_mountpoints():
+        inside = absolute == mounted or mounted in absolute.parents
+        if inside and (best is None or len(mounted.parts) > len(best.parts)):
+            best = mounted
+    if best is None:
+        raise UsageError(f"{path} is not inside a ckptfs mount; give the mountpoint (mountpoint=...)")
+    return best
+
+
 @dataclass(frozen=True)
 class PruneResult:
     deleted: list[str]
@@ -319,20 +361,26 @@ def restart(mountpoint: StrPath, *, timeout: float = 120.0) -> int:
 def _fuse_mounted(mountpoint: Path) -> bool:
     """Whether a FUSE filesystem is mounted exactly at `mountpoint`, from /proc/self/mountinfo (never a
     stat of the mount itself, which could hang)."""
-    escaped = str(mountpoint)
-    for char, code in (("\\", "\\134"), (" ", "\\040"), ("\t", "\\011"), ("\n", "\\012")):
-        escaped = escaped.replace(char, code)
+    return mountpoint in _fuse_mountpoints()
+
+
+def _fuse_mountpoints() -> list[Path]:
+    """Where FUSE filesystems are mounted, from /proc/self/mountinfo."""
+    found = []
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
             for line in f:
                 fields, _, tail = line.partition(" - ")
                 parts = fields.split()
                 fstype = tail.split(" ", 1)[0]
-                if len(parts) > 4 and parts[4] == escaped and fstype.split(".")[0] in ("fuse", "fuseblk"):
-                    return True
+                if len(parts) > 4 and fstype.split(".")[0] in ("fuse", "fuseblk"):
+                    where = parts[4]
+                    for char, code in (("\t", "\\011"), ("\n", "\\012"), (" ", "\\040"), ("\\", "\\134")):
+                        where = where.replace(code, char)
+                    found.append(Path(where))
     except OSError:
-        return False
-    return False
+        return []
+    return found
 
 
 def unmount(mountpoint: StrPath, *, timeout: float | None = None) -> None:

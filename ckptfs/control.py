@@ -1,5 +1,5 @@
-"""The answers to the control socket's requests (`ckptfs status|flush|limit|nodes|preempt|prune|refresh|restart|
-umount`).
+"""The answers to the control socket's requests (`ckptfs status|flush|limit|nodes|preempt|prefetch|prune|refresh|
+restart|umount`).
 
 ctl.py is the socket (who may connect, one JSON object per line); this module decides what each request
 does, through the parts of the mount it is given. What only the daemon's lifecycle can do (stop, restart,
@@ -50,12 +50,27 @@ class Lifecycle(Protocol):
         ...
 
 
+class PrefetchRun(Protocol):
+    failures: list[str]
+
+    def reply(self) -> dict[str, object]: ...
+
+
+class Prefetching(Protocol):
+    """fetch.prefetch.Prefetcher, as `ckptfs prefetch` uses it."""
+
+    async def prefetch(self, path: str, *, wait: bool) -> PrefetchRun: ...
+
+    def release(self, path: str) -> int: ...
+
+
 class ControlRequests:
     """One mount's answers; `records` and `peers` are None without cross-node ordering."""
 
     def __init__(
         self, daemon: Lifecycle, drain: Drain, lister: DirLister, pruner: Pruner, *, cache_root: Path, node_id: str,
         records: NodeRecords | None, peers: PeerRecords | None, bandwidth: Bandwidth, preempter: Preempter,
+        prefetcher: Prefetching,
     ) -> None:
         self.daemon = daemon
         self.drain = drain
@@ -67,6 +82,7 @@ class ControlRequests:
         self.peers = peers
         self.bandwidth = bandwidth
         self.preempter = preempter
+        self.prefetcher = prefetcher
 
     async def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         """The answer to one request of the control socket (ctl.serve calls this)."""
@@ -92,6 +108,8 @@ class ControlRequests:
             return await self._preempt(request)
         if op == "nodes":
             return await self._nodes(request)
+        if op == "prefetch":
+            return await self._prefetch(request)
         if op == "prune":
             keep_last = request.get("keep_last")
             if not isinstance(keep_last, int) or keep_last < 1:
@@ -152,6 +170,21 @@ class ControlRequests:
             return {"ok": True, "report": None, "report_path": str(self.preempter.report_path)}
         report = await self.preempter.wait_report()
         return {"ok": True, "report": report, "report_path": str(self.preempter.report_path)}
+    async def _prefetch(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`ckptfs prefetch`: fetch a path's files into the cache and keep them until read (fetch/prefetch.py);
+        `wait`: answer once done; `release`: let kept files under the path be evicted again instead."""
+        path = request.get("path")
+        if not isinstance(path, str):
+            return {"ok": False, "error": "prefetch needs a path inside the mount", "usage": True}
+        path = path.strip("/")
+        if request.get("release"):
+            return {"ok": True, "released": self.prefetcher.release(path)}
+        try:
+            job = await self.prefetcher.prefetch(path, wait=bool(request.get("wait")))
+        except UsageError as exc:
+            return {"ok": False, "error": str(exc), "usage": True}
+        reply = job.reply()
+        return {"ok": not job.failures, **reply}
 
     async def _flush_other_nodes(self, deadline: float) -> FlushResult:
         """After this node's flush: wait until every other node's work pending now is durable."""

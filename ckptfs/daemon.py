@@ -39,6 +39,7 @@ from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, Faults
 from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
+from ckptfs.fetch.prefetch import Prefetcher
 from ckptfs.fs import Filesystem, probe_passthrough
 from ckptfs.fuse_ops import (
     FuseOperations,
@@ -219,7 +220,8 @@ class Daemon:
         self.fuse_ops: FuseOperations | None = None
         self.control = ControlRequests(self, self.drain, self.lister, self.pruner, cache_root=cache.root,
                                        node_id=self.node_id, records=self.records, peers=self.peers,
-                                       bandwidth=engine.bandwidth, preempter=self.preempter)
+                                       bandwidth=engine.bandwidth, preempter=self.preempter,
+                                       prefetcher=Prefetcher(self.fetcher, self.lister.ensure))
         self.guarded, self.guard_why = guard.availability(config.guard_mountpoint)
         # The mount outliving this daemon (takeover.py): holder, systemd's store, the handles taken over.
         self.keeper = ConnectionKeeper(

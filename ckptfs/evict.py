@@ -13,6 +13,8 @@ The files that were open for writing at such a death are watched (a stat a round
 unchanged for STALE_QUIET, so that what such handles write later is uploaded too.
 Partial files of remote objects (fetch/) count against the budget too: those no handle has open are
 dropped like clean files, and chunks of open ones that no reader is near are punched out.
+Files a prefetch brought in (fetch/prefetch.py) are `kept`: never evicted until a handle opens them (a
+restart reads them) or `ckptfs prefetch --release` lets them go.
 Everything here runs in the trio thread; eviction itself is a journal update and an unlink.
 """
 
@@ -110,6 +112,9 @@ class Evictor:
         # kernel kept after a daemon died may still change (journal.stale_writers, set by recovery.py).
         self.stale: dict[int, float] = {}
         self._warned_stale: set[int] = set()
+        # Files a prefetch wants in the cache until they are read (fetch/prefetch.py): never evicted. An open
+        # takes a file out (touch); so do a release, a removal (forget) and the daemon's end (not journaled).
+        self.kept: set[int] = set()
 
     def start(self, atimes: dict[int, float]) -> None:
         """Seed the LRU order with the data files' access times (from CacheDir.scan at start-up)."""
@@ -117,11 +122,16 @@ class Evictor:
         self.last_used = {inode_id: atime + offset for inode_id, atime in atimes.items()}
         self.stale = self.journal.stale_writers()
 
-    def touch(self, inode_id: int) -> None:
+    def touch(self, inode_id: int, *, opened: bool = True) -> None:
+        """The file was used now (LRU). `opened`: a handle opened or closed it, which ends a prefetch's
+        keep: it was read once, and from now on it leaves the cache like any other file."""
         self.last_used[inode_id] = time.monotonic()
+        if opened:
+            self.kept.discard(inode_id)
 
     def forget(self, inode_id: int) -> None:
         self.last_used.pop(inode_id, None)
+        self.kept.discard(inode_id)
 
     @property
     def waiting(self) -> int:
@@ -247,7 +257,7 @@ class Evictor:
             if inode_id in partial and self.partials is not None:
                 freed += self.partials.drop(inode_id)
                 continue
-            if self.in_use(inode_id) or inode_id in self.stale:
+            if self.in_use(inode_id) or inode_id in self.stale or inode_id in self.kept:
                 continue
             try:
                 freed += self._evict_one(inode_id)
@@ -260,7 +270,7 @@ class Evictor:
     def evict_if_clean(self, inode_id: int) -> None:
         """Evict this file now if it is clean and closed (a spilled file once its upload completed:
         its start is punched out, so only the store's copy is whole)."""
-        if not self.in_use(inode_id):
+        if not self.in_use(inode_id) and inode_id not in self.kept:
             with contextlib.suppress(JournalFull):  # the LRU rounds evict it later
                 self._evict_one(inode_id)
 

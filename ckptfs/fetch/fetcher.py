@@ -8,8 +8,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -50,6 +51,14 @@ class FetchStats:
     readers_waiting: int = 0  # reads blocked on a chunk now
     partial_files: int = 0  # remote files with a partial file in the cache now
     partial_bytes: int = 0  # bytes of chunks present or in flight now
+    # Prefetch (fetch/prefetch.py): counters since start, and gauges of now.
+    prefetched_files: int = 0
+    prefetched_bytes: int = 0
+    prefetch_failures: int = 0  # files a prefetch could not fetch
+    prefetch_pending_files: int = 0
+    prefetch_pending_bytes: int = 0  # of those files, bytes not in the cache yet
+    kept_files: int = 0  # prefetched, not read yet: kept from eviction
+    kept_bytes: int = 0
 
 
 class Fetcher:
@@ -64,6 +73,8 @@ class Fetcher:
         self._nursery: trio.Nursery | None = None
         self.stats = FetchStats()
         self.partials = PartialFiles(cache, self.stats)
+        # Remote files a prefetch is fetching now: inode id -> size (fetch/prefetch.py fills it).
+        self.prefetching: dict[int, int] = {}
         if evictor is not None:
             evictor.partials = self.partials
 
@@ -77,10 +88,29 @@ class Fetcher:
         finally:
             self._nursery = None
 
+    def start_soon(self, fn: Callable[..., Awaitable[None]], *args: Any) -> bool:
+        """Run `fn(*args)` in the service's nursery (work that outlives the request that asked for it);
+        False if the service is not running."""
+        if self._nursery is None:
+            return False
+        self._nursery.start_soon(fn, *args)
+        return True
+
     def statistics(self) -> FetchStats:
-        self.stats.partial_files = len(self.partials.all)
-        self.stats.partial_bytes = self.partials.bytes_charged()
-        return self.stats
+        stats = self.stats
+        stats.partial_files = len(self.partials.all)
+        stats.partial_bytes = self.partials.bytes_charged()
+        stats.prefetch_pending_files = len(self.prefetching)
+        pending = 0
+        for inode_id, size in self.prefetching.items():
+            stream = self.partials.streams.get(inode_id)
+            present = 0 if stream is None or stream.complete else sum(stream.chunk_range(i)[1] for i in stream.present)
+            pending += max(0, size - present)
+        stats.prefetch_pending_bytes = pending
+        kept = self.evictor.kept if self.evictor is not None else set()
+        stats.kept_files = len(kept)
+        stats.kept_bytes = sum(entry.charge for entry in map(self.cache.files.get, kept) if entry is not None)
+        return stats
 
     # -- opening --------------------------------------------------------------------------------------
 
@@ -406,7 +436,7 @@ class Fetcher:
             log.warning("cannot keep the fetched %s in the cache: the cache filesystem is full", stream.key)
         else:
             if self.evictor is not None:
-                self.evictor.touch(stream.inode_id)
+                self.evictor.touch(stream.inode_id, opened=False)  # a prefetch's keep lasts until an open
             self.stats.files_verified += 1
         if not stream.inflight:
             close_stream(stream)
