@@ -9,8 +9,9 @@ room, up to `dirty_wait`, then fails with ENOSPC. While writers wait it asks the
 An evicted file keeps its inode and becomes 'remote': the next read fetches what it needs (fetch/). A clean
 file whose cache file no longer matches the journal's record (written through a handle the kernel kept
 after an earlier daemon died without a takeover) is never evicted: it becomes dirty and is uploaded again.
-The files that were open for writing at such a death are watched (a stat a round) until they have been
-unchanged for STALE_QUIET, so that what such handles write later is uploaded too.
+The files that were open for writing at such a death are watched (a stat a round) until nothing holds
+their cache file open any more, or they have been unchanged for STALE_QUIET, so that what such handles
+write later is uploaded too; a watched file is never evicted.
 Partial files of remote objects (fetch/) count against the budget too: those no handle has open are
 dropped like clean files, and chunks of open ones that no reader is near are punched out.
 Files a prefetch brought in (fetch/prefetch.py) are `kept`: never evicted until a handle opens them (a
@@ -22,8 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +55,34 @@ SQUEEZE_LOG_INTERVAL = 600.0
 # A file left open for writing by a daemon that died without a takeover is watched until its cache file has
 # been unchanged this long (seconds): a job whose mount went away stops writing soon after.
 STALE_QUIET = 600.0
+
+
+def held_open_elsewhere(path: str) -> bool:
+    """Is the file open anywhere but here: by a process, or by the kernel for a writer's handle it kept after
+    a daemon died (FUSE passthrough's backing file)? A write lease is granted only to a file's one opener
+    (fcntl(2), F_SETLEASE), so it is taken and let go at once. A lease is broken with SIGIO to its holder,
+    whose default action ends the process: an open that comes in the moment it is held must not, so SIGIO
+    is ignored (this process uses no signal-driven I/O). Unknown (leases off, not the main thread) counts as
+    held."""
+    if threading.current_thread() is not threading.main_thread():
+        return True
+    if signal.getsignal(signal.SIGIO) is not signal.SIG_IGN:
+        signal.signal(signal.SIGIO, signal.SIG_IGN)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except OSError:
+        return True
+    else:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return False
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -208,7 +240,11 @@ class Evictor:
                     changed = self._rewritten_behind(inode, st, now)
                 except JournalFull:
                     continue  # the next round tries again: this task must not die of a full cache filesystem
-                if changed:
+                if not held_open_elsewhere(self.cache.data_path(inode_id)):
+                    # Its writer is gone (nothing holds the cache file open any more): what it wrote is
+                    # journaled above, and nothing can write it behind the journal again.
+                    del self.stale[inode_id]
+                elif changed:
                     self.stale[inode_id] = now
                 elif now - quiet_since >= STALE_QUIET:
                     del self.stale[inode_id]

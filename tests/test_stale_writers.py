@@ -148,6 +148,31 @@ async def test_the_watch_uploads_later_writes_then_lets_the_file_go(tmp_path: Pa
     check_consistency(after)
 
 
+async def test_the_watch_lets_a_file_go_once_nothing_holds_it_open(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """A watched file whose writer is gone (nothing holds its cache file open any more) leaves the watch at
+    the next round, not STALE_QUIET later, and can be evicted. The crash harness (SeaweedFS, a kill mid-spill
+    with the cache full: seeds 108 and 4414) found a restarted daemon whose one clean file, watched, filled
+    the cache: a read of a remote file waited dirty_wait for room, then failed with ENOSPC."""
+    stack = make_stack(tmp_path, cache_size=1000 * KIB)
+    ino = await _uploaded_clean_file(stack, nursery, b"a" * (300 * KIB))
+    fh = await stack.fs.open(ino, os.O_WRONLY)  # the handle the kernel kept when this daemon died
+    after = make_stack(tmp_path, cache_size=1000 * KIB)
+    repair_journal(after.journal, after.cache, time.time())
+    after.cache.scan()
+    after.fs.evictor.start({})
+    await nursery.start(after.drain.run)
+    await after.flush()
+    now = time.time()
+    after.fs.evictor.watch_stale_writers(now)
+    assert ino in after.fs.evictor.stale and after.fs.evictor.evict(10 * KIB) == 0  # held open: watched
+    os.close(stack.fs.handles[fh].fd)  # the writer goes away (its process ends: nothing releases it here)
+    after.fs.evictor.watch_stale_writers(now + 1)
+    assert after.fs.evictor.stale == {} and after.journal.stale_writers() == {}
+    assert after.fs.evictor.evict(10 * KIB) > 0
+    assert after.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+    check_consistency(after)
+
+
 # -- through a real mount --------------------------------------------------------------------------------
 
 
