@@ -18,4 +18,11 @@ class DrainStats:
     errors_by_job: dict[str, int] = field(default_factory=dict)
     last_error: str | None = None
     last_error_at: float | None = None
+    # Rounds whose scan and dispatch are done, the wall time the last of them began its scan, and whether the
+    # drain now waits for work with nothing notified since that scan began. Whoever must show that something
+    # did NOT happen (a test's "the marker is held back") waits for these instead of sleeping: a round that
+    # began after the point of interest, then idle, means the drain had its chance.
+    scans: int = 0
+    last_scan_at: float | None = None
+    idle: bool = False
 
