@@ -253,6 +253,7 @@ class Drain:
             self.stats.scans += 1
             self.stats.last_scan_at = scan_began
             self.stats.idle = not self._new_work.is_set()
+            self.stats.next_scan_at = None if next_due == math.inf else self.clock() + next_due - trio.current_time()
             try:
                 with trio.move_on_at(next_due):
                     await self._new_work.wait()
