@@ -404,12 +404,14 @@ def test_access_denied_mid_multipart_resumes_after_heal(s3_mount, seaweedfs_s3: 
     access is back it continues from the parts already there and completes."""
     m = s3_mount("--part-size", "5M")
     m.allowed_log_words.append("AccessDenied")
-    proxy.set_rules(Rule("error", match=r"^PUT \S+partNumber=([3-9]|\d\d) ", status=403, code="AccessDenied",
-                         message="Access Denied"))
+    denied = Rule("error", match=r"^PUT \S+partNumber=([3-9]|\d\d) ", status=403, code="AccessDenied",
+                  message="Access Denied")
+    proxy.set_rules(denied)
     data = os.urandom(30 * MiB)  # parts 1 and 2 go through, 3 to 6 are denied
     (m.mnt / "big.bin").write_bytes(data)
     wait_until(lambda: "AccessDenied" in (m.status()["last_error"] or ""),
                timeout=30, what="the error to show in status")
+    assert denied.fired > 0
     assert _state(m.mnt / "big.bin") in ("dirty", "uploading")
     assert _objects(seaweedfs_s3, bucket) == {}
     proxy.heal()
@@ -465,6 +467,7 @@ def test_rename_during_multipart_upload(s3_mount, seaweedfs_s3: S3Server, proxy:
         proxy.heal()
         time.sleep(0.2)
     assert watcher.scans > 10
+    assert proxy.seen(r"^PUT \S+/ckpt/big\.bin\?\S*partNumber=", "stall") > 0, "no part of the old name was stalled"
     assert "ckpt/big.bin" not in watcher.seen, "the object appeared under its old name"
     assert _objects(seaweedfs_s3, bucket) == {"ckpt/": b"", "ckpt/final.bin": data}
     assert _multipart_uploads(seaweedfs_s3, bucket) == []
@@ -498,6 +501,7 @@ def test_dcp_save_through_faults_and_load_on_fresh_mount(s3_mount, seaweedfs_s3:
     assert ".metadata" in names and len(distcp) >= 3, names
     m.flush(timeout=120)
     proxy.heal()
+    assert sum(proxy.injected.values()) > 0, "no fault was injected"
     stored = _objects(seaweedfs_s3, bucket)
     for name in names:
         assert stored[f"dcp/step-7/{name}"] == (ckpt / name).read_bytes(), name
@@ -529,13 +533,17 @@ def test_fresh_mount_reads_through_throttling(s3_mount, seaweedfs_s3: S3Server, 
     assert m.umount().returncode == 0
     fresh = s3_mount("--part-size", "5M", name="fresh")
     fresh.allowed_log_words += ["cannot fetch", "fetch of model.bin failed"]
-    proxy.set_rules(Rule("slowdown", match=r"^GET /\S+/model\.bin ", count=2))
+    throttled = Rule("slowdown", match=r"^GET /\S+/model\.bin ", count=2)
+    proxy.set_rules(throttled)
     assert (fresh.mnt / "model.bin").read_bytes() == data
+    assert throttled.fired == 2, "the reads were not throttled"
 
 
 def test_mount_rides_out_throttling_at_start(s3_mount, proxy: FaultProxy) -> None:
-    proxy.set_rules(Rule("slowdown", match=r"^GET \S+list-type=2", count=2))
+    throttled = Rule("slowdown", match=r"^GET \S+list-type=2", count=2)
+    proxy.set_rules(throttled)
     m = s3_mount()
+    assert throttled.fired == 2, "the start's listings were not throttled"
     (m.mnt / "a").write_bytes(b"a")
     m.flush(timeout=30)
 
@@ -640,10 +648,12 @@ def test_an_upload_marker_whose_write_lost_its_answer_is_swept_at_the_flush(
     wrote another marker, and nothing said the first was left behind, so no sweep ran and a flush left it in
     the store (crash harness, SeaweedFS with lost answers, seed 9442 round 29). Now the store says so."""
     # Both tries of the SDK (it sends a request once more itself) lose their answers.
-    proxy.set_rules(Rule("lost_response", match=r"^PUT \S+ckptfs-tmp\.uploads", count=2))
+    lost = Rule("lost_response", match=r"^PUT \S+ckptfs-tmp\.uploads", count=2)
+    proxy.set_rules(lost)
     store = S3Store(bucket, PREFIX.rstrip("/"), endpoint_url=proxy.endpoint, owner="o")
     with pytest.raises(BackendError):
         store.open_upload("a.bin", None, None)
+    assert lost.fired == 2
     markers = [key for key in _keys(seaweedfs_s3, bucket) if ".ckptfs-tmp.uploads/o/" in key]
     assert len(markers) == 1, markers  # written, though the client never heard so
     assert store.left_behind  # so the engine sweeps (Leftovers.due), at the latest at the next flush
