@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import trio
 from fsharness import GID, UID, Stack, make_stack
-from waiting import until
+from waiting import drain_had_its_chance, until
 
 from ckptfs.errors import BackendError, TransientBackendError
 from ckptfs.journal import ROOT_ID
@@ -78,9 +79,10 @@ async def test_a_marker_waits_for_the_files_another_node_closed_before_it(
     assert b.pending_records(), "the record is in the store before open() returns"
     # The barrier; then node A writes its shard and the marker.
     await a.close_file("step_1/shard_a", b"a" * 1000)
+    since = time.time()
     await a.close_file("step_1/.metadata", b"meta")
     await until(lambda: "step_1/shard_a" in a.stack.store_files())
-    await trio.sleep(0.5)
+    await drain_had_its_chance(a.stack.drain, since=since, what="upload the marker before node B's shard")
     assert "step_1/.metadata" not in a.stack.store_files()
     [waiting] = a.peers.waiting_markers()
     assert waiting["path"] == "step_1/.metadata" and waiting["nodes"] == ["node-b"]
@@ -142,8 +144,9 @@ async def test_a_forgotten_node_holds_the_markers_that_waited_for_it(
     await b.close_file("step_1.shard_b", b"b")
     await a.close_file("latest", b"step_1")
     await until(lambda: bool(a.peers.waiting_markers()) and bool(a.peers.waiting_markers()[0]["nodes"]))
+    since = time.time()
     assert await a.peers.forget("node-b") == 1
-    await trio.sleep(0.5)
+    await drain_had_its_chance(a.stack.drain, since=since, what="upload the marker the forgotten node held")
     assert "latest" not in a.stack.store_files()
     [held] = a.peers.waiting_markers()
     assert held["held_by"] == ["node-b"]
@@ -261,8 +264,9 @@ async def test_a_marker_waits_for_a_directory_renamed_into_place_on_another_node
     moved = b.stack.fs.rename(ROOT_ID, b"tmp_b", ROOT_ID, b"step_1_b", 0)
     assert moved is not None
     await b.stack.fs.announce(*moved)
+    since = time.time()
     await a.close_file("latest", b"step_1")
-    await trio.sleep(0.5)
+    await drain_had_its_chance(a.stack.drain, since=since, what="upload the marker before the renamed directory")
     assert "latest" not in a.stack.store_files()
     await nursery.start(b.stack.drain.run)
     await until(lambda: "latest" in a.stack.store_files())
