@@ -979,3 +979,23 @@ async def test_a_delete_that_completes_while_its_directory_is_listed_brings_noth
     await stack.fs.prepare_rmdir(ROOT_ID, b"ckpt")
     stack.fs.rmdir(ROOT_ID, b"ckpt")  # before: ENOTEMPTY, x listed back as a remote file
     assert stack.journal.by_path("ckpt/x") is None
+
+
+async def test_a_deferred_delete_waits_its_turn_instead_of_spinning(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """The delete of a removed file's object waits (defers itself) while a new file of that name is to replace
+    it. The deferral was taken for the job's success, which forgot its retry time: the delete ran again at
+    every scan, and the drain rescanned 50 times a second, never idle, for as long as the new file waited (seen
+    as a drain that never went idle while the store refused uploads, test_s3_faults)."""
+    stack = make_stack(tmp_path, upload_delay=3600)
+    await nursery.start(stack.drain.run)
+    stack.write_file("a", b"old")
+    await stack.flush()
+    stack.fs.unlink(ROOT_ID, b"a")
+    since = time.time()
+    stack.write_file("a", b"new")  # waits out upload_delay: the old object stays until it replaces it
+    await drain_had_its_chance(stack.drain, since=since, what="defer the delete of the old a, then wait", seconds=10)
+    assert stack.drain.stats.next_scan_at is not None, "the delete's next try is a timed scan"
+    assert stack.store_files() == {"a": b"old"}
+    await stack.flush()
+    assert stack.store_files() == {"a": b"new"}
+    check_consistency(stack)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from fsharness import Stack, check_consistency, make_stack
 from waiting import until
 
@@ -160,7 +161,7 @@ async def test_a_walk_is_listed_one_directory_ahead(tmp_path: Path, counted: Cal
     stack, lister, ids = await _listed_root_of_dirs(tmp_path, 4)
     counts = counted(stack)
     await stack.fs.ensure_listed(ids[0])
-    await trio.sleep(0.2)
+    await trio.testing.wait_all_tasks_blocked()  # whatever runs without the lister's task had its chance
     assert counts.list_dir == 1 and ids[1] not in stack.journal.listed_dirs()
     async with trio.open_nursery() as nursery:
         await nursery.start(lister.run)

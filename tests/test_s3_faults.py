@@ -22,7 +22,7 @@ import pytest
 from conftest import Mount
 from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
 from faultproxy import FaultProxy, Rule
-from waiting import wait_until
+from waiting import mount_drain_had_its_chance, wait_until
 
 from ckptfs.backends.s3 import S3Store
 from ckptfs.errors import BackendError
@@ -378,9 +378,10 @@ def test_permanent_error_keeps_data_dirty_until_healed(s3_mount, seaweedfs_s3: S
     (m.mnt / "gone.bin").unlink()
     assert sorted(os.listdir(m.mnt)) == ["big.bin", "more.bin", "renamed.bin"]
     assert (m.mnt / "renamed.bin").read_bytes() == small
+    since = time.time()
     result = m.cli("flush", str(m.mnt), "--timeout", "2", timeout=60)
     assert result.returncode != 0, "flush claimed durability while every PUT was denied"
-    time.sleep(1)
+    mount_drain_had_its_chance(m.status, since=since, what="upload anything while every PUT is denied")
     assert _objects(seaweedfs_s3, bucket) == {}
     for name in ("big.bin", "more.bin", "renamed.bin"):
         assert _state(m.mnt / name) in ("dirty", "uploading"), name
