@@ -193,6 +193,8 @@ def status_json(stats: MountStats) -> dict[str, Any]:
             "deletes": stats.deletes_pending,
             "in_flight": stats.in_flight,
         },
+        "drain": {"scans": drain.scans, "last_scan_at": drain.last_scan_at, "idle": drain.idle,
+                  "next_scan_at": drain.next_scan_at},
         "oldest_dirty_age_seconds": round(stats.taken_at - oldest, 1) if oldest else None,
         "open_for_write": stats.open_for_write,
         "nodes": _nodes_json(stats.nodes),

@@ -227,8 +227,11 @@ class Mount:
                 time.sleep(0.02)
 
     def kill9(self) -> None:
-        """The daemon dies and its mount with it (its holder first, so no daemon takes the mount over)."""
+        """The daemon dies and its mount with it (its holder first, so no daemon takes the mount over). It is
+        stopped (SIGSTOP) before anything else: what it had done at the call is what it did, however long the
+        holder takes to go (before, an upload went on and could finish while the holder was killed)."""
         assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
         self.kill_holder()
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)

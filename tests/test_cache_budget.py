@@ -140,6 +140,7 @@ async def test_write_fails_with_enospc_after_dirty_wait(tmp_path: Path, nursery:
         for offset in range(0, 768 * KIB, 64 * KIB):
             await write_waiting(stack, fh, offset, b"2" * (64 * KIB))
     assert exc_info.value.errno == errno.ENOSPC
+    assert len(stack.store.failures) < 1000, "the store never refused a write"
     assert stack.fs.evictor.stats.enospc == 1
     stack.fs.release(fh)
     # Nothing written before is lost: both files are still in the cache, dirty, and journaled.
@@ -338,6 +339,7 @@ async def test_a_waiting_writer_does_not_spin(tmp_path: Path, nursery: trio.Nurs
     with pytest.raises(FsError):
         await write_waiting(stack, fh, 0, b"2" * (64 * KIB))
     assert time.process_time() - cpu < 0.5
+    assert len(stack.store.failures) < 1000, "the store never refused a write"
     stack.fs.release(fh)
 
 

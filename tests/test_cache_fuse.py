@@ -163,6 +163,7 @@ def test_torch_save_of_256mib_through_a_64mib_cache_into_a_throttled_bucket(
         expected = out.strip().splitlines()[-1]
         mount.flush(timeout=600)
     proxy.heal()
+    assert proxy.injected["slowdown"] > 0, "the bucket never throttled"
     assert sampler.peak <= 64 * MiB + 8 * MiB, sampler.peak
     status = mount.status()
     assert status["cache"]["waits"] >= 1 and status["cache"]["enospc"] == 0

@@ -142,10 +142,11 @@ def test_an_upload_whose_start_lost_every_answer_is_known_to_be_left_behind(
     first stayed in the store with nothing saying so, so no sweep ran and a flush left it (the S3 marker's
     case, crash harness seed 9442 round 29). Now the store says something is left behind."""
     name, store, proxy = proxied
-    proxy.add_rule(Rule("lost_response", match=START[name]))
+    rule = proxy.add_rule(Rule("lost_response", match=START[name]))
     with pytest.raises(TransientBackendError):
         store.open_upload("a.bin", META, None)
     proxy.heal()
+    assert rule.fired >= 1
     assert store.left_behind
     refs = store.list_leftovers()
     assert refs  # the start that took effect

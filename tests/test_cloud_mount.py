@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 import warnings
 from collections.abc import Callable
 
 import pytest
 from conftest import Mount, finished_parts
 from emulators import AzuriteServer, GcsServer, azurite, fake_gcs  # noqa: F401
+from waiting import wait_until
 
 MiB = 1 << 20
 
@@ -148,7 +148,11 @@ def test_kill9_mid_staged_upload_resumes_from_the_last_finished_part(
     mount_factory, store: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
 ) -> None:
     source, extra, objects = _source(store, request, monkeypatch)
-    m: Mount = mount_factory("m", source=source, extra_args=(*extra, "--part-size", "5M", "--transfers", "1"))
+    # One part in flight at a time: when the journal has 4 parts, at most the 5th is on its way and the upload
+    # cannot be completed at the kill (with 16 parts in flight, all of them could be in the store while the
+    # journal had 4, and the kill came after the upload's completion: a whole object, taken for a partial one).
+    m: Mount = mount_factory("m", source=source, extra_args=(*extra, "--part-size", "5M", "--transfers", "1",
+                                                              "--parts-in-flight", "1"))
     block = os.urandom(MiB)
     expected = hashlib.sha256()
     # 80 MiB, 16 parts: the kill comes after 4, with 12 left to resume (32 parts took twice the CPU, most of it
@@ -158,12 +162,16 @@ def test_kill9_mid_staged_upload_resumes_from_the_last_finished_part(
             chunk = i.to_bytes(8, "big") + block[8:]
             f.write(chunk)
             expected.update(chunk)
-    deadline = time.monotonic() + 120
-    while (done := finished_parts(m.cache / "journal.db")) < 4:
-        assert time.monotonic() < deadline, "the staged upload never got going"
-        time.sleep(0.02)
-    m.kill9()
-    assert "big.bin" not in objects(), "a partial object is visible"
+    done = wait_until(lambda: finished_parts(m.cache / "journal.db"), done=lambda n: n >= 4, timeout=120,
+                      what="4 parts of the staged upload journaled")
+    m.kill9()  # stops the daemon at once, then kills it
+    killed_at = finished_parts(m.cache / "journal.db")
+    assert 4 <= killed_at < 16, f"the kill was not mid-upload: {killed_at} of 16 parts journaled"
+    visible = objects().get("big.bin")
+    if visible is not None:
+        whole = len(visible) == 80 * MiB and hashlib.sha256(visible).digest() == expected.digest()
+        raise AssertionError(f"an object is visible at the key after a kill mid-upload ({killed_at} of 16 parts "
+                             f"journaled): {len(visible)} bytes, {'whole' if whole else 'PARTIAL'}")
     m.start()
     m.flush(timeout=300)
     assert hashlib.sha256(objects()["big.bin"]).digest() == expected.digest()

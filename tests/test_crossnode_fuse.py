@@ -21,6 +21,7 @@ from conftest import Mount, live_files
 from emulators import AzuriteServer, GcsServer, S3Server, azurite, fake_gcs, s3_bucket, seaweedfs_s3  # noqa: F401
 from rank_server import SERVER, Rank
 from test_multinode import RANK_IMPORTS, _free_port
+from waiting import mount_drain_had_its_chance, wait_until
 
 HOLD = ("--upload-delay", "3600")  # a node whose uploads wait (until it is flushed or killed)
 
@@ -34,14 +35,6 @@ dcp.save(state, storage_writer=dcp.FileSystemWriter(sys.argv[1]))
 dist.barrier()
 dist.destroy_process_group()
 """
-
-
-def _wait(condition: Callable[[], bool], seconds: float = 30, what: str = "") -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or condition}")
-        time.sleep(0.05)
 
 
 def _node_id(mount: Mount) -> str:
@@ -94,16 +87,18 @@ def test_dcp_metadata_waits_for_a_killed_nodes_shards_and_lands_after_it_restart
     _dcp_save([rank0, rank1], "step_1", 1)
     rank0.flush()
     rank1.flush()
-    _wait(lambda: "step_1/.metadata" in keys(), what="step_1's marker")
+    wait_until(lambda: "step_1/.metadata" in keys(), what="step_1's marker")
 
     # Step 2: rank 1's node holds its shard back and dies before it is uploaded.
     rank1.umount()
     rank1.extra_args = (*extra, *HOLD)
     rank1.start()
+    since = time.time()
     _dcp_save([rank0, rank1], "step_2", 2)
     rank1.kill9()
-    _wait(lambda: "step_2/__0_0.distcp" in keys(), what="rank 0's own shard")
-    time.sleep(2)
+    wait_until(lambda: "step_2/__0_0.distcp" in keys(), what="rank 0's own shard")
+    mount_drain_had_its_chance(rank0.status, since=since, due=time.time() + rank0.upload_delay,
+                               what="upload step_2/.metadata before rank 1's shard")
     assert "step_2/.metadata" not in keys(), "the marker went before rank 1's shard"
     assert "step_2/__1_0.distcp" not in keys()
     # What waits is named: status, `ckptfs nodes`, the flush of all nodes.
@@ -126,11 +121,11 @@ def test_dcp_metadata_waits_for_a_killed_nodes_shards_and_lands_after_it_restart
     # Rank 1's node comes back with its cache: its shard lands, then the marker.
     rank1.extra_args = extra
     rank1.start()
-    _wait(lambda: "step_2/.metadata" in keys(), seconds=60, what="step_2's marker")
+    wait_until(lambda: "step_2/.metadata" in keys(), timeout=60, what="step_2's marker")
     assert "step_2/__1_0.distcp" in keys()
     assert rank0.cli("flush", str(rank0.mnt), "--all-nodes", "--timeout", "60").returncode == 0
     # Retention (keep_last 1, after the marker) deletes step_1 whole, rank 1's shard included.
-    _wait(lambda: not any(k.startswith("step_1/") for k in keys()), what="retention after the complete step_2")
+    wait_until(lambda: not any(k.startswith("step_1/") for k in keys()), what="retention after the complete step_2")
     fresh = mount_factory("fresh2", source=source, extra_args=extra)
     loaded = _dcp_load(fresh, "step_2")
     assert int(loaded["shared.step"]) == 2
@@ -162,14 +157,16 @@ def test_a_tracker_file_waits_for_the_other_nodes_states(
             (node.mnt / rel).parent.mkdir(parents=True, exist_ok=True)
             torch.save({"file": rel, "w": torch.arange(1000)}, node.mnt / rel)
     # The barrier; then rank 0 writes the tracker, the way both frameworks do (a plain write).
+    since = time.time()
     (node0.mnt / tracker).write_text(text)
-    _wait(lambda: all((shared / rel).exists() for rel in ours), what="node 0's own files")
-    time.sleep(1.5)
+    due = time.time() + node0.upload_delay
+    wait_until(lambda: all((shared / rel).exists() for rel in ours), what="node 0's own files")
+    mount_drain_had_its_chance(node0.status, since=since, due=due, what="upload the tracker before node 1's files")
     assert not (shared / tracker).exists(), "the tracker went before node 1's files"
     [waiting] = node0.status()["nodes"]["waiting_markers"]
     assert all(rel in waiting["waits_for"][0] for rel in theirs), waiting  # the files it waits for, by name
     node1.flush()
-    _wait(lambda: (shared / tracker).exists(), what="the tracker")
+    wait_until(lambda: (shared / tracker).exists(), what="the tracker")
     assert all((shared / rel).exists() for rel in theirs)
     assert (shared / tracker).read_text() == text
 
@@ -188,14 +185,15 @@ def test_a_node_given_up_on_holds_the_marker_and_the_next_checkpoint_goes_on(
     (node0.mnt / "step_1" / "shard_0.pt").write_bytes(b"0" * 4096)
     (node0.mnt / "latest").write_text("step_1")
     node1.kill9()  # lost for good: its cache dir is never mounted again
-    _wait(lambda: bool(node0.status()["nodes"]["waiting_markers"]), what="the waiting marker")
+    wait_until(lambda: bool(node0.status()["nodes"]["waiting_markers"]), what="the waiting marker")
+    since = time.time()
     forgot = node0.cli("nodes", str(node0.mnt), "--forget", lost)
     assert forgot.returncode == 0 and f"forgot node {lost}" in forgot.stdout, forgot
     [held] = node0.status()["nodes"]["waiting_markers"]
     assert held["path"] == "latest" and held["held_by"] == [lost]
     flush_all = node0.cli("flush", str(node0.mnt), "--all-nodes", "--timeout", "5")
     assert flush_all.returncode == 3 and f"latest (held: its checkpoint misses the work of {lost}" in flush_all.stderr
-    time.sleep(1)
+    mount_drain_had_its_chance(node0.status, since=since, what="upload the marker of the incomplete checkpoint")
     assert not (shared / "latest").exists(), "a marker of an incomplete checkpoint landed"
     # The job goes on with node 0 (and a new node): the next checkpoint's marker does not wait for the lost one.
     (node0.mnt / "step_2").mkdir()
@@ -216,7 +214,7 @@ def test_a_single_node_pays_one_record_per_quiet_spell_and_leaves_none(
     (m.mnt / "step_1" / ".metadata").write_bytes(b"m")
     m.flush()
     notes = m.store / ".ckptfs-tmp.notes" / "pending"
-    _wait(lambda: not live_files(notes, skip_temps=False), what="no records")
+    wait_until(lambda: not live_files(notes, skip_temps=False), what="no records")
     status = m.status()["nodes"]
     assert status["cross_node_ordering"] and status["records"] == [] and status["unannounced"] is None
     assert m.umount().returncode == 0
@@ -263,12 +261,14 @@ def test_a_marker_waits_for_another_nodes_files_on_every_cloud_store(
     (node1.mnt / "step_1" / "shard_1").write_bytes(b"1" * 10000)
     (node0.mnt / "step_1").mkdir(exist_ok=True)
     (node0.mnt / "step_1" / "shard_0").write_bytes(b"0" * 10000)
+    since = time.time()
     (node0.mnt / "step_1" / ".metadata").write_bytes(b"meta")
-    _wait(lambda: "step_1/shard_0" in objects(), what="node 0's shard")
-    time.sleep(1.5)
+    due = time.time() + node0.upload_delay
+    wait_until(lambda: "step_1/shard_0" in objects(), what="node 0's shard")
+    mount_drain_had_its_chance(node0.status, since=since, due=due, what="upload the marker before node 1's shard")
     assert "step_1/.metadata" not in objects()
     nodes = json.loads(node0.cli("nodes", str(node0.mnt), "--json").stdout)
     assert [n["entries"] for n in nodes["nodes"] if n["node"] == _node_id(node1)] == [["step_1"]]
     node1.flush()
-    _wait(lambda: "step_1/.metadata" in objects(), what="the marker")
+    wait_until(lambda: "step_1/.metadata" in objects(), what="the marker")
     assert {"step_1/shard_0", "step_1/shard_1"} <= objects()

@@ -14,7 +14,8 @@ import pytest
 from conftest import Mount
 from emulators import seaweedfs_s3  # noqa: F401
 from fsharness import GID, UID, make_stack
-from test_crossnode_fuse import _store_view, _wait
+from test_crossnode_fuse import _store_view
+from waiting import wait_until
 
 from ckptfs.errors import FsError, TransientBackendError, errno_for_backend_error
 from ckptfs.journal import ROOT_ID
@@ -45,7 +46,7 @@ def test_an_orbax_rename_on_one_host_moves_every_hosts_shards(
     assert not {k for k in keys() if k.startswith(TMP)}, keys()  # nothing stays under the old name
     assert (primary.mnt / "step_1" / "shard_b").read_bytes() == shard_b
     other.cli("refresh", str(other.mnt))
-    _wait(lambda: sorted(os.listdir(other.mnt / "step_1")) == ["commit_success.txt", "shard_a", "shard_b"],
+    wait_until(lambda: sorted(os.listdir(other.mnt / "step_1")) == ["commit_success.txt", "shard_a", "shard_b"],
           what="the other host's view of the renamed step")
     assert not (other.mnt / TMP).exists()
     assert (other.mnt / "step_1" / "shard_a").read_bytes() == shard_a
@@ -80,7 +81,7 @@ def _orbax_tmp_with_a_held_shard(mount_factory, tmp_path: Path, *primary_args: s
     other.cli("refresh", str(other.mnt))
     shard_b = os.urandom(100_000)
     (other.mnt / TMP / "shard_b").write_bytes(shard_b)
-    _wait(lambda: any(TMP in line for line in _peer_lines(primary)), what="the other host's record of the tmp dir")
+    wait_until(lambda: any(TMP in line for line in _peer_lines(primary)), what="the other host's record of the tmp dir")
     return primary, other, shard_b
 
 
@@ -132,7 +133,7 @@ def test_a_rename_waits_for_a_record_that_named_the_tmp_dir_only_after_this_node
     other: Mount = mount_factory("host1", source=f"file://{shared}", extra_args=HOLD)
     (other.mnt / "step_0").mkdir()
     (other.mnt / "step_0" / "shard_b").write_bytes(b"b" * 1000)  # pending: the other host holds its uploads
-    _wait(lambda: any("step_0" in line for line in _peer_lines(primary)), what="the other host's record")
+    wait_until(lambda: any("step_0" in line for line in _peer_lines(primary)), what="the other host's record")
     (primary.mnt / TMP).mkdir()
     primary.flush()
     other.cli("refresh", str(other.mnt))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 from fsharness import Stack, check_consistency, make_stack
+from waiting import until
 
 from ckptfs.drain import SMALL_BATCH, SMALL_FILE, lane
 from ckptfs.drain.ordering import Job
@@ -28,9 +29,8 @@ def stopped(stack: Stack) -> None:
 
 
 async def wait_for_store(stack: Stack, names: set[str]) -> None:
-    with trio.fail_after(20):
-        while set(stack.store_files()) != names:  # noqa: ASYNC110 (polling the store directory)
-            await trio.sleep(0.02)
+    await until(lambda: set(stack.store_files()), done=lambda seen: seen == names, seconds=20,
+                what=f"exactly {sorted(names)} in the store")
 
 
 async def test_small_uploads_wait_while_requests_stream_in_then_go_once_they_stop(
@@ -45,10 +45,9 @@ async def test_small_uploads_wait_while_requests_stream_in_then_go_once_they_sto
     stack.write_file("small.bin", b"s" * 1000)
     big = b"B" * (SMALL_FILE + 1)
     stack.write_file("big.bin", big)
-    with trio.fail_after(20):
-        while "big.bin" not in stack.store_files():  # noqa: ASYNC110 (polling the store directory)
-            await trio.sleep(0.02)
-    await trio.sleep(0.5)
+    await until(lambda: "big.bin" in stack.store_files(), what="big.bin in the store")
+    # Before the negative assertion: small.bin was claimed and the lane holds it (not started), waiting for a lull.
+    await until(lambda: stack.drain.lane.waiting, what="small.bin held in the small lane")
     assert set(stack.store_files()) == {"big.bin"}, "a small file was uploaded while requests streamed in"
     stopped(stack)
     await wait_for_store(stack, {"big.bin", "small.bin"})
@@ -66,7 +65,8 @@ async def test_a_flush_does_not_wait_for_a_lull(
     names = {f"f{i}" for i in range(5)}
     for name in names:
         stack.write_file(name, name.encode())
-    await trio.sleep(0.2)
+    await until(lambda: stack.drain.lane.waiting, done=lambda n: n == len(names),
+                what="the small files held in the small lane")
     assert not stack.store_files()
     await stack.flush()  # fails after 20 s
     assert set(stack.store_files()) == names
@@ -83,7 +83,7 @@ async def test_cache_pressure_does_not_wait_for_a_lull(
     streaming(stack)
     await nursery.start(stack.drain.run)
     stack.write_file("a", b"a")
-    await trio.sleep(0.2)
+    await until(lambda: stack.drain.lane.waiting, what="a held in the small lane")
     assert not stack.store_files()
     stack.drain.set_pressure(True)
     await wait_for_store(stack, {"a"})

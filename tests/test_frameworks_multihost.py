@@ -27,8 +27,9 @@ import torch
 from conftest import Mount
 from emulators import seaweedfs_s3  # noqa: F401
 from rank_server import SERVER, Rank
-from test_crossnode_fuse import _dcp_load, _store_view, _wait
+from test_crossnode_fuse import _dcp_load, _store_view
 from test_multinode import RANK_IMPORTS, _free_port
+from waiting import wait_until
 
 ORBAX_JOB = Path(__file__).resolve().parent / "orbax_job.py"
 JOB_TIMEOUT = 300
@@ -181,7 +182,7 @@ def test_dcp_save_into_a_tmp_dir_renamed_by_rank_0_while_rank_1s_shard_uploads(
             for rank, node in enumerate(ranks)]
     for code, out in SERVER.run(jobs, preload=RANK_IMPORTS, timeout=JOB_TIMEOUT):
         assert code == 0, out
-    _wait(tracker_landed, seconds=60, what="the tracker file in the store")
+    wait_until(tracker_landed, timeout=60, what="the tracker file in the store")
     shards = {"step_3/__0_0.distcp", "step_3/__1_0.distcp", "step_3/.metadata"}
     assert shards <= seen_with_tracker[0], sorted(seen_with_tracker[0])  # the tracker came last
     for node in ranks:

@@ -7,12 +7,14 @@ import errno
 import os
 import stat
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import trio
 from fsharness import GID, UID, Stack, check_consistency, list_tree, make_stack
+from waiting import drain_had_its_chance, until
 
 from ckptfs.drain import BURST_QUIET, SMALL_BATCH, SMALL_FILE
 from ckptfs.drain.scheduler import BURST_SCAN_INTERVAL
@@ -217,8 +219,9 @@ async def test_small_files_wait_in_a_burst_for_small_file_wait_at_most(tmp_path:
 async def test_a_flush_does_not_wait_for_the_end_of_a_burst(tmp_path: Path, nursery: trio.Nursery) -> None:
     stack = make_stack(tmp_path, small_file_wait=60)
     await nursery.start(stack.drain.run)
+    since = time.time()
     names = [_small_burst_step(stack, i) for i in range(50)]
-    await trio.sleep(0.1)
+    await drain_had_its_chance(stack.drain, since=since, what="upload small files in the burst")
     assert not stack.store_files()
     # Changes keep coming while the flush runs: it ends anyway, with every file in the store.
     async with trio.open_nursery() as writers:
@@ -344,8 +347,9 @@ async def test_commit_marker_waits_for_earlier_files(stack: Stack) -> None:
     stack.write_file("shard-0", b"0" * 1000)
     stack.drain.notify()
     await trio.to_thread.run_sync(stack.store.staging.wait, 10)
+    since = time.time()
     stack.write_file("latest", b"shard-0")
-    await trio.sleep(0.3)  # the drain had every chance to upload the marker early
+    await drain_had_its_chance(stack.drain, since=since, what="upload the marker early")
     assert not any(key == "latest" for _, key in stack.store.calls)
     stack.store.stage_gate.set()
     await stack.flush()
@@ -364,8 +368,9 @@ async def test_commit_marker_waits_for_an_earlier_marker(stack: Stack) -> None:
     stack.write_file("iter_1/.metadata", b"meta")
     stack.drain.notify()
     await trio.to_thread.run_sync(stack.store.staging.wait, 10)
+    since = time.time()
     stack.write_file("latest_checkpointed_iteration.txt", b"1")
-    await trio.sleep(0.3)  # the drain had every chance to upload the tracker early
+    await drain_had_its_chance(stack.drain, since=since, what="upload the tracker early")
     assert not any(key == "latest_checkpointed_iteration.txt" for _, key in stack.store.calls)
     stack.store.stage_gate.set()
     await stack.flush()
@@ -741,9 +746,10 @@ async def test_marker_inside_a_renamed_directory_still_follows_its_siblings(
         await stack.flush()
         flushed.set()
 
+    since = time.time()
     nursery.start_soon(flush)
     await trio.to_thread.run_sync(stack.store.staging.wait, 10)
-    await trio.sleep(0.5)  # every chance to upload the marker early
+    await drain_had_its_chance(stack.drain, since=since, what="upload the marker early")
     assert not any(key.endswith("commit_success.txt") for _, key in stack.store.calls)
     stack.store.stage_gate.set()
     await flushed.wait()
@@ -837,13 +843,16 @@ async def test_a_file_renamed_to_a_commit_marker_while_its_upload_waits_for_a_sl
     stack.write_file("shard", b"s" * (SMALL_FILE + 1))
     stack.drain.notify()
     await trio.to_thread.run_sync(stack.store.staging.wait, 10)
-    await trio.sleep(0.3)  # both upload slots are held, by a and by shard
+    await until(stack.drain.in_flight, what="both upload slots held, by a and by shard", done=lambda n: n == 2)
     stack.write_file(".latest.tmp", b"shard")
     stack.drain.notify()
-    await trio.sleep(0.3)  # the drain chose .latest.tmp; its job waits for a slot
+    # The drain chose .latest.tmp: its scan's dispatch waits for an upload slot.
+    slots = stack.drain._upload_slots
+    await until(lambda: slots.statistics().tasks_waiting, what="a job of .latest.tmp waiting for a slot")
     stack.fs.rename(ROOT_ID, b".latest.tmp", ROOT_ID, b"latest", 0)
+    since = time.time()
     hold_a.set()
-    await trio.sleep(0.5)  # every chance to upload the marker early
+    await drain_had_its_chance(stack.drain, since=since, what="upload the marker early")
     assert not any(key in ("latest", ".latest.tmp") for _, key in stack.store.calls)
     hold_shard.set()
     await stack.flush()
@@ -863,9 +872,11 @@ async def test_nothing_is_written_below_a_directory_until_its_marker_is_in(stack
     stack.fs.mkdir(d, b"sub", 0o755, UID, GID)
     stack.write_file("d/f", b"f" * 1000)
     stack.write_file("g", b"g" * 1000)
+    since = time.time()
     stack.drain.notify()
     await trio.to_thread.run_sync(stack.store.staging.wait, 10)
-    await trio.sleep(0.5)  # every chance to write below d/ (two upload slots: one is free)
+    # Two upload slots: one is free.
+    await drain_had_its_chance(stack.drain, since=since, what="write below d/")
     assert [key for _, key in stack.store.calls if key.startswith("d/")] == []
     with trio.fail_after(10):  # the rest of the tree goes on meanwhile
         await stack.drain.wait_durable(["g"])
@@ -970,3 +981,23 @@ async def test_a_delete_that_completes_while_its_directory_is_listed_brings_noth
     await stack.fs.prepare_rmdir(ROOT_ID, b"ckpt")
     stack.fs.rmdir(ROOT_ID, b"ckpt")  # before: ENOTEMPTY, x listed back as a remote file
     assert stack.journal.by_path("ckpt/x") is None
+
+
+async def test_a_deferred_delete_waits_its_turn_instead_of_spinning(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """The delete of a removed file's object waits (defers itself) while a new file of that name is to replace
+    it. The deferral was taken for the job's success, which forgot its retry time: the delete ran again at
+    every scan, and the drain rescanned 50 times a second, never idle, for as long as the new file waited (seen
+    as a drain that never went idle while the store refused uploads, test_s3_faults)."""
+    stack = make_stack(tmp_path, upload_delay=3600)
+    await nursery.start(stack.drain.run)
+    stack.write_file("a", b"old")
+    await stack.flush()
+    stack.fs.unlink(ROOT_ID, b"a")
+    since = time.time()
+    stack.write_file("a", b"new")  # waits out upload_delay: the old object stays until it replaces it
+    await drain_had_its_chance(stack.drain, since=since, what="defer the delete of the old a, then wait", seconds=10)
+    assert stack.drain.stats.next_scan_at is not None, "the delete's next try is a timed scan"
+    assert stack.store_files() == {"a": b"old"}
+    await stack.flush()
+    assert stack.store_files() == {"a": b"new"}
+    check_consistency(stack)

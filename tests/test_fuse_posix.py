@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Mount
+from waiting import wait_until
 
 STATE = "user.ckptfs.state"
 SLOW = 30.0  # an upload_delay that no test waits out: uploads happen only when a flush asks for them
@@ -49,15 +50,6 @@ def uploaded_order(m: Mount) -> list[str]:
 def store_dirs(m: Mount) -> set[str]:
     return {str(p.relative_to(m.store)) for p in m.store.rglob("*") if p.is_dir() and not p.is_symlink()
             and ".ckptfs-tmp." not in str(p)}
-
-
-def wait_until(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return bool(cond())
 
 
 def expect_errno(code: int, fn, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -439,7 +431,8 @@ def test_unlink_open_file(mount: Mount) -> None:
     assert mount.store_files() == {"victim.bin": b"newcomer"}  # the unlinked data never resurfaced
     assert path.read_bytes() == b"newcomer"
     # once closed (and forgotten by the kernel) the unlinked file's cache data goes away
-    assert wait_until(lambda: len(os.listdir(mount.cache / "data")) == 1), os.listdir(mount.cache / "data")
+    wait_until(lambda: os.listdir(mount.cache / "data"), done=lambda files: len(files) == 1, timeout=5,
+               what="one file in the cache")
 
 
 def test_rename_over_file_open_for_reading(mount: Mount) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import trio
 from fsharness import GID, UID, Stack, check_consistency, make_stack
+from waiting import until
 
 from ckptfs.journal import CLEAN, DIRTY, ROOT_ID
 from ckptfs.recovery import repair_journal
@@ -23,10 +24,10 @@ def open_writer(stack: Stack, name: str) -> tuple[int, int]:
 
 async def store_has(stack: Stack, name: str, data: bytes, seconds: float = 10) -> None:
     """Wait until the store shows `data` at `name` and the journal has recorded it."""
-    with trio.fail_after(seconds):
-        while stack.store_files().get(name) != data or any(  # noqa: ASYNC110 (polling the store directory)
-                inode.state == "uploading" for inode in stack.journal.all_inodes() if inode.path == name):
-            await trio.sleep(0.02)
+    await until(
+        lambda: stack.store_files().get(name) == data and not any(
+            inode.state == "uploading" for inode in stack.journal.all_inodes() if inode.path == name),
+        seconds=seconds, what=f"{name} in the store as written ({len(data)} bytes), its upload recorded")
 
 
 def commits(stack: Stack, name: str) -> list[bytes]:

@@ -16,6 +16,7 @@ import pyfuse3
 import pytest
 from conftest import Mount
 from test_passthrough import _kernel_has_passthrough
+from waiting import wait_until
 
 PASSTHROUGH = [
     pytest.param("auto", id="passthrough", marks=pytest.mark.skipif(
@@ -34,9 +35,8 @@ def gateway(mount_factory: Callable[..., Mount], passthrough: str, idle: float) 
 def wait_for_object(mount: Mount, name: str, data: bytes, seconds: float = 15) -> float:
     """Seconds until the store holds `data` at `name`."""
     started = time.monotonic()
-    while mount.store_files().get(name) != data:
-        assert time.monotonic() - started < seconds, f"{name} not in the store as written"
-        time.sleep(0.05)
+    wait_until(lambda: mount.store_files().get(name) == data, timeout=seconds,
+               what=f"{name} in the store as written ({len(data)} bytes)")
     return time.monotonic() - started
 
 

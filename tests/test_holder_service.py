@@ -11,11 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import Mount, stock_pyfuse3
+from waiting import wait_until
 
 pytestmark = pytest.mark.skipif(stock_pyfuse3(), reason="keep_mount needs the patched pyfuse3")
 
@@ -34,20 +35,13 @@ class Service:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "ckptfs", "holder", *self.args], env=env, stdout=log,
                                          stderr=log)
-        _wait_for(lambda: (self.runtime / "holder.sock").exists(), "the holder service's socket")
+        wait_until(lambda: (self.runtime / "holder.sock").exists(), what="the holder service's socket", timeout=20)
 
     def stop(self, how: int = signal.SIGTERM) -> None:
         if self.proc is not None:
             self.proc.send_signal(how)
             self.proc.wait(timeout=30)
             self.proc = None
-
-
-def _wait_for(check: Callable[[], object], what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -125,11 +119,11 @@ def test_a_daemon_hands_its_connection_to_the_next_service_when_its_holder_goes(
     m.start()
     (m.mnt / "a").write_bytes(b"a")
     service.stop()
-    _wait_for(lambda: not _keep(m)["enabled"], "keep_mount off once the service went")
+    wait_until(lambda: not _keep(m)["enabled"], what="keep_mount off once the service went", timeout=20)
     assert "holder service went away" in _keep(m)["why"]
     (m.mnt / "b").write_bytes(b"b")  # the daemon serves on
     service.start()
-    _wait_for(lambda: _keep(m)["enabled"], "the connection handed to the new service")
+    wait_until(lambda: _keep(m)["enabled"], what="the connection handed to the new service", timeout=20)
     m.allowed_log_words.append("keep_mount off: the node's holder service went away")
     assert m.proc is not None
     m.proc.send_signal(signal.SIGKILL)  # the daemon's pod OOM-killed: the new service's holder keeps the mount
@@ -151,7 +145,7 @@ def test_a_daemon_that_starts_before_the_service_waits_for_it(mount_factory, tmp
     service = Service(m.runtime, tmp_path / "holder.log")
     service.start()
     try:
-        _wait_for(lambda: _keep(m)["enabled"], "the connection handed to the service")
+        wait_until(lambda: _keep(m)["enabled"], what="the connection handed to the service", timeout=20)
     finally:
         m.cleanup()
         service.stop()
@@ -169,7 +163,7 @@ def test_a_holder_of_the_service_that_stops_while_no_daemon_serves_detaches_the_
     assert m.proc.wait(timeout=60) == 0
     m.proc = None
     service.stop()  # uninstall: nothing serves the mount any more, nobody would start a daemon
-    _wait_for(lambda: not guard_free(m.mnt), "the mount detached")
+    wait_until(lambda: not guard_free(m.mnt), what="the mount detached", timeout=20)
     assert "detaching the mount" in service.log.read_text()
 
 
@@ -185,9 +179,11 @@ def test_a_service_that_goes_while_the_daemon_drains_to_leave_makes_it_unmount_i
         f.flush()
         assert m.proc is not None
         m.proc.send_signal(signal.SIGTERM)
-        _wait_for(lambda: "SIGTERM: draining for up to" in m.log.read_text(), "the drain before leaving")
+        wait_until(lambda: "SIGTERM: draining for up to" in m.log.read_text(),
+                   what="the drain before leaving", timeout=20)
         service.stop()
-        _wait_for(lambda: "holder service went away" in m.log.read_text(), "the daemon to see its holder go")
+        wait_until(lambda: "holder service went away" in m.log.read_text(),
+                   what="the daemon to see its holder go", timeout=20)
     assert m.proc.wait(timeout=60) == 0
     m.proc = None
     assert "unmounting" in m.log.read_text() and (m.store / "open.bin").read_bytes() == b"o" * 1000
@@ -215,7 +211,7 @@ def test_the_service_guards_a_mountpoint_until_the_daemon_mounts_it(mount_factor
         m.start()  # the daemon replaces the guard and hands its connection to the service
         top = guard.mounted_at(m.mnt)
         assert top is not None and top.fstype == "fuse.ckptfs", top
-        _wait_for(lambda: _keep(m)["enabled"], "the connection handed to the service")
+        wait_until(lambda: _keep(m)["enabled"], what="the connection handed to the service", timeout=20)
         (m.mnt / "f").write_bytes(b"f")
     finally:
         m.cleanup()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import Mount
 from rank_server import SERVER, Rank
+from waiting import mount_drain_had_its_chance
 
 from ckptfs import guard
 from ckptfs.errors import CkptfsError
@@ -159,13 +160,16 @@ def test_an_unlinked_open_file_and_a_file_being_written_survive_a_takeover(mount
         big.flush()
         assert m.proc is not None
         first = m.proc.pid
+        since = time.time()
         _kill(m, first)
         pid = _daemon_pid(m, first)
+        due = time.time() + m.upload_delay
         os.fchmod(gone, 0o600)
         assert os.pwrite(gone, b"def", 3) == 3
         assert os.pread(gone, 6, 0) == b"abcdef"
         assert os.fstat(gone).st_mode & 0o777 == 0o600
-        time.sleep(1.0)  # ten upload delays: a closed file would be in the store by now
+        # The new daemon's drain scanned after the takeover and has nothing due: a closed file would be in.
+        mount_drain_had_its_chance(m.status, since=since, due=due, what="upload big.bin, still open")
         assert "big.bin" not in m.store_files()
         big.write(b"2" * (1 << 20))
     os.close(gone)

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from fsharness import Stack, check_consistency, make_stack
+from waiting import until
 
 from ckptfs.journal import REMOTE, ROOT_ID, JournalFull
 from ckptfs.lister import MAX_PATH_BYTES, DirLister, _listed_name, _plain_names, _valid_path
@@ -139,12 +141,6 @@ async def test_readdir_and_lookup_after_a_listing_ask_the_store_nothing(
     check_consistency(stack)
 
 
-async def _until(condition: Callable[[], bool]) -> None:
-    with trio.fail_after(20):
-        while not condition():  # noqa: ASYNC110 (polling the journal: no event to wait on)
-            await trio.sleep(0.01)
-
-
 async def _listed_root_of_dirs(tmp_path: Path, count: int) -> tuple[Stack, DirLister, list[int]]:
     """A store of `count` directories of one file each, its root listed; their inode ids in readdir's order."""
     for d in range(count):
@@ -165,15 +161,15 @@ async def test_a_walk_is_listed_one_directory_ahead(tmp_path: Path, counted: Cal
     stack, lister, ids = await _listed_root_of_dirs(tmp_path, 4)
     counts = counted(stack)
     await stack.fs.ensure_listed(ids[0])
-    await trio.sleep(0.2)
+    await trio.testing.wait_all_tasks_blocked()  # whatever runs without the lister's task had its chance
     assert counts.list_dir == 1 and ids[1] not in stack.journal.listed_dirs()
     async with trio.open_nursery() as nursery:
         await nursery.start(lister.run)
         await stack.fs.ensure_listed(ids[1])  # listed on request: the next one ahead of the walker
-        await _until(lambda: ids[2] in stack.journal.listed_dirs())
+        await until(lambda: ids[2] in stack.journal.listed_dirs())
         assert counts.list_dir == 3
         await stack.fs.ensure_listed(ids[2])  # listed ahead before: the store is not asked again
-        await _until(lambda: ids[3] in stack.journal.listed_dirs())
+        await until(lambda: ids[3] in stack.journal.listed_dirs())
         assert counts.list_dir == 4
         await stack.fs.ensure_listed(ids[3])  # the last one: nothing after it
         await trio.sleep(0.2)
@@ -202,9 +198,9 @@ async def test_a_full_cache_filesystem_skips_a_listing_ahead_and_the_next_still_
     async with trio.open_nursery() as nursery:
         await nursery.start(lister.run)
         await stack.fs.ensure_listed(ids[0])  # d1 ahead: the journal is full
-        await _until(lambda: not full)
+        await until(lambda: not full)
         await stack.fs.ensure_listed(ids[1])  # listed now, on request; d2 ahead
-        await _until(lambda: ids[2] in stack.journal.listed_dirs())
+        await until(lambda: ids[2] in stack.journal.listed_dirs())
         nursery.cancel_scope.cancel()
     assert [e.name for e in stack.fs.readdir(ids[1], 0)] == [b"f.bin"]
     check_consistency(stack)

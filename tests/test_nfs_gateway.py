@@ -7,7 +7,6 @@ until its timeout). Skipped only where ganesha or libnfs is not installed (CI in
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,8 +14,10 @@ import pytest
 from conftest import Mount
 from nfs import Ganesha, missing
 from nfsclient import Client
+from waiting import wait_until
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=missing() or "")
+
 
 SHARDS = 3
 
@@ -34,13 +35,6 @@ def held_open_under(server: Ganesha, mnt: Path) -> set[str]:
         if target.startswith(f"{mnt}/"):
             held.add(target[len(str(mnt)) + 1:])
     return held
-
-
-def wait_for(condition: Callable[[], bool], *, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -79,7 +73,7 @@ def test_a_checkpoint_saved_over_nfs_reaches_the_store_in_order_and_a_fresh_node
         save_checkpoint(client, 1, shards)
     expected = {f"step_1/{name}": data for name, data in shards.items()} | {"latest": b"step_1"}
     # Without a flush: the files are uploaded once idle, while the server still holds (some of) them open.
-    wait_for(lambda: gateway.store_files() == expected, timeout=30, what="the checkpoint in the store")
+    wait_until(lambda: gateway.store_files() == expected, timeout=30, what="the checkpoint in the store")
     assert held_open_under(server, gateway.mnt), "ganesha no longer holds any file open: nothing tested"
     # The marker last: the file:// store commits each object with a rename, which sets its ctime.
     committed = {key: os.stat(gateway.store / key).st_ctime_ns for key in expected}

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import trio
 from fsharness import GID, UID, Stack, make_stack
+from waiting import drain_had_its_chance, until
 
 from ckptfs.errors import BackendError, TransientBackendError
 from ckptfs.journal import ROOT_ID
@@ -64,13 +66,6 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(peers, "POLL_MAX", 0.2)
 
 
-async def _until(condition, seconds: float = 30) -> None:  # type: ignore[no-untyped-def]
-    """A guard against a hang, not a time bound: under a loaded machine a chain of store calls took over 10 s."""
-    with trio.fail_after(seconds):
-        while not condition():  # noqa: ASYNC110 (polling the store directory and the journal)
-            await trio.sleep(0.02)
-
-
 async def test_a_marker_waits_for_the_files_another_node_closed_before_it(
     tmp_path: Path, nursery: trio.Nursery, quick: None
 ) -> None:
@@ -84,18 +79,19 @@ async def test_a_marker_waits_for_the_files_another_node_closed_before_it(
     assert b.pending_records(), "the record is in the store before open() returns"
     # The barrier; then node A writes its shard and the marker.
     await a.close_file("step_1/shard_a", b"a" * 1000)
+    since = time.time()
     await a.close_file("step_1/.metadata", b"meta")
-    await _until(lambda: "step_1/shard_a" in a.stack.store_files())
-    await trio.sleep(0.5)
+    await until(lambda: "step_1/shard_a" in a.stack.store_files())
+    await drain_had_its_chance(a.stack.drain, since=since, what="upload the marker before node B's shard")
     assert "step_1/.metadata" not in a.stack.store_files()
     [waiting] = a.peers.waiting_markers()
     assert waiting["path"] == "step_1/.metadata" and waiting["nodes"] == ["node-b"]
     assert "host-node-b" in waiting["waits_for"][0] and "step_1" in waiting["waits_for"][0]
     # Node B drains: its shard lands, its record goes, then the marker lands.
     await nursery.start(b.stack.drain.run)
-    await _until(lambda: "step_1/.metadata" in a.stack.store_files())
+    await until(lambda: "step_1/.metadata" in a.stack.store_files())
     assert "step_1/shard_b" in a.stack.store_files()
-    await _until(lambda: not a.pending_records() and not b.pending_records())
+    await until(lambda: not a.pending_records() and not b.pending_records())
     assert a.peers.waiting_markers() == []
 
 
@@ -111,12 +107,12 @@ async def test_work_closed_after_the_marker_does_not_hold_it(
     a.stack.store.key_gates["shard_a"] = gate
     await a.close_file("shard_a", b"a")
     await a.close_file("latest", b"step_1")
-    await _until(lambda: bool(a.peers._snapshots))
+    await until(lambda: bool(a.peers._snapshots))
     # Node B closes a file after that (the next checkpoint): it does not hold node A's marker.
     await b.close_file("next_b", b"b")
     assert b.pending_records()
     gate.set()
-    await _until(lambda: "latest" in a.stack.store_files())
+    await until(lambda: "latest" in a.stack.store_files())
     assert b.pending_records() and "next_b" not in a.stack.store_files()
 
 
@@ -147,9 +143,10 @@ async def test_a_forgotten_node_holds_the_markers_that_waited_for_it(
     await b.start(nursery, drain=False)
     await b.close_file("step_1.shard_b", b"b")
     await a.close_file("latest", b"step_1")
-    await _until(lambda: bool(a.peers.waiting_markers()) and bool(a.peers.waiting_markers()[0]["nodes"]))
+    await until(lambda: bool(a.peers.waiting_markers()) and bool(a.peers.waiting_markers()[0]["nodes"]))
+    since = time.time()
     assert await a.peers.forget("node-b") == 1
-    await trio.sleep(0.5)
+    await drain_had_its_chance(a.stack.drain, since=since, what="upload the marker the forgotten node held")
     assert "latest" not in a.stack.store_files()
     [held] = a.peers.waiting_markers()
     assert held["held_by"] == ["node-b"]
@@ -159,7 +156,7 @@ async def test_a_forgotten_node_holds_the_markers_that_waited_for_it(
     await a.stack.fs.announce_writer(fh)
     a.stack.fs.write(fh, 0, b"step_2")
     a.stack.fs.release(fh)
-    await _until(lambda: a.stack.store_files().get("latest") == b"step_2")
+    await until(lambda: a.stack.store_files().get("latest") == b"step_2")
 
 
 async def test_a_forgotten_node_that_comes_back_and_drains_lets_the_held_marker_land(
@@ -171,10 +168,10 @@ async def test_a_forgotten_node_that_comes_back_and_drains_lets_the_held_marker_
     await b.start(nursery, drain=False)
     await b.close_file("shard_b", b"b")
     await a.close_file("latest", b"step_1")
-    await _until(lambda: bool(a.peers.waiting_markers()) and bool(a.peers.waiting_markers()[0]["nodes"]))
+    await until(lambda: bool(a.peers.waiting_markers()) and bool(a.peers.waiting_markers()[0]["nodes"]))
     await a.peers.forget("node-b")
     await nursery.start(b.stack.drain.run)
-    await _until(lambda: "latest" in a.stack.store_files())
+    await until(lambda: "latest" in a.stack.store_files())
     assert "shard_b" in a.stack.store_files()
 
 
@@ -190,13 +187,13 @@ async def test_records_of_an_earlier_run_go_once_nothing_is_pending(
     again = NodeRecords(b.stack.journal, b.stack.drain.engine, "node-b")
     b.stack.fs.announcer = again
     await nursery.start(again.run)
-    await _until(lambda: bool(again.status()["records"]))
+    await until(lambda: bool(again.status()["records"]))
     assert again.status()["records"][0]["from_before"]
     await trio.sleep(0.3)
     assert b.pending_records() == [left]
     await nursery.start(b.stack.drain.run)
     await b.stack.flush()
-    await _until(lambda: not b.pending_records())
+    await until(lambda: not b.pending_records())
 
 
 async def test_a_record_written_while_the_earlier_runs_are_listed_is_not_taken_for_one_of_them(
@@ -223,10 +220,10 @@ async def test_a_record_written_while_the_earlier_runs_are_listed_is_not_taken_f
     [first] = b.pending_records()
     listing.set()
     await b.close_file("shard_b", b"b")
-    await _until(lambda: "shard_b" in b.stack.store_files())
+    await until(lambda: "shard_b" in b.stack.store_files())
     assert not any(record["from_before"] for record in b.records.status()["records"])
     # The log's successor record takes it over; the first record goes, though the log is still open.
-    await _until(lambda: first not in b.pending_records(), seconds=10)
+    await until(lambda: first not in b.pending_records(), seconds=10)
     assert b.pending_records()
     b.stack.fs.release(log_fh)
 
@@ -251,8 +248,8 @@ async def test_a_store_refusing_the_record_delays_a_close_at_most_announce_wait(
         await b.close_file(f"step_2/shard_{i}", b"b")
     assert trio.current_time() - started < 0.5
     # The checker writes it once the store takes it.
-    await _until(lambda: bool(b.pending_records()))
-    await _until(lambda: b.records.unannounced is None)
+    await until(lambda: bool(b.pending_records()))
+    await until(lambda: b.records.unannounced is None)
 
 
 async def test_a_marker_waits_for_a_directory_renamed_into_place_on_another_node(
@@ -267,11 +264,12 @@ async def test_a_marker_waits_for_a_directory_renamed_into_place_on_another_node
     moved = b.stack.fs.rename(ROOT_ID, b"tmp_b", ROOT_ID, b"step_1_b", 0)
     assert moved is not None
     await b.stack.fs.announce(*moved)
+    since = time.time()
     await a.close_file("latest", b"step_1")
-    await trio.sleep(0.5)
+    await drain_had_its_chance(a.stack.drain, since=since, what="upload the marker before the renamed directory")
     assert "latest" not in a.stack.store_files()
     await nursery.start(b.stack.drain.run)
-    await _until(lambda: "latest" in a.stack.store_files())
+    await until(lambda: "latest" in a.stack.store_files())
     assert "step_1_b/shard" in a.stack.store_files()
 
 
@@ -306,11 +304,11 @@ async def test_a_file_held_open_for_writing_does_not_keep_an_old_record(
     b.stack.fs.write(log_fh, 0, b"step 1\n")
     await b.close_file("shard_b", b"b")
     await a.close_file("latest", b"step_1")
-    await _until(lambda: "latest" in a.stack.store_files())
+    await until(lambda: "latest" in a.stack.store_files())
     assert "shard_b" in a.stack.store_files()
     assert b.pending_records(), "the log's writer is still covered"
     b.stack.fs.release(log_fh)
-    await _until(lambda: not b.pending_records())
+    await until(lambda: not b.pending_records())
 
 
 @pytest.mark.serial  # five opens within 1 s
@@ -337,7 +335,7 @@ async def test_a_store_that_does_not_answer_delays_one_open_not_every_open(
     assert trio.current_time() - started < 1.0, "every open waited for the hanging store"
     assert b.records.unannounced is not None
     answering.set()
-    await _until(lambda: bool(b.pending_records()) and b.records.unannounced is None)
+    await until(lambda: bool(b.pending_records()) and b.records.unannounced is None)
 
 
 async def test_a_store_that_keeps_refusing_records_is_asked_again_with_backoff_not_in_a_loop(
@@ -357,4 +355,4 @@ async def test_a_store_that_keeps_refusing_records_is_asked_again_with_backoff_n
     asked = refusals - len(b.stack.store.failures)
     assert 1 <= asked < 40, asked
     b.stack.store.failures = []
-    await _until(lambda: bool(b.pending_records()) or b.records.unannounced is None)
+    await until(lambda: bool(b.pending_records()) or b.records.unannounced is None)

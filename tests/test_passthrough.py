@@ -22,6 +22,7 @@ import pytest
 import trio
 from conftest import Mount, fuse_requests
 from fsharness import GID, UID, Stack, check_consistency, make_stack
+from waiting import drain_had_its_chance
 
 from ckptfs.daemon import METRICS_INTERVAL
 from ckptfs.fs import PASSTHROUGH_ROOM
@@ -162,8 +163,9 @@ async def test_a_full_cache_never_seals_a_file_written_through_passthrough(
     assert stack.fs.backing_of(fh)
     _kernel_writes(stack.cache.data_path(attr.ino), os.urandom(1 << 20) * 100)
     stack.cache.remeasure_all()
+    since = time.time()
     stack.drain.set_pressure(True)
-    await trio.sleep(0.5)
+    await drain_had_its_chance(stack.drain, since=since, what="seal or free the file under pressure")
     entry = stack.cache.files[attr.ino]
     assert entry.sealed == 0 and entry.freed == 0
     stack.drain.set_pressure(False)

@@ -22,6 +22,7 @@ import pytest
 from conftest import Mount
 from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
 from faultproxy import FaultProxy, Rule
+from waiting import mount_drain_had_its_chance, wait_until
 
 from ckptfs.backends.s3 import S3Store
 from ckptfs.errors import BackendError
@@ -72,13 +73,6 @@ def _stop_leaving_an_upload_behind(m: Mount, server: S3Server, bucket: str) -> N
     S3Store(bucket, PREFIX.rstrip("/"), endpoint_url=server.endpoint, owner=owner).open_upload("lost.bin", None, None)
 
 
-def _wait_for_log(mount: Mount, text: str, *, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in mount.log.read_text():
-        assert time.monotonic() < deadline, f"the daemon did not log {text!r} within {timeout:.0f} s"
-        time.sleep(0.2)
-
-
 def _objects(server: S3Server, bucket: str) -> dict[str, bytes]:
     """Every object under PREFIX but the store's own bookkeeping, read directly from SeaweedFS."""
     client = server.client()
@@ -98,13 +92,6 @@ def _multipart_uploads(server: S3Server, bucket: str) -> list[str]:
 
 def _state(path: Path) -> str:
     return os.getxattr(path, STATE_XATTR).decode()
-
-
-def _wait(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval)
 
 
 def _write_checkpoint(mnt: Path) -> dict[str, bytes]:
@@ -351,7 +338,7 @@ def test_a_stalled_upload_does_not_hold_up_others(s3_mount, seaweedfs_s3: S3Serv
     proxy.set_rules(Rule("stall", match=r"^PUT \S+/slow\.bin ", count=1, seconds=10))
     files = {"slow.bin": os.urandom(MiB)}
     (m.mnt / "slow.bin").write_bytes(files["slow.bin"])
-    _wait(lambda: proxy.seen(r"^PUT \S+/slow\.bin ", "stall") == 1, 10, "the stalled PUT")
+    wait_until(lambda: proxy.seen(r"^PUT \S+/slow\.bin ", "stall") == 1, timeout=10, what="the stalled PUT")
     started = time.monotonic()
     others = {f"other-{i}.bin": os.urandom(200_000 * (i + 1)) for i in range(5)}
     others["other-big.bin"] = os.urandom(12 * MiB)  # multipart
@@ -373,8 +360,10 @@ def test_permanent_error_keeps_data_dirty_until_healed(s3_mount, seaweedfs_s3: S
     small, big = os.urandom(100_000), os.urandom(12 * MiB)
     (m.mnt / "small.bin").write_bytes(small)
     (m.mnt / "big.bin").write_bytes(big)
-    _wait(lambda: "AccessDenied" in (m.status()["last_error"] or ""), 30, "the error to show in status")
-    _wait(lambda: all(_state(m.mnt / n) == "dirty" for n in ("small.bin", "big.bin")), 10, "dirty files")
+    wait_until(lambda: "AccessDenied" in (m.status()["last_error"] or ""),
+               timeout=30, what="the error to show in status")
+    wait_until(lambda: all(_state(m.mnt / n) == "dirty" for n in ("small.bin", "big.bin")),
+               timeout=10, what="dirty files")
     status = m.status()
     pending = status["states"]["dirty"]["files"] + status["states"]["uploading"]["files"]  # a retry may be on
     assert status["errors"] > 0 and pending == 2, status
@@ -389,9 +378,10 @@ def test_permanent_error_keeps_data_dirty_until_healed(s3_mount, seaweedfs_s3: S
     (m.mnt / "gone.bin").unlink()
     assert sorted(os.listdir(m.mnt)) == ["big.bin", "more.bin", "renamed.bin"]
     assert (m.mnt / "renamed.bin").read_bytes() == small
+    since = time.time()
     result = m.cli("flush", str(m.mnt), "--timeout", "2", timeout=60)
     assert result.returncode != 0, "flush claimed durability while every PUT was denied"
-    time.sleep(1)
+    mount_drain_had_its_chance(m.status, since=since, what="upload anything while every PUT is denied")
     assert _objects(seaweedfs_s3, bucket) == {}
     for name in ("big.bin", "more.bin", "renamed.bin"):
         assert _state(m.mnt / name) in ("dirty", "uploading"), name
@@ -415,11 +405,14 @@ def test_access_denied_mid_multipart_resumes_after_heal(s3_mount, seaweedfs_s3: 
     access is back it continues from the parts already there and completes."""
     m = s3_mount("--part-size", "5M")
     m.allowed_log_words.append("AccessDenied")
-    proxy.set_rules(Rule("error", match=r"^PUT \S+partNumber=([3-9]|\d\d) ", status=403, code="AccessDenied",
-                         message="Access Denied"))
+    denied = Rule("error", match=r"^PUT \S+partNumber=([3-9]|\d\d) ", status=403, code="AccessDenied",
+                  message="Access Denied")
+    proxy.set_rules(denied)
     data = os.urandom(30 * MiB)  # parts 1 and 2 go through, 3 to 6 are denied
     (m.mnt / "big.bin").write_bytes(data)
-    _wait(lambda: "AccessDenied" in (m.status()["last_error"] or ""), 30, "the error to show in status")
+    wait_until(lambda: "AccessDenied" in (m.status()["last_error"] or ""),
+               timeout=30, what="the error to show in status")
+    assert denied.fired > 0
     assert _state(m.mnt / "big.bin") in ("dirty", "uploading")
     assert _objects(seaweedfs_s3, bucket) == {}
     proxy.heal()
@@ -466,7 +459,8 @@ def test_rename_during_multipart_upload(s3_mount, seaweedfs_s3: S3Server, proxy:
     (m.mnt / "ckpt").mkdir()
     with _BucketWatcher(seaweedfs_s3, bucket) as watcher:
         (m.mnt / "ckpt" / "big.bin").write_bytes(data)
-        _wait(lambda: proxy.seen(r"^PUT \S+/ckpt/big\.bin\?\S*partNumber=") > 0, 30, "the first part upload")
+        wait_until(lambda: proxy.seen(r"^PUT \S+/ckpt/big\.bin\?\S*partNumber=") > 0,
+                   timeout=30, what="the first part upload")
         assert _state(m.mnt / "ckpt" / "big.bin") == "uploading"
         os.rename(m.mnt / "ckpt" / "big.bin", m.mnt / "ckpt" / "final.bin")
         renamed_at = time.monotonic()
@@ -474,6 +468,7 @@ def test_rename_during_multipart_upload(s3_mount, seaweedfs_s3: S3Server, proxy:
         proxy.heal()
         time.sleep(0.2)
     assert watcher.scans > 10
+    assert proxy.seen(r"^PUT \S+/ckpt/big\.bin\?\S*partNumber=", "stall") > 0, "no part of the old name was stalled"
     assert "ckpt/big.bin" not in watcher.seen, "the object appeared under its old name"
     assert _objects(seaweedfs_s3, bucket) == {"ckpt/": b"", "ckpt/final.bin": data}
     assert _multipart_uploads(seaweedfs_s3, bucket) == []
@@ -507,6 +502,7 @@ def test_dcp_save_through_faults_and_load_on_fresh_mount(s3_mount, seaweedfs_s3:
     assert ".metadata" in names and len(distcp) >= 3, names
     m.flush(timeout=120)
     proxy.heal()
+    assert sum(proxy.injected.values()) > 0, "no fault was injected"
     stored = _objects(seaweedfs_s3, bucket)
     for name in names:
         assert stored[f"dcp/step-7/{name}"] == (ckpt / name).read_bytes(), name
@@ -538,13 +534,17 @@ def test_fresh_mount_reads_through_throttling(s3_mount, seaweedfs_s3: S3Server, 
     assert m.umount().returncode == 0
     fresh = s3_mount("--part-size", "5M", name="fresh")
     fresh.allowed_log_words += ["cannot fetch", "fetch of model.bin failed"]
-    proxy.set_rules(Rule("slowdown", match=r"^GET /\S+/model\.bin ", count=2))
+    throttled = Rule("slowdown", match=r"^GET /\S+/model\.bin ", count=2)
+    proxy.set_rules(throttled)
     assert (fresh.mnt / "model.bin").read_bytes() == data
+    assert throttled.fired == 2, "the reads were not throttled"
 
 
 def test_mount_rides_out_throttling_at_start(s3_mount, proxy: FaultProxy) -> None:
-    proxy.set_rules(Rule("slowdown", match=r"^GET \S+list-type=2", count=2))
+    throttled = Rule("slowdown", match=r"^GET \S+list-type=2", count=2)
+    proxy.set_rules(throttled)
     m = s3_mount()
+    assert throttled.fired == 2, "the start's listings were not throttled"
     (m.mnt / "a").write_bytes(b"a")
     m.flush(timeout=30)
 
@@ -629,7 +629,8 @@ def test_leftovers_the_start_could_not_remove_are_gone_after_the_next_flush(
     m.start()
     m.allowed_log_words += ["cannot remove the interrupted uploads"]
     # The start-up sweep runs in the background: the storm outlasts its retries before the proxy heals.
-    _wait_for_log(m, "cannot remove the interrupted uploads", timeout=120)
+    wait_until(lambda: "cannot remove the interrupted uploads" in m.log.read_text(), timeout=120,
+               what="the daemon to log that it cannot remove the interrupted uploads")
     assert storm.fired > 0
     proxy.heal()
     big = os.urandom(12 * MiB)  # staged in parts while the sweep runs: it must survive it
@@ -648,10 +649,12 @@ def test_an_upload_marker_whose_write_lost_its_answer_is_swept_at_the_flush(
     wrote another marker, and nothing said the first was left behind, so no sweep ran and a flush left it in
     the store (crash harness, SeaweedFS with lost answers, seed 9442 round 29). Now the store says so."""
     # Both tries of the SDK (it sends a request once more itself) lose their answers.
-    proxy.set_rules(Rule("lost_response", match=r"^PUT \S+ckptfs-tmp\.uploads", count=2))
+    lost = Rule("lost_response", match=r"^PUT \S+ckptfs-tmp\.uploads", count=2)
+    proxy.set_rules(lost)
     store = S3Store(bucket, PREFIX.rstrip("/"), endpoint_url=proxy.endpoint, owner="o")
     with pytest.raises(BackendError):
         store.open_upload("a.bin", None, None)
+    assert lost.fired == 2
     markers = [key for key in _keys(seaweedfs_s3, bucket) if ".ckptfs-tmp.uploads/o/" in key]
     assert len(markers) == 1, markers  # written, though the client never heard so
     assert store.left_behind  # so the engine sweeps (Leftovers.due), at the latest at the next flush

@@ -4,10 +4,12 @@ store that can place the staged upload at any key), and the object is always the
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import trio
 from fsharness import GID, UID, Stack, check_consistency, make_stack
+from waiting import drain_had_its_chance
 
 from ckptfs.backends.base import UploadState
 from ckptfs.fs import SetAttrs
@@ -161,9 +163,10 @@ async def test_nothing_is_staged_while_writing_when_turned_off(tmp_path: Path, n
     stack = make_stack(tmp_path, upload_while_writing=False)
     small_parts(stack)
     await nursery.start(stack.drain.run)
+    since = time.time()
     fh, attr = stack.fs.create(ROOT_ID, b"big.pt", 0o644, os.O_WRONLY, UID, GID)
     data = await write_parts(stack, fh, range(12))
-    await trio.sleep(0.5)
+    await drain_had_its_chance(stack.drain, since=since, due=time.time(), what="stage parts of big.pt")
     assert stack.drain.stats.spilled_bytes == 0 and stack.journal.get(attr.ino).upload_state is None  # type: ignore[union-attr]
     stack.fs.release(fh)
     await stack.flush()

@@ -57,17 +57,24 @@ class Retries:
         # The last error of each job failing now (cleared by its success): what a preemption report names.
         self._last_error: dict[JobId, str] = {}
         self._permanent_reported: set[str] = set()
+        # Jobs whose last run deferred itself (defer): that run ends without an error, but it is no success.
+        self._deferred: set[JobId] = set()
 
     def due_at(self, job_id: JobId) -> float:
         """The trio time before which a failed job must not run again (-inf: it may run now)."""
         return self._retry_at.get(job_id, -math.inf)
 
     def defer(self, job_id: JobId, delay: float) -> None:
-        """Run the job again in `delay` seconds (it found it must wait; not a failure)."""
+        """Run the job again in `delay` seconds (it found it must wait; not a failure, nor a success: the
+        run's end, succeeded(), keeps the time; before, it dropped it and the job ran at every scan)."""
         self._retry_at[job_id] = trio.current_time() + delay
+        self._deferred.add(job_id)
 
     def succeeded(self, job: Job) -> None:
         job_id = (job.kind, job.ident)
+        if job_id in self._deferred:
+            self._deferred.discard(job_id)
+            return
         self._retry_at.pop(job_id, None)
         self._attempts.pop(job_id, None)
         self._unexpected.pop(job_id, None)
@@ -77,6 +84,7 @@ class Retries:
 
     def failed_unexpectedly(self, job: Job, exc: Exception, *, entry: str | None = None) -> None:
         job_id, op = (job.kind, job.ident), job.kind
+        self._deferred.discard(job_id)
         if isinstance(exc, BackendError):
             self.failed(job_id, op, exc)
         elif isinstance(exc, JournalFull):
@@ -103,6 +111,7 @@ class Retries:
                 self._retry_at[job_id] = trio.current_time() + PARKED_RETRY
 
     def failed(self, job_id: JobId, op: str, exc: BackendError, *, logged: bool = False) -> None:
+        self._deferred.discard(job_id)
         attempts = self._attempts.get(job_id, 0) + 1
         self._attempts[job_id] = attempts
         self._last_error[job_id] = str(exc)

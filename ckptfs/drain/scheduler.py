@@ -131,6 +131,7 @@ class Drain:
 
     def notify(self) -> None:
         """Something in the journal may have become work."""
+        self.stats.idle = False
         self._new_work.set()
         self._urgent.set()
         self.lane.wake()
@@ -143,6 +144,7 @@ class Drain:
         update), CPU and GIL that the writer waiting on each create and close would otherwise share. Large
         files and everything else go on as before; a flush, cache pressure and shutdown do not wait."""
         self._changed_at = trio.current_time()
+        self.stats.idle = False
         self._new_work.set()
         self.preemption.stale = True  # a close may complete a step: the next scan replans
 
@@ -269,6 +271,7 @@ class Drain:
         self._new_work = trio.Event()
         self._urgent = trio.Event()
         scanned_at = trio.current_time()
+        scan_began = self.clock()
         while self.cleanup.discarded:
             nursery.start_soon(self._guarded, "abort", self.cleanup.abort_discarded, self.cleanup.discarded.pop())
         sweep_at = self.cleanup.sweep_wanted_at()
@@ -278,8 +281,15 @@ class Drain:
         jobs, next_due = self._scan()
         next_due = min(next_due, sweep_at)
         if not await self._dispatch(jobs, nursery, scanned_at):
-            with trio.move_on_at(next_due):
-                await self._new_work.wait()
+            self.stats.scans += 1
+            self.stats.last_scan_at = scan_began
+            self.stats.idle = not self._new_work.is_set()
+            self.stats.next_scan_at = None if next_due == math.inf else self.clock() + next_due - trio.current_time()
+            try:
+                with trio.move_on_at(next_due):
+                    await self._new_work.wait()
+            finally:
+                self.stats.idle = False
         # Coalesce a burst of notifications (thousands of small files closing) into one scan.
         await trio.sleep_until(scanned_at + MIN_SCAN_INTERVAL)
         if self._in_burst() and not self._urgent.is_set():

@@ -18,4 +18,14 @@ class DrainStats:
     errors_by_job: dict[str, int] = field(default_factory=dict)
     last_error: str | None = None
     last_error_at: float | None = None
+    # Rounds whose scan and dispatch are done; the wall time the last of them began its scan; whether the drain
+    # now waits for work with nothing notified since that scan began; and the wall time of its next timed scan
+    # (something becomes due then: a file's upload_delay, a retry; None: nothing). Whoever must show that
+    # something did NOT happen (a test's "the marker is held back") waits on these instead of sleeping: a
+    # scan that began after the change of interest, then idle with no timed scan before the change is due,
+    # means the drain had its chance.
+    scans: int = 0
+    last_scan_at: float | None = None
+    idle: bool = False
+    next_scan_at: float | None = None
 
