@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from ckptfs.journal.connection import connect
 from ckptfs.journal.records import INODE_COLUMNS, Inode
+from ckptfs.journal.rowcache import RowCache
 from ckptfs.journal.schema import check_version, create_tables, migrations
 
 T = TypeVar("T")
@@ -55,6 +56,8 @@ class JournalBase:
         self.path = path
         self.commits = 0  # transactions committed since open (the daemon checkpoints only after new ones)
         self._checkpointer: sqlite3.Connection | None = None
+        # Rows and directory entries read or written (rowcache.py): every mutator keeps it exact.
+        self.cache = RowCache()
         fresh = not path.exists()
         self.db = connect(path)
         if fresh:
@@ -102,9 +105,17 @@ class JournalBase:
             self.db.execute("COMMIT")
             self.commits += 1
         except BaseException:
+            # What this transaction read or wrote into the cache may never have been.
+            self.cache.clear()
             if self.db.in_transaction:
                 self.db.execute("ROLLBACK")
             raise
+
+    def committed_alone(self) -> None:
+        """A mutator of one statement ran: outside transaction() SQLite committed it on its own (atomic and
+        durable as any transaction, without the BEGIN and COMMIT around it); count that commit."""
+        if not self.db.in_transaction:
+            self.commits += 1
 
     def sync(self) -> None:
         """Make every committed transaction survive power loss (fsync the WAL): a write transaction
@@ -142,7 +153,26 @@ class JournalBase:
         return cur.fetchall()
 
     def get(self, inode_id: int) -> Inode | None:
-        return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+        inode = self.cache.rows.get(inode_id)
+        if inode is None:
+            inode = self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+            if inode is not None:
+                self.cache.keep(inode)
+        return inode
+
+    def stale_cache_entries(self) -> list[str]:
+        """What the cache holds that the journal's tables do not (nothing, unless a mutator forgot to keep
+        it exact): for tests, which check it after every step."""
+        stale = []
+        for inode_id, cached in list(self.cache.rows.items()):
+            row = self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+            if row != cached:
+                stale.append(f"row {inode_id}: cached {cached}, journal {row}")
+        for (parent, name), entry in list(self.cache.entries.items()):
+            found = self.db.execute("SELECT id FROM inodes WHERE parent = ? AND name = ?", (parent, name)).fetchone()
+            if entry is None and found is not None:
+                stale.append(f"entry {name!r} of {parent}: cached as missing, journal {found[0]}")
+        return stale
 
     def get_many(self, inode_ids: Collection[int]) -> dict[int, Inode]:
         """The inodes among `inode_ids` that exist, by id: one query per _IDS_PER_QUERY ids, not one each."""
