@@ -220,10 +220,34 @@ def test_random_changes_leave_the_cache_exact(tmp_path: Path, seed: int) -> None
     for _ in range(300):
         _random_step(journal, rng, names)
         assert journal.stale_cache_entries() == []
+        for directory in [i for i in journal.all_inodes() if i.kind == DIR and (i.parent or i.id == ROOT_ID)]:
+            for name in names:
+                assert journal.lookup(directory.id, name) == journal._one(
+                    f"SELECT {', '.join(Inode._fields)} FROM inodes WHERE parent = ? AND name = ?", (directory.id, name)
+                )
         for inode in journal.all_inodes():
             assert journal.get(inode.id) == inode
             if inode.parent is not None and inode.name is not None:
                 assert journal.lookup(inode.parent, inode.name) == inode
+
+
+def test_a_directory_made_here_answers_missing_names_without_sql_until_a_listing_arrives(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.db")
+    with journal.transaction():
+        made = journal.create_inode(_root(journal), "d", DIR, 0o40755, 0, 0)
+        journal.create_inode(made, "a", FILE, 0o100644, 0, 0)
+    statements: list[str] = []
+    journal.db.set_trace_callback(statements.append)
+    assert journal.lookup(made.id, "never") is None
+    assert journal.lookup(made.id, "a") is not None
+    assert statements == []
+    with journal.transaction():
+        journal.import_listed(made, [ListedEntry("other", FILE, 1, 1, 0o100644, "d/other")], uid=0, gid=0,
+                              now=time.time())
+    other = journal.lookup(made.id, "other")  # not known one by one: read
+    assert other is not None and other.path == "d/other"
+    assert journal.lookup(made.id, "never") is None
+    assert journal.stale_cache_entries() == []
 
 
 def test_the_package_names_the_cache() -> None:

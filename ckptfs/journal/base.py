@@ -172,6 +172,12 @@ class JournalBase:
             found = self.db.execute("SELECT id FROM inodes WHERE parent = ? AND name = ?", (parent, name)).fetchone()
             if entry is None and found is not None:
                 stale.append(f"entry {name!r} of {parent}: cached as missing, journal {found[0]}")
+        for directory in list(self.cache.complete):
+            names = {row[0] for row in self.db.execute("SELECT name FROM inodes WHERE parent = ?", (directory,))}
+            known = {name for (parent, name), entry in self.cache.entries.items()
+                     if parent == directory and entry is not None}
+            if not names <= known:
+                stale.append(f"directory {directory} cached as complete lacks {sorted(names - known)}")
         return stale
 
     def get_many(self, inode_ids: Collection[int]) -> dict[int, Inode]:

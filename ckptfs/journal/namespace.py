@@ -49,7 +49,9 @@ class Namespace(PendingDeletes):
             # An entry is checked against its row: one whose row moved or went is read again below.
             if inode is not None and inode.parent == parent and inode.name == name:
                 return inode
-            del cache.entries[(parent, name)]
+            cache.distrust_entry(parent, name)
+        elif parent in cache.complete:
+            return None
         inode = self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ? AND name = ?", (parent, name))
         if inode is None:
             cache.keep_entry(parent, name, None)
@@ -179,6 +181,8 @@ class Namespace(PendingDeletes):
                       meta_dirty=0, upload_state=None, closed_at=closed_at, seq=seq)
         self.cache.keep(inode)
         self.cache.keep_entry(parent.id, name, inode.id)
+        if kind == DIR:
+            self.cache.new_directory(inode.id)
         self.touch_dir(parent.id, now)
         return inode
 
@@ -216,9 +220,7 @@ class Namespace(PendingDeletes):
                 for name, kind, size, mtime_ns, mode, key, target, checksum in entries]
         # These names exist from now on: what the cache knew of them (that they did not) goes first, so
         # that no statement below can leave it behind.
-        entries_cached = self.cache.entries
-        for entry in entries:
-            entries_cached.pop((parent_id, entry.name), None)
+        self.cache.names_arrived(parent_id, [entry.name for entry in entries])
         start = 0
         # Whole INSERTs of as many rows as the connection takes, then of 64, then one by one: three
         # statements at most, each compiled once (SQLite's statement cache keeps them).
