@@ -14,7 +14,21 @@ from pathlib import Path
 import pytest
 
 from ckptfs import journal as journal_package
-from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, Inode, Journal, ListedEntry, base, local, namespace, work
+from ckptfs.journal import (
+    CLEAN,
+    DIR,
+    FILE,
+    REMOTE,
+    ROOT_ID,
+    Inode,
+    Journal,
+    JournalFull,
+    ListedEntry,
+    base,
+    local,
+    namespace,
+    work,
+)
 
 # SQL that changes a row or an entry of the inodes table.
 _WRITES_INODES = ("UPDATE inodes", "INSERT INTO inodes", "DELETE FROM inodes", "_INSERT_LISTED", "_insert_listed_many")
@@ -247,6 +261,25 @@ def test_a_directory_made_here_answers_missing_names_without_sql_until_a_listing
     other = journal.lookup(made.id, "other")  # not known one by one: read
     assert other is not None and other.path == "d/other"
     assert journal.lookup(made.id, "never") is None
+    assert journal.stale_cache_entries() == []
+
+
+def test_a_change_of_its_own_that_fails_raises_the_journals_error_and_leaves_the_cache_exact(tmp_path: Path) -> None:
+    """Outside transaction() a mutator's statement commits on its own; SQLite's error of it leaves as the
+    journal's (translated at the call, not per statement), and the cache learnt nothing of it."""
+    journal = Journal(tmp_path / "journal.db")
+    with journal.transaction():
+        made = journal.create_inode(_root(journal), "d", DIR, 0o40755, 0, 0)
+    assert journal.lookup(made.id, "x0") is None
+    pages = journal.db.execute("PRAGMA page_count").fetchone()[0]
+    journal.db.execute(f"PRAGMA max_page_count = {pages}")
+    listing = [ListedEntry(f"x{i}", FILE, 1, 1, 0o100644, f"d/x{i}" + "y" * 200) for i in range(2000)]
+    with pytest.raises(JournalFull):
+        journal.import_listed(made, listing, uid=0, gid=0, now=time.time())
+    assert journal.stale_cache_entries() == []
+    journal.db.execute("PRAGMA max_page_count = 1073741823")
+    journal.import_listed(made, listing, uid=0, gid=0, now=time.time())
+    assert journal.lookup(made.id, "x0") is not None
     assert journal.stale_cache_entries() == []
 
 

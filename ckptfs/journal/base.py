@@ -10,7 +10,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from ckptfs.journal.connection import connect
+from ckptfs.journal.connection import connect, from_sqlite, translate_public_methods
 from ckptfs.journal.records import INODE_COLUMNS, Inode
 from ckptfs.journal.rowcache import RowCache
 from ckptfs.journal.schema import check_version, create_tables, migrations
@@ -52,6 +52,10 @@ _new_tuple = tuple.__new__
 class JournalBase:
     """One connection to the journal at `path`, opened with its schema current."""
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        translate_public_methods(cls)
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.commits = 0  # transactions committed since open (the daemon checkpoints only after new ones)
@@ -76,6 +80,7 @@ class JournalBase:
         self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
 
     def close(self) -> None:
+        self.cache.clear()  # a read after close fails as the connection's would, not from memory
         if self._checkpointer is not None:
             self._checkpointer.close()
         self.db.close()
@@ -97,18 +102,29 @@ class JournalBase:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
-        self.db.execute("BEGIN IMMEDIATE")
+        """BEGIN IMMEDIATE ... COMMIT around the body; a rollback if it fails. SQLite's errors of any of it
+        (the body's statements included) leave as the journal's, translated here once."""
+        db = self.db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise from_sqlite(exc) from exc
         try:
             yield
             # A COMMIT that fails (SQLITE_FULL: the cache filesystem is full) leaves the transaction open;
             # roll it back too, or every later BEGIN fails as well.
-            self.db.execute("COMMIT")
+            db.execute("COMMIT")
             self.commits += 1
-        except BaseException:
+        except BaseException as exc:
             # What this transaction read or wrote into the cache may never have been.
             self.cache.clear()
-            if self.db.in_transaction:
-                self.db.execute("ROLLBACK")
+            try:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+            except sqlite3.Error as failed:
+                raise from_sqlite(failed) from exc
+            if isinstance(exc, sqlite3.Error):
+                raise from_sqlite(exc) from exc
             raise
 
     def committed_alone(self) -> None:
@@ -187,3 +203,6 @@ class JournalBase:
             for inode in self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id IN ({marks})", chunk):
                 found[inode.id] = inode
         return found
+
+
+translate_public_methods(JournalBase)
