@@ -361,6 +361,8 @@ def make_stack(
 def check_consistency(stack: Stack) -> None:
     """The invariants between journal and cache that every test ends with."""
     journal, cache = stack.journal, stack.cache
+    # The journal's row cache holds nothing its tables do not (a stale row or entry would be served).
+    assert journal.stale_cache_entries() == []
     inodes = {i.id: i for i in journal.all_inodes()}
     paths: dict[str, int] = {}
     for inode in inodes.values():

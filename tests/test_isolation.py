@@ -116,8 +116,8 @@ async def test_an_unusable_journal_ends_the_drain(tmp_path: Path, monkeypatch: p
 
 def test_what_counts_as_an_unusable_journal(tmp_path: Path) -> None:
     journal = Journal(tmp_path / "journal.db")
-    with pytest.raises(JournalError) as bug:
-        journal.db.execute("SELECT * FROM x")
+    with pytest.raises(JournalError) as bug, journal.transaction():
+        journal.db.execute("SELECT * FROM x")  # SQLite's error, translated once by the transaction
     assert not journal_unusable(bug.value)  # one statement's failure, not the journal's
     pages = journal.db.execute("PRAGMA page_count").fetchone()[0]
     journal.db.execute(f"PRAGMA max_page_count = {pages}")

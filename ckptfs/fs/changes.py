@@ -114,9 +114,9 @@ class Changes:
         except FileNotFoundError:
             return
         self.cache.observe(inode_id, st)
-        with self.journal.transaction():
-            recorded = self.journal.mark_closed(
-                inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=time.time()
-            )
+        # One statement, which commits on its own: no transaction around it.
+        recorded = self.journal.mark_closed(
+            inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=time.time()
+        )
         if changed and recorded:
             self._notify_drain()

@@ -268,11 +268,15 @@ class Namespace:
                 raise FsError(errno.ENOTDIR, f"{target.path!r} is not a directory")
             if target.kind == DIR and self.journal.has_children(target.id):
                 raise FsError(errno.ENOTEMPTY, f"{target.path!r} is not empty")
-        # One transaction: a crash leaves either the old or the new namespace, never a mix.
-        with self.journal.transaction():
-            if target is not None:
-                self.journal.detach(target)
+        # One transaction: a crash leaves either the old or the new namespace, never a mix. A file moved to
+        # a free name is one statement, which is a transaction of its own.
+        if target is None and source.kind != DIR:
             self.journal.move(source, new_parent, new_name)
+        else:
+            with self.journal.transaction():
+                if target is not None:
+                    self.journal.detach(target)
+                self.journal.move(source, new_parent, new_name)
         if target is not None:
             self._references.maybe_purge(target.id)
         self._notify_drain()

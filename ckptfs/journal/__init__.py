@@ -13,8 +13,13 @@ Durability: WAL with synchronous=NORMAL survives a crash or kill -9 of the daemo
 Modules, one concern each: records (Inode, PendingDelete, the rows of listings and readdir, states and kinds),
 schema (create_tables, the schema version and its migrations), connection (the SQLite connection; SQLite's
 errors become JournalFull, JournalUnusable or JournalError there, and nowhere else), base (opening,
-transactions, sync, meta), and the concerns of the Journal class: namespace, deletes, work (the drain's),
-local (fetch, eviction, status).
+transactions, sync, meta), rowcache (the rows and directory entries read or written, kept exact by every
+mutator and dropped by a rollback: a request reads a row SQLite gave once already from memory), and the
+concerns of the Journal class: namespace, deletes, work (the drain's), local (fetch, eviction, status).
+
+The cache is coherent because the journal's mutators are the only writers of its tables: one process
+holds a cache dir (its lock), and in it every journal call is made from the trio thread (the drain's,
+recovery's, the lister's imports and the peers' changes included); checkpoint() writes no row.
 """
 
 from ckptfs.journal.connection import JournalError, JournalFull, JournalUnusable, journal_unusable

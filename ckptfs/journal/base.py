@@ -10,8 +10,9 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from ckptfs.journal.connection import connect
+from ckptfs.journal.connection import connect, from_sqlite, translate_public_methods
 from ckptfs.journal.records import INODE_COLUMNS, Inode
+from ckptfs.journal.rowcache import RowCache
 from ckptfs.journal.schema import check_version, create_tables, migrations
 
 T = TypeVar("T")
@@ -51,10 +52,16 @@ _new_tuple = tuple.__new__
 class JournalBase:
     """One connection to the journal at `path`, opened with its schema current."""
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        translate_public_methods(cls)
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.commits = 0  # transactions committed since open (the daemon checkpoints only after new ones)
         self._checkpointer: sqlite3.Connection | None = None
+        # Rows and directory entries read or written (rowcache.py): every mutator keeps it exact.
+        self.cache = RowCache()
         fresh = not path.exists()
         self.db = connect(path)
         if fresh:
@@ -73,6 +80,7 @@ class JournalBase:
         self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
 
     def close(self) -> None:
+        self.cache.clear()  # a read after close fails as the connection's would, not from memory
         if self._checkpointer is not None:
             self._checkpointer.close()
         self.db.close()
@@ -94,17 +102,36 @@ class JournalBase:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
-        self.db.execute("BEGIN IMMEDIATE")
+        """BEGIN IMMEDIATE ... COMMIT around the body; a rollback if it fails. SQLite's errors of any of it
+        (the body's statements included) leave as the journal's, translated here once."""
+        db = self.db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise from_sqlite(exc) from exc
         try:
             yield
             # A COMMIT that fails (SQLITE_FULL: the cache filesystem is full) leaves the transaction open;
             # roll it back too, or every later BEGIN fails as well.
-            self.db.execute("COMMIT")
+            db.execute("COMMIT")
             self.commits += 1
-        except BaseException:
-            if self.db.in_transaction:
-                self.db.execute("ROLLBACK")
+        except BaseException as exc:
+            # What this transaction read or wrote into the cache may never have been.
+            self.cache.clear()
+            try:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+            except sqlite3.Error as failed:
+                raise from_sqlite(failed) from exc
+            if isinstance(exc, sqlite3.Error):
+                raise from_sqlite(exc) from exc
             raise
+
+    def committed_alone(self) -> None:
+        """A mutator of one statement ran: outside transaction() SQLite committed it on its own (atomic and
+        durable as any transaction, without the BEGIN and COMMIT around it); count that commit."""
+        if not self.db.in_transaction:
+            self.commits += 1
 
     def sync(self) -> None:
         """Make every committed transaction survive power loss (fsync the WAL): a write transaction
@@ -142,7 +169,32 @@ class JournalBase:
         return cur.fetchall()
 
     def get(self, inode_id: int) -> Inode | None:
-        return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+        inode = self.cache.rows.get(inode_id)
+        if inode is None:
+            inode = self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+            if inode is not None:
+                self.cache.keep(inode)
+        return inode
+
+    def stale_cache_entries(self) -> list[str]:
+        """What the cache holds that the journal's tables do not (nothing, unless a mutator forgot to keep
+        it exact): for tests, which check it after every step."""
+        stale = []
+        for inode_id, cached in list(self.cache.rows.items()):
+            row = self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+            if row != cached:
+                stale.append(f"row {inode_id}: cached {cached}, journal {row}")
+        for (parent, name), entry in list(self.cache.entries.items()):
+            found = self.db.execute("SELECT id FROM inodes WHERE parent = ? AND name = ?", (parent, name)).fetchone()
+            if entry is None and found is not None:
+                stale.append(f"entry {name!r} of {parent}: cached as missing, journal {found[0]}")
+        for directory in list(self.cache.complete):
+            names = {row[0] for row in self.db.execute("SELECT name FROM inodes WHERE parent = ?", (directory,))}
+            known = {name for (parent, name), entry in self.cache.entries.items()
+                     if parent == directory and entry is not None}
+            if not names <= known:
+                stale.append(f"directory {directory} cached as complete lacks {sorted(names - known)}")
+        return stale
 
     def get_many(self, inode_ids: Collection[int]) -> dict[int, Inode]:
         """The inodes among `inode_ids` that exist, by id: one query per _IDS_PER_QUERY ids, not one each."""
@@ -151,3 +203,6 @@ class JournalBase:
             for inode in self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id IN ({marks})", chunk):
                 found[inode.id] = inode
         return found
+
+
+translate_public_methods(JournalBase)

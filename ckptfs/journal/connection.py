@@ -1,14 +1,22 @@
-"""The journal's SQLite connection, and the one place where SQLite's errors become the journal's: every
-statement runs on a _Cursor, so no sqlite3 error leaves the journal. Callers catch JournalFull (the cache
+"""The journal's SQLite connection, and the one place where SQLite's errors become the journal's: at the
+journal's boundary, once per call into it (translating(), around every public method) and once per
+transaction (JournalBase.transaction, for its BEGIN, body and COMMIT), so no sqlite3 error leaves the
+journal while its statements run on sqlite3's connection as it is. Callers catch JournalFull (the cache
 filesystem is full: retry later) and test for JournalUnusable (the journal cannot record anything any more:
 the daemon ends); any other failure of a statement is a JournalError (a bug).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class JournalError(Exception):
@@ -53,61 +61,36 @@ def journal_unusable(exc: BaseException) -> bool:
     return isinstance(exc, JournalUnusable)
 
 
-class _Cursor(sqlite3.Cursor):
-    """A cursor whose statements and rows raise journal errors, never sqlite3's."""
+def translating(method: Callable[P, R]) -> Callable[P, R]:
+    """`method` with SQLite's errors raised as the journal's: how a call into the journal translates them,
+    once at its boundary (JournalBase wraps every public method of its classes), not at every statement
+    and every fetch inside it (each statement runs on sqlite3's own connection, in C)."""
 
-    def execute(self, sql: str, parameters: Any = (), /) -> _Cursor:
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            return super().execute(sql, parameters)
+            return method(*args, **kwargs)
         except sqlite3.Error as exc:
             raise from_sqlite(exc) from exc
 
-    def fetchone(self) -> Any:
-        try:
-            return super().fetchone()
-        except sqlite3.Error as exc:
-            raise from_sqlite(exc) from exc
-
-    def fetchall(self) -> list[Any]:
-        try:
-            return super().fetchall()
-        except sqlite3.Error as exc:
-            raise from_sqlite(exc) from exc
-
-    def __next__(self) -> Any:
-        try:
-            return super().__next__()
-        except sqlite3.Error as exc:
-            raise from_sqlite(exc) from exc
+    return call
 
 
-class _Connection(sqlite3.Connection):
-    """The journal's connection: every statement runs on a _Cursor, so no sqlite3 error leaves the journal."""
-
-    def execute(self, sql: str, parameters: Any = (), /) -> _Cursor:
-        try:
-            cursor = self.cursor(_Cursor)
-        except sqlite3.Error as exc:  # a closed connection
-            raise from_sqlite(exc) from exc
-        return cursor.execute(sql, parameters)
-
-    def executemany(self, sql: str, seq_of_parameters: Any, /) -> _Cursor:
-        try:
-            cursor = self.cursor(_Cursor)
-            cursor.executemany(sql, seq_of_parameters)
-        except sqlite3.Error as exc:
-            raise from_sqlite(exc) from exc
-        return cursor
-
-    def executescript(self, script: str, /) -> sqlite3.Cursor:
-        try:
-            return super().executescript(script)
-        except sqlite3.Error as exc:
-            raise from_sqlite(exc) from exc
+def translate_public_methods(cls: type) -> None:
+    """Wrap each public method `cls` defines (and __init__) in translating(): what reaches a caller of the
+    journal is a JournalError, never a sqlite3.Error."""
+    for name, value in list(vars(cls).items()):
+        if inspect.isfunction(value) and (name == "__init__" or not name.startswith("_")):
+            setattr(cls, name, translating(value))
 
 
-def connect(path: Path) -> _Connection:
+class JournalConnection(sqlite3.Connection):
+    """sqlite3's connection, its methods as they are (in C: no Python frame per statement). A subclass only
+    so that an instance takes attributes: tests count the journal's calls by wrapping its execute."""
+
+
+def connect(path: Path) -> JournalConnection:
     try:
-        return sqlite3.connect(path, isolation_level=None, check_same_thread=False, factory=_Connection)
+        return sqlite3.connect(path, isolation_level=None, check_same_thread=False, factory=JournalConnection)
     except sqlite3.Error as exc:
         raise from_sqlite(exc) from exc

@@ -28,10 +28,12 @@ class LocalCopies(JournalBase):
             "UPDATE inodes SET state = 'clean', size = ?, mtime_ns = ? WHERE id = ? AND state = 'remote'",
             (size, mtime_ns, inode_id),
         )
+        self.cache.drop(inode_id)
 
     def serve_from_store(self, inode_id: int) -> None:
         """The local copy is gone (its cache file vanished): the version the store holds serves it now."""
         self.db.execute("UPDATE inodes SET state = 'remote' WHERE id = ?", (inode_id,))
+        self.cache.drop(inode_id)
 
     def replaced_in_store(self, inode_id: int, *, size: int, mtime_ns: int, checksum: str | None) -> None:
         """Another node replaced the object of this inode: the store's new version (of this size, mtime and
@@ -40,6 +42,7 @@ class LocalCopies(JournalBase):
             "UPDATE inodes SET state = 'remote', size = ?, mtime_ns = ?, checksum = ? WHERE id = ?",
             (size, mtime_ns, checksum, inode_id),
         )
+        self.cache.drop(inode_id)
 
     def rewritten_behind(self, inode_id: int, *, size: int, mtime_ns: int, now: float) -> None:
         """The cache file changed without the daemon (a handle the kernel kept open for writing after an
@@ -50,6 +53,7 @@ class LocalCopies(JournalBase):
             " seq = ?, mode = mode & ~3072 WHERE id = ? AND kind = 'file'",
             (size, mtime_ns, now, self.next_seq(), inode_id),
         )
+        self.cache.drop(inode_id)
 
     def stale_writers(self) -> dict[int, float]:
         """Files that were open for writing when a daemon died without a takeover, which the kernel may
@@ -105,6 +109,7 @@ class LocalCopies(JournalBase):
             " AND kind = 'file'",
             (size, mtime_ns, inode_id),
         )
+        self.cache.drop(inode_id)
         return cur.rowcount == 1
 
     # -- status ---------------------------------------------------------------------------------------

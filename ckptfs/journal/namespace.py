@@ -40,21 +40,47 @@ class Namespace(PendingDeletes):
     """The tree of entries and its changes; an entry removed or moved queues its store keys' deletes."""
 
     def lookup(self, parent: int, name: str) -> Inode | None:
-        return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ? AND name = ?", (parent, name))
+        cache = self.cache
+        if (parent, name) in cache.entries:
+            inode_id = cache.entries[(parent, name)]
+            if inode_id is None:
+                return None
+            inode = self.get(inode_id)
+            # An entry is checked against its row: one whose row moved or went is read again below.
+            if inode is not None and inode.parent == parent and inode.name == name:
+                return inode
+            cache.distrust_entry(parent, name)
+        elif parent in cache.complete:
+            return None
+        inode = self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ? AND name = ?", (parent, name))
+        if inode is None:
+            cache.keep_entry(parent, name, None)
+        else:
+            cache.keep(inode)
+            cache.keep_entry(parent, name, inode.id)
+        return inode
 
     def dir_and_child(self, parent: int, name: str) -> tuple[Inode | None, Inode | None]:
-        """The inode `parent` and its entry `name` (each None if there is none) in one statement: a lookup,
-        create or rename needs both, and read one after the other they were half of a small file's reads."""
-        parent_row = child = None
+        """The inode `parent` and its entry `name` (each None if there is none): from the cache, else in one
+        statement: a lookup, create or rename needs both, and read one after the other they were half of a
+        small file's reads."""
+        cache = self.cache
+        parent_row = cache.rows.get(parent)
+        if parent_row is not None:
+            return parent_row, self.lookup(parent, name)
+        child = None
         for inode in self._all(
             f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?1"
             f" UNION ALL SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ?1 AND name = ?2",
             (parent, name),
         ):
+            cache.keep(inode)
             if inode.id == parent:
                 parent_row = inode
             else:
                 child = inode
+        if parent_row is not None:
+            cache.keep_entry(parent, name, None if child is None else child.id)
         return parent_row, child
 
     def by_path(self, path: str) -> Inode | None:
@@ -148,12 +174,17 @@ class Namespace(PendingDeletes):
             " closed_at, seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'dirty', ?, ?)",
             (parent.id, name, path, kind, mode, uid, gid, now, now, target, closed_at, seq),
         )
-        self.touch_dir(parent.id, now)
         # The row as inserted, with the schema's defaults, without reading it back (one query less per create).
         assert cur.lastrowid is not None
-        return Inode(cur.lastrowid, parent.id, name, path, kind, mode, uid, gid, size=0, mtime_ns=now, ctime_ns=now,
-                     target=target, state=DIRTY, version=1, uploaded_version=0, remote_key=None, checksum=None,
-                     meta_dirty=0, upload_state=None, closed_at=closed_at, seq=seq)
+        inode = Inode(cur.lastrowid, parent.id, name, path, kind, mode, uid, gid, size=0, mtime_ns=now, ctime_ns=now,
+                      target=target, state=DIRTY, version=1, uploaded_version=0, remote_key=None, checksum=None,
+                      meta_dirty=0, upload_state=None, closed_at=closed_at, seq=seq)
+        self.cache.keep(inode)
+        self.cache.keep_entry(parent.id, name, inode.id)
+        if kind == DIR:
+            self.cache.new_directory(inode.id)
+        self.touch_dir(parent.id, now)
+        return inode
 
     def import_remote(
         self, parent: Inode, name: str, kind: str, *, size: int, mtime_ns: int, mode: int, key: str | None,
@@ -172,6 +203,7 @@ class Namespace(PendingDeletes):
         )
         inode = self.get(cur.lastrowid)  # type: ignore[arg-type]
         assert inode is not None
+        self.cache.keep_entry(parent.id, name, inode.id)
         return inode
 
     def import_listed(self, parent: Inode, entries: list[ListedEntry], *, uid: int, gid: int, now: float) -> None:
@@ -186,6 +218,9 @@ class Namespace(PendingDeletes):
         rows = [(parent_id, name, base + name, kind, mode, uid, gid, size, mtime_ns, mtime_ns, target,
                  REMOTE if kind == FILE else CLEAN, key, checksum, now)
                 for name, kind, size, mtime_ns, mode, key, target, checksum in entries]
+        # These names exist from now on: what the cache knew of them (that they did not) goes first, so
+        # that no statement below can leave it behind.
+        self.cache.names_arrived(parent_id, [entry.name for entry in entries])
         start = 0
         # Whole INSERTs of as many rows as the connection takes, then of 64, then one by one: three
         # statements at most, each compiled once (SQLite's statement cache keeps them).
@@ -200,11 +235,13 @@ class Namespace(PendingDeletes):
     def touch_dir(self, inode_id: int, now_ns: int | None = None) -> None:
         now = now_ns if now_ns is not None else time.time_ns()
         self.db.execute("UPDATE inodes SET mtime_ns = ?, ctime_ns = ? WHERE id = ?", (now, now, inode_id))
+        self.cache.update(inode_id, mtime_ns=now, ctime_ns=now)
 
     def set_attrs(self, inode_id: int, **columns: object) -> None:
         assert columns and set(columns) <= {"mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns"}
         assignments = ", ".join(f"{c} = ?" for c in columns)
         self.db.execute(f"UPDATE inodes SET {assignments} WHERE id = ?", (*columns.values(), inode_id))
+        self.cache.update(inode_id, **columns)
 
     def mark_dirty(self, inode_id: int) -> None:
         """The content is about to change: new version, dirty, not closed (a writer holds it). Setuid and
@@ -214,24 +251,32 @@ class Namespace(PendingDeletes):
             " WHERE id = ?",
             (inode_id,),
         )
+        self.cache.drop(inode_id)
 
     def mark_open_for_write(self, inode_id: int) -> None:
         self.db.execute("UPDATE inodes SET closed_at = NULL WHERE id = ?", (inode_id,))
+        self.cache.update(inode_id, closed_at=None)
 
     def mark_closed(self, inode_id: int, *, size: int, mtime_ns: int, changed: bool, now: float) -> bool:
         """The last writer closed. If it changed the content, the file queues for upload from now. Only a
         file with local data has a close to record: False (nothing changed) for any other inode, which the
-        caller need not read first."""
+        caller need not read first. One statement: called outside transaction() it commits on its own."""
         if changed:
+            seq = self.next_seq()
             cur = self.db.execute(
                 "UPDATE inodes SET size = ?, mtime_ns = ?, closed_at = ?, seq = ? WHERE id = ? AND kind = 'file'"
                 " AND state != 'remote'",
-                (size, mtime_ns, now, self.next_seq(), inode_id),
+                (size, mtime_ns, now, seq, inode_id),
             )
+            if cur.rowcount > 0:
+                self.cache.update(inode_id, size=size, mtime_ns=mtime_ns, closed_at=now, seq=seq)
         else:
             cur = self.db.execute(
                 "UPDATE inodes SET closed_at = ? WHERE id = ? AND kind = 'file' AND state != 'remote'", (now, inode_id)
             )
+            if cur.rowcount > 0:
+                self.cache.update(inode_id, closed_at=now)
+        self.committed_alone()
         return cur.rowcount > 0
 
     def detach(self, inode: Inode) -> None:
@@ -243,6 +288,8 @@ class Namespace(PendingDeletes):
             " uploaded_version = 0 WHERE id = ?",
             (inode.id,),
         )
+        self.cache.drop(inode.id)
+        self.cache.drop_entry(inode.parent, inode.name)
         if inode.parent is not None:
             self.touch_dir(inode.parent)
 
@@ -256,43 +303,70 @@ class Namespace(PendingDeletes):
 
     def purge(self, inode_id: int) -> None:
         self.db.execute("DELETE FROM inodes WHERE id = ? AND parent IS NULL AND id != ?", (inode_id, ROOT_ID))
+        self.cache.drop(inode_id)
 
     def move(self, inode: Inode, new_parent: Inode, new_name: str) -> None:
-        """Re-link `inode` (and, for a directory, its subtree) under a new parent/name."""
+        """Re-link `inode` (and, for a directory, its subtree) under a new parent/name. A file or a symlink
+        moves in one statement (with its directories' times): called outside transaction() it commits on
+        its own."""
         new_path = f"{new_parent.path}/{new_name}" if new_parent.path else new_name
         old_path = inode.path
-        assert old_path is not None
+        assert old_path is not None and inode.parent is not None and inode.name is not None
         now = time.time_ns()
-        if inode.kind == DIR:
-            folders = self.db.execute("SELECT path, remote_key FROM inodes WHERE id = ?", (inode.id,)).fetchall()
-            folders += self.db.execute(
-                "SELECT path, remote_key FROM inodes WHERE path >= ? AND path < ? AND kind = 'dir'",
-                prefix_range(old_path + "/"),
-            ).fetchall()
-            for path, remote_key in folders:
-                self.forget_folder(path, remote_key)
+        if inode.kind != DIR:
+            self._move_entry(inode, new_parent, new_name, new_path, now)
+            return
+        folders = self.db.execute("SELECT path, remote_key FROM inodes WHERE id = ?", (inode.id,)).fetchall()
+        folders += self.db.execute(
+            "SELECT path, remote_key FROM inodes WHERE path >= ? AND path < ? AND kind = 'dir'",
+            prefix_range(old_path + "/"),
+        ).fetchall()
+        for path, remote_key in folders:
+            self.forget_folder(path, remote_key)
         self.db.execute(
             "UPDATE inodes SET parent = ?, name = ?, path = ?, ctime_ns = ?, seq = ? WHERE id = ?",
             (new_parent.id, new_name, new_path, now, self.next_seq(), inode.id),
         )
-        if inode.kind == DIR:
-            # The subtree becomes work after everything before the rename, in the order its entries
-            # became work before it: a commit marker inside still follows its siblings.
-            # A range of the path index, not a walk of every inode: `mv step.tmp step` in a namespace of
-            # many retained checkpoints stays cheap (the FUSE loop waits for it).
-            prefix = old_path + "/"
-            lo, hi = prefix_range(prefix)
-            self.db.execute(
-                "UPDATE inodes SET path = ? || substr(path, ?), seq = seq + ? WHERE path >= ? AND path < ?",
-                (new_path + "/", len(prefix) + 1, self.next_seq(), lo, hi),
-            )
-            # Only the subtree's seqs changed: the journal-wide maximum is the old one or among them.
-            lo, hi = prefix_range(new_path + "/")
-            moved_max = self.db.execute("SELECT MAX(seq) FROM inodes WHERE path >= ? AND path < ?", (lo, hi))
-            self._seq = max(self._seq, moved_max.fetchone()[0] or 0)
-        if inode.parent is not None and inode.parent != new_parent.id:
+        # The subtree becomes work after everything before the rename, in the order its entries
+        # became work before it: a commit marker inside still follows its siblings.
+        # A range of the path index, not a walk of every inode: `mv step.tmp step` in a namespace of
+        # many retained checkpoints stays cheap (the FUSE loop waits for it).
+        prefix = old_path + "/"
+        lo, hi = prefix_range(prefix)
+        self.db.execute(
+            "UPDATE inodes SET path = ? || substr(path, ?), seq = seq + ? WHERE path >= ? AND path < ?",
+            (new_path + "/", len(prefix) + 1, self.next_seq(), lo, hi),
+        )
+        # Only the subtree's seqs changed: the journal-wide maximum is the old one or among them.
+        lo, hi = prefix_range(new_path + "/")
+        moved_max = self.db.execute("SELECT MAX(seq) FROM inodes WHERE path >= ? AND path < ?", (lo, hi))
+        self._seq = max(self._seq, moved_max.fetchone()[0] or 0)
+        if inode.parent != new_parent.id:
             self.touch_dir(inode.parent, now)
         self.touch_dir(new_parent.id, now)
+        # Every row below changed its path and seq: the cache cannot tell which it holds without a scan of
+        # all of it, and a directory's rename is rare next to the requests the cache serves.
+        self.cache.clear()
+
+    def _move_entry(self, inode: Inode, new_parent: Inode, new_name: str, new_path: str, now: int) -> None:
+        """move() of a file or a symlink: its row and the times of its old and new directory in one UPDATE
+        (a rename of a small file was BEGIN, three UPDATEs and COMMIT)."""
+        seq = self.next_seq()
+        old_parent = inode.parent
+        self.db.execute(
+            "UPDATE inodes SET parent = CASE id WHEN ?1 THEN ?2 ELSE parent END,"
+            " name = CASE id WHEN ?1 THEN ?3 ELSE name END, path = CASE id WHEN ?1 THEN ?4 ELSE path END,"
+            " seq = CASE id WHEN ?1 THEN ?5 ELSE seq END, mtime_ns = CASE id WHEN ?1 THEN mtime_ns ELSE ?6 END,"
+            " ctime_ns = ?6 WHERE id IN (?1, ?2, ?7)",
+            (inode.id, new_parent.id, new_name, new_path, seq, now, old_parent),
+        )
+        cache = self.cache
+        cache.update(inode.id, parent=new_parent.id, name=new_name, path=new_path, seq=seq, ctime_ns=now)
+        cache.update(new_parent.id, mtime_ns=now, ctime_ns=now)
+        cache.update(old_parent, mtime_ns=now, ctime_ns=now)  # type: ignore[arg-type]
+        cache.drop_entry(old_parent, inode.name)
+        cache.keep_entry(new_parent.id, new_name, inode.id)
+        self.committed_alone()
 
     # -- lazy listing: when each directory was last listed from the store (lister.DirLister) ----------
 

@@ -170,7 +170,7 @@ def check_version(db: sqlite3.Connection, path: Path, version: int) -> None:
     later = {column for v, columns in _ADDED_COLUMNS.items() if v > version for column in columns}
     try:
         db.execute(f"SELECT {', '.join(c for c in INODE_COLUMNS.split(', ') if c not in later)} FROM inodes LIMIT 0")
-    except JournalError as exc:
+    except sqlite3.Error as exc:
         raise JournalError(
             f"journal {path} does not match this ckptfs's schema ({exc}): it was made by a development"
             " build; use another --cache-dir"

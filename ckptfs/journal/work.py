@@ -78,6 +78,7 @@ class DrainWork(PendingDeletes):
         self.db.execute(
             "UPDATE inodes SET version = version + 1 WHERE id = ? AND state IN ('dirty', 'uploading')", (inode_id,)
         )
+        self.cache.drop(inode_id)
 
     def pending_uploads(self, limit: int = -1) -> list[Inode]:
         """Linked inodes whose content or marker the store lacks (dirty or mid-upload), oldest work first."""
@@ -160,6 +161,7 @@ class DrainWork(PendingDeletes):
     def adopt_marker(self, inode_id: int, key: str) -> None:
         """A directory imported without a marker has one in the store after all (seen when listing it)."""
         self.db.execute("UPDATE inodes SET remote_key = ? WHERE id = ? AND remote_key IS NULL", (key, inode_id))
+        self.cache.drop(inode_id)
 
     def release_key(self, key: str, keeper: int) -> None:
         """An object was just written at `key` for inode `keeper`: any other inode whose copy lived there
@@ -174,6 +176,7 @@ class DrainWork(PendingDeletes):
             " closed_at = COALESCE(closed_at, ?) WHERE id = ?",
             (now, inode_id),
         )
+        self.cache.drop(inode_id)
 
     # -- an upload, a move, a metadata update ---------------------------------------------------------
 
@@ -182,15 +185,18 @@ class DrainWork(PendingDeletes):
         self.db.execute(
             "UPDATE inodes SET state = 'uploading', meta_dirty = 0 WHERE id = ? AND state = 'dirty'", (inode_id,)
         )
+        self.cache.drop(inode_id)
 
     def save_upload_state(self, inode_id: int, state: str | None) -> None:
         self.db.execute("UPDATE inodes SET upload_state = ? WHERE id = ?", (state, inode_id))
+        self.cache.update(inode_id, upload_state=state)
 
     def upload_states(self) -> list[tuple[int, str]]:
         return list(self.db.execute("SELECT id, upload_state FROM inodes WHERE upload_state IS NOT NULL"))
 
     def abort_upload(self, inode_id: int) -> None:
         self.db.execute("UPDATE inodes SET state = 'dirty' WHERE id = ? AND state = 'uploading'", (inode_id,))
+        self.cache.drop(inode_id)
 
     def finish_upload(
         self, inode: Inode, *, key: str, version: int, checksum: str | None, size: int, clean: bool
@@ -205,17 +211,21 @@ class DrainWork(PendingDeletes):
             " state = CASE WHEN ? THEN 'clean' ELSE 'dirty' END WHERE id = ?",
             (key, version, checksum, size, clean, inode.id),
         )
+        self.cache.drop(inode.id)
 
     def finish_move(self, inode: Inode, old_key: str, new_key: str) -> None:
         """The store has a copy at `new_key` now; the one at `old_key` is queued for deletion."""
         self.queue_delete(old_key)
         self.release_key(new_key, inode.id)
         self.db.execute("UPDATE inodes SET remote_key = ? WHERE id = ?", (new_key, inode.id))
+        self.cache.drop(inode.id)
 
     def mark_meta_dirty(self, inode_id: int) -> None:
         """Mode or mtime changed. An upload that starts later carries them (and clears this); one in
         flight or done leaves it set, and the drain rewrites the object's metadata."""
         self.db.execute("UPDATE inodes SET meta_dirty = 1 WHERE id = ?", (inode_id,))
+        self.cache.update(inode_id, meta_dirty=1)
 
     def clear_meta_dirty(self, inode_id: int) -> None:
         self.db.execute("UPDATE inodes SET meta_dirty = 0 WHERE id = ?", (inode_id,))
+        self.cache.update(inode_id, meta_dirty=0)
