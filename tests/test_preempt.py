@@ -95,10 +95,12 @@ async def test_steps_being_written_and_deletes_wait_under_a_notice(tmp_path: Pat
     stack.write_file("step_400/shard0", b"closed shard")
     fh, _ = stack.fs.create(stack.resolve_dir("step_400"), b"shard1", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
     stack.fs.write(fh, 0, b"still being written")
-    stack.fs.unlink(ROOT_ID, b"old.pt")  # a delete (retention's would be the same)
     preempter = Preempter(stack.drain, stack.drain.engine, stack.cache.root)
     await nursery.start(preempter.run)
     preempter.begin(60, reason="test", lift_limits=False)
+    # A delete (retention's would be the same), made under the notice: before it, a delete is due at once
+    # and may be done before the notice comes (upload_delay holds back uploads only).
+    stack.fs.unlink(ROOT_ID, b"old.pt")
     report = await preempter.wait_report()
     by_step = {row["step"]: row for row in report["steps"]}
     assert by_step["step_300"]["published"]
