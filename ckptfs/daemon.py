@@ -445,6 +445,10 @@ class Daemon:
         # main() returns when the kernel ends the session: an external umount, or our terminate().
         if not self._stop_requested.is_set():
             log.info("%s was unmounted externally; draining before exit", self.mountpoint)
+            # The kernel sends no more requests: a release it had not sent yet (a file closed just before
+            # the umount: FUSE releases are asynchronous) never comes, and that file would count as open for
+            # writing, so the drain would wait drain_timeout for its close. Every handle is closed now.
+            self.fs.close_all()
             self.request_stop(self.config.drain_timeout)
 
     async def _watch_signals(self, nursery: trio.Nursery) -> None:
