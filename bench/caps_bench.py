@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO))
 from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  # noqa: E402
 from s3_drain_bench import ckptfs  # noqa: E402  (the CLI from "/": see there)
 
-from ckptfs import client  # noqa: E402
 from ckptfs.config import parse_rate  # noqa: E402
+from ckptfs.control import client  # noqa: E402
 
 MIB = 1 << 20
 DEFAULT_JSON = REPO / "bench" / "results" / "caps_bench.json"

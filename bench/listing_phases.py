@@ -16,12 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckptfs import fuse_ops
 from ckptfs.backends.local import LocalStore
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
+from ckptfs.fetch.lister import apply_dir_listing
 from ckptfs.fs.listing import Listing, NothingToList
 from ckptfs.journal import ROOT_ID, Journal
-from ckptfs.lister import apply_dir_listing
+from ckptfs.mount import adapter as fuse_ops
 
 
 def build(store: Path, dirs: int, files: int) -> None:

@@ -15,7 +15,7 @@ FUSE, trio or cloud SDK module):
 See docs/INTEGRATIONS.md for the few lines each training library needs.
 """
 
-from ckptfs.client import (
+from ckptfs.control.client import (
     PruneResult,
     limit,
     pending_nodes,

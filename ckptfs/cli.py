@@ -1,4 +1,4 @@
-"""The `ckptfs` command line: argv -> Config -> daemon.run(), or a call of the Python API in client.py (the
+"""The `ckptfs` command line: argv -> Config -> daemon.run(), or a call of the Python API in control/client.py (the
 control socket of a running daemon), so `ckptfs flush` and `ckptfs.wait_durable()` are one code path.
 
 Owns argument parsing, the --daemon detach-and-wait-for-ready dance, human and JSON output, and mapping
@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptfs import client, guard
-from ckptfs.config import CONFIG_ENV, Config, env_name, load_config, load_settings, parse_rate
+from ckptfs.config import CONFIG_ENV, Config, env_name, human_size, load_config, load_settings, parse_rate
+from ckptfs.control import client
 from ckptfs.errors import CkptfsError, NotDurableError, UsageError
+from ckptfs.mount import guard
 
 log = logging.getLogger("ckptfs")
 
@@ -328,7 +329,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     end_on_sigterm_as_init()
     import trio
 
-    from ckptfs import daemon, takeover
+    from ckptfs import daemon
+    from ckptfs.keepmount import keeper
 
     ready_fd = int(os.environ.pop(READY_FD_ENV, "-1"))
     waiting = [ready_fd >= 0]  # the parent still waits on ready_fd (closed once it heard "ready")
@@ -340,10 +342,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
             waiting[0] = False
 
     try:
-        # A daemon that dies is started again with this command line by the mount's holder (holder.py).
+        # A daemon that dies is started again with this command line by the mount's holder (keepmount/holder.py).
         restart_argv = sys.argv[1:] if args.restartable else None
         return trio.run(daemon.run, config, ready, restart_argv)
-    except takeover.Restart as restart:  # `ckptfs restart`: the code installed now, in this process
+    except keeper.Restart as restart:  # `ckptfs restart`: the code installed now, in this process
         os.execve(sys.executable, [sys.executable, "-m", "ckptfs", *restart.argv], restart.env)
     except CkptfsError as exc:
         if waiting[0]:  # a failure after the mount was live goes to the log only
@@ -489,13 +491,6 @@ def cmd_unguard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError
 
 
 def _credential_text(credentials: dict[str, Any]) -> str:
@@ -525,25 +520,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"cache dir  {status['cache_dir']}")
     print(f"{'state':<10} {'files':>8} {'bytes':>12}")
     for state, row in status["states"].items():
-        print(f"{state:<10} {row['files']:>8} {_human_bytes(row['bytes']):>12}")
+        print(f"{state:<10} {row['files']:>8} {human_size(row['bytes']):>12}")
     queue = status["queue"]
     print(f"queue      {queue['uploads']} uploads, {queue['moves']} moves, {queue['deletes']} deletes"
           f" ({queue['in_flight']} in flight); {status['open_for_write']} files open for writing")
     oldest = status["oldest_dirty_age_seconds"]
     print(f"oldest dirty  {'-' if oldest is None else f'{oldest}s'}")
     uploaded = status["uploaded"]
-    print(f"uploaded   {uploaded['files']} files, {_human_bytes(uploaded['bytes'])} since start")
+    print(f"uploaded   {uploaded['files']} files, {human_size(uploaded['bytes'])} since start")
     cache = status["cache"]
-    budget = "-" if cache["budget_bytes"] is None else _human_bytes(cache["budget_bytes"])
-    print(f"cache      {_human_bytes(cache['used_bytes'])} used of {budget}; {cache['evicted_files']} files"
+    budget = "-" if cache["budget_bytes"] is None else human_size(cache["budget_bytes"])
+    print(f"cache      {human_size(cache['used_bytes'])} used of {budget}; {cache['evicted_files']} files"
           f" evicted; {cache['waits']} writes waited for room ({cache['writes_waiting']} now)")
     if cache.get("short_of_free_space"):
         print("           its filesystem is short of min_free: files being written spill to the store;"
               " free space there or lower --min-free")
     moved = status["transfers"]
-    print(f"transfers  up {moved['parts_up']} parts, {_human_bytes(moved['up_bytes_per_second'])}/s;"
-          f" down {moved['parts_down']} parts, {_human_bytes(moved['down_bytes_per_second'])}/s;"
-          f" memory {_human_bytes(moved['memory_bytes'])} of {_human_bytes(moved['memory_budget_bytes'])}")
+    print(f"transfers  up {moved['parts_up']} parts, {human_size(moved['up_bytes_per_second'])}/s;"
+          f" down {moved['parts_down']} parts, {human_size(moved['down_bytes_per_second'])}/s;"
+          f" memory {human_size(moved['memory_bytes'])} of {human_size(moved['memory_budget_bytes'])}")
     limits = status.get("limits") or {}
     for label, direction in (("bandwidth  up", "upload"), ("           down", "download")):
         if direction in limits:
@@ -553,14 +548,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"credential {_credential_text(credentials)}")
     prefetched = status.get("prefetch")
     if prefetched and (prefetched["files_prefetched"] or prefetched["files_pending"] or prefetched["files_kept"]):
-        print(f"prefetch   {prefetched['files_prefetched']} files ({_human_bytes(prefetched['bytes_prefetched'])})"
-              f" fetched; {prefetched['files_pending']} pending ({_human_bytes(prefetched['bytes_pending'])} to go);"
-              f" {prefetched['files_kept']} kept until read ({_human_bytes(prefetched['bytes_kept'])});"
+        print(f"prefetch   {prefetched['files_prefetched']} files ({human_size(prefetched['bytes_prefetched'])})"
+              f" fetched; {prefetched['files_pending']} pending ({human_size(prefetched['bytes_pending'])} to go);"
+              f" {prefetched['files_kept']} kept until read ({human_size(prefetched['bytes_kept'])});"
               f" {prefetched['failures']} failed")
     reads = status.get("reads")
     if reads is not None:
-        print(f"reads      {_human_bytes(reads['bytes_downloaded'])} downloaded in {reads['chunks_fetched']} chunks;"
-              f" {reads['partial_files']} partial files ({_human_bytes(reads['partial_bytes'])});"
+        print(f"reads      {human_size(reads['bytes_downloaded'])} downloaded in {reads['chunks_fetched']} chunks;"
+              f" {reads['partial_files']} partial files ({human_size(reads['partial_bytes'])});"
               f" {reads['readers_waiting']} reads waiting; {reads['checksum_failures']} checksum failures")
     # What is on and what is off, one line each, with why (and how to get what is off)
     passthrough = status.get("passthrough")
@@ -595,7 +590,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _limit_text(limit: dict[str, Any]) -> str:
     """One direction's cap for people: '8.0 MiB/s (set by ckptfs limit, until 19:00)', 'off (configured)'."""
     rate = limit.get("bytes_per_second")
-    text = "off" if rate is None else f"{_human_bytes(rate)}/s"
+    text = "off" if rate is None else f"{human_size(rate)}/s"
     source = limit.get("source")
     until = limit.get("until")
     why = {"config": "configured", "timetable": f"timetable entry {limit.get('entry')}",
@@ -664,8 +659,8 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     elif args.release:
         print(f"released {reply['released']} prefetched files")
     else:
-        fetched = (f"fetched {reply['fetched_files']} files ({_human_bytes(reply['fetched_bytes'])})" if args.wait
-                   else f"fetching {reply['to_fetch_files']} files ({_human_bytes(reply['to_fetch_bytes'])}); ckptfs"
+        fetched = (f"fetched {reply['fetched_files']} files ({human_size(reply['fetched_bytes'])})" if args.wait
+                   else f"fetching {reply['to_fetch_files']} files ({human_size(reply['to_fetch_bytes'])}); ckptfs"
                    " status shows the progress")
         print(f"{reply['path'] or '/'}: {reply['files']} files, {reply['already_local']} in the cache already;"
               f" {fetched}")
@@ -719,7 +714,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 def cmd_holder(args: argparse.Namespace) -> int:
-    from ckptfs import holder
+    from ckptfs.keepmount import holder
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

@@ -172,7 +172,7 @@ class Config:
     operation goes on, and what they upload there later lands under the old name (logged, and in status)."""
 
     keep_mount: bool = True
-    """The mount outlives the daemon (holder.py): a holder process keeps the FUSE connection, and a daemon
+    """The mount outlives the daemon (keepmount/holder.py): a holder process keeps the FUSE connection, and a daemon
     that dies is started again and takes it over; the job's requests wait instead of failing."""
 
     keep_mount_on_stop: bool = False
@@ -184,7 +184,7 @@ class Config:
     die with its pod). Without a holder service SIGTERM drains and unmounts as always."""
 
     guard_mountpoint: bool = True
-    """After a clean unmount, mount a read-only guard (a tiny tmpfs, guard.py) over the mountpoint, so that a
+    """After a clean unmount, mount a read-only guard (a tiny tmpfs, mount/guard.py) over the mountpoint, so that a
     job that keeps saving gets EROFS instead of writing onto the disk below, never uploaded. `ckptfs mount`
     replaces the guard by itself; `ckptfs unguard MNT` removes it. Needs root."""
 
@@ -263,6 +263,15 @@ def parse_size(text: str | int, *, total: int | None = None) -> int:
     if not match:
         raise UsageError(f"size {text!r} is not understood; use bytes with K/M/G/T, like 512M or 200G, or 80%")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+def human_size(n: float) -> str:
+    """A byte count the way messages and `ckptfs status` show it: 1.5 GiB (parse_size reads it back)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 MIN_RATE = 1 << 10  # a cap below 1 KiB/s would look like a hung transfer, not a slow one

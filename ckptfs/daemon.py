@@ -8,11 +8,11 @@ because whatever was not uploaded stays journaled for the next start. SIGTERM wi
 the node's holder service keeps the connection (Kubernetes): drain with a deadline while serving as before,
 then leave the connection to the holder for the next daemon instead of unmounting.
 
-This is the only module besides fuse_ops.py that imports pyfuse3, and the only owner of the root nursery.
-It wires and starts; what it starts lives in modules of their own: mountpoint.py (can it be mounted on),
-takeover.py (the connection beyond this daemon: holder, systemd's store, handles taken over), control.py
-(the control socket's requests), snapshot.py (status, metrics and STATUS=, from one gathering), pruner.py
-(retention carried out).
+This is the only module besides mount/adapter.py that imports pyfuse3, and the only owner of the root nursery.
+It wires and starts; what it starts lives in modules of their own: mount/mountpoint.py (can it be mounted
+on), keepmount/keeper.py (the connection beyond this daemon: holder, systemd's store, handles taken over),
+control/answers.py (the control socket's requests), control/status.py (status, metrics and STATUS=, from one
+gathering), retention/pruner.py (retention carried out).
 """
 
 from __future__ import annotations
@@ -28,20 +28,30 @@ from collections.abc import Awaitable, Callable
 import pyfuse3
 import trio
 
-from ckptfs import ctl, guard, holder_link
 from ckptfs.backends import check_store, open_store
 from ckptfs.backends.base import UploadState
-from ckptfs.cache import CacheDir
-from ckptfs.client import ensure_runtime_dir, runtime_dir
+from ckptfs.cache.directory import CacheDir
+from ckptfs.cache.evictor import Evictor
 from ckptfs.config import Config, parse_bandwidth, parse_size
-from ckptfs.control import RETIRE_RECORDS_WAIT, ControlRequests, deadline_after
+from ckptfs.control import server as ctl
+from ckptfs.control.answers import RETIRE_RECORDS_WAIT, ControlRequests, deadline_after
+from ckptfs.control.client import ensure_runtime_dir, runtime_dir
+from ckptfs.control.metrics import InstrumentedStore, MetricsServer, parse_addr
+from ckptfs.control.status import KeepMount, MountStats, credential_state, gather, metrics_snapshot, status_line
 from ckptfs.drain import Drain, FlushResult
+from ckptfs.drain.recovery import RecoveryReport, recover
 from ckptfs.errors import CkptfsError, Faults
-from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
+from ckptfs.fetch.lister import DirLister
 from ckptfs.fetch.prefetch import Prefetcher
 from ckptfs.fs import Filesystem, probe_passthrough
-from ckptfs.fuse_ops import (
+from ckptfs.fs.handle_table import HandleTable, OpenHandle
+from ckptfs.journal import Inode, Journal, JournalError, JournalFull, journal_unusable
+from ckptfs.keepmount import link as holder_link
+from ckptfs.keepmount.keeper import ConnectionKeeper, Restart, find_held_connection
+from ckptfs.keepmount.systemd import Notifier
+from ckptfs.mount import guard
+from ckptfs.mount.adapter import (
     FuseOperations,
     forget_kernel_attrs,
     forget_kernel_data,
@@ -51,20 +61,12 @@ from ckptfs.fuse_ops import (
     kernel_backing_files,
     passthrough_granted,
 )
-from ckptfs.handles import HandleTable, OpenHandle
-from ckptfs.journal import Inode, Journal, JournalError, JournalFull, journal_unusable
-from ckptfs.lister import DirLister
-from ckptfs.metrics import InstrumentedStore, MetricsServer, parse_addr
-from ckptfs.mountpoint import check_fusermount, check_mountpoint, set_read_ahead, wait_until_mounted
+from ckptfs.mount.mountpoint import check_fusermount, check_mountpoint, set_read_ahead, wait_until_mounted
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
-from ckptfs.notices import watch_notices
-from ckptfs.preempter import Preempter
+from ckptfs.preempt.preempter import Preempter
+from ckptfs.preempt.watchers import watch_notices
 from ckptfs.process import raise_open_file_limit, return_freed_part_buffers
-from ckptfs.pruner import Pruner
-from ckptfs.recovery import RecoveryReport, recover
-from ckptfs.snapshot import KeepMount, MountStats, credential_state, gather, metrics_snapshot, status_line
-from ckptfs.systemd import Notifier
-from ckptfs.takeover import ConnectionKeeper, Restart, find_held_connection
+from ckptfs.retention.pruner import Pruner
 from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)
@@ -223,7 +225,7 @@ class Daemon:
                                        bandwidth=engine.bandwidth, preempter=self.preempter,
                                        prefetcher=Prefetcher(self.fetcher, self.lister.ensure))
         self.guarded, self.guard_why = guard.availability(config.guard_mountpoint)
-        # The mount outliving this daemon (takeover.py): holder, systemd's store, the handles taken over.
+        # The mount outliving this daemon (keepmount/keeper.py): holder, systemd's store, the handles taken over.
         self.keeper = ConnectionKeeper(
             pyfuse3, self.fs, self.notifier, mountpoint=self.mountpoint, cache_root=cache.root,
             keep_mount=config.keep_mount, guard_mountpoint=self.guarded, handle_table=handle_table,
@@ -484,7 +486,7 @@ class Daemon:
             await trio.sleep(metrics_pause(time.perf_counter() - started))
 
     def statistics(self) -> MountStats:
-        """Every statistic of the mount, read once (snapshot.py derives the status, metrics and STATUS=)."""
+        """Every statistic of the mount, read once (control/status.py derives the status, metrics and STATUS=)."""
         keeper = self.keeper
         keep_mount = KeepMount(keeper.link.holder_pid if keeper.link is not None else None, keeper.systemd_keeps,
                                self.held is not None, keeper.handles_taken_over, keeper.why)

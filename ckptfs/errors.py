@@ -1,7 +1,7 @@
 """The error types of ckptfs, and the record of the unexpected errors the daemon survived (Faults).
 
 Inner layers raise these; each is translated exactly once at the edge that owns the translation:
-`FsError` becomes a `pyfuse3.FUSEError` in fuse_ops.py, `BackendError` decides retry-or-report in the drain
+`FsError` becomes a `pyfuse3.FUSEError` in mount/adapter.py, `BackendError` decides retry-or-report in the drain
 and is mapped to an errno by `BACKEND_ERRNO` where a FUSE request waits on the store (a fetch), and
 `CkptfsError` becomes one line on stderr and an exit code in cli.py.
 """

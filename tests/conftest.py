@@ -23,10 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import client, guard
 from ckptfs.cli import _with_malloc_pad
-from ckptfs.client import canonical_mountpoint
+from ckptfs.control import client
+from ckptfs.control.client import canonical_mountpoint
 from ckptfs.errors import CkptfsError
+from ckptfs.mount import guard
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,7 +42,7 @@ def ckptfs_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 1
     )
 
 
-# Mount.flush/status/umount call the Python API (client.py) in this process instead of starting the CLI for
+# Mount.flush/status/umount call the Python API (control/client.py) in this process instead of starting the CLI for
 # each: `ckptfs flush` is that same call behind argv parsing, and a Python start-up of the CLI is about 0.2
 # CPU-seconds, a few hundred CPU-seconds in all over the suite. Each mount has a runtime dir of its own, where
 # client.runtime_dir() reads the environment: the mount's dir is given to the call through this context
@@ -367,7 +368,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 @pytest.fixture(autouse=True)
 def _no_guard_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A daemon that unmounts cleanly leaves a read-only guard (ckptfs/guard.py) on its mountpoint, also when a
+    """A daemon that unmounts cleanly leaves a read-only guard (ckptfs/mount/guard.py) on its mountpoint, also when a
     test ran it without the Mount fixture: remove every guard in the tmp dirs, or pytest could not delete them."""
     yield
     for mountpoint in guard.guarded_mountpoints(tmp_path_factory.getbasetemp()):

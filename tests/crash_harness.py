@@ -79,7 +79,7 @@ if str(TESTS) not in sys.path:  # `python -m tests.crash_harness` from the repo:
 from conftest import Mount  # noqa: E402
 from crash_writer import EXIT_MOUNT_GONE, data_for  # noqa: E402
 
-from ckptfs.client import canonical_mountpoint  # noqa: E402
+from ckptfs.control.client import canonical_mountpoint  # noqa: E402
 from ckptfs.drain import BURST_QUIET  # noqa: E402
 
 KiB = 1 << 10
@@ -2221,7 +2221,7 @@ class Harness:
 # -- --keep-mount: kills the holder's next daemon takes over -------------------------------------------------
 
 TAKEOVER_WAIT = 60.0  # seconds after a kill within which a new daemon must answer `status`
-HOLDER_STARTS = b"starting a daemon to take the connection over"  # the holder's log line (holder.py)
+HOLDER_STARTS = b"starting a daemon to take the connection over"  # the holder's log line (keepmount/holder.py)
 DAEMON_DIED = re.compile(r"holder of \S+: daemon pid \d+ died")
 TOOK_OVER = "took over the FUSE connection of"
 

@@ -24,14 +24,14 @@ from ckptfs.backends.base import (
     UploadRef,
 )
 from ckptfs.backends.local import LocalStore
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
+from ckptfs.cache.evictor import Evictor
 from ckptfs.config import DEFAULT_COMMIT_MARKERS
 from ckptfs.drain import Drain
-from ckptfs.evict import Evictor
 from ckptfs.fetch import Fetcher
+from ckptfs.fetch.lister import DirLister
 from ckptfs.fs import Filesystem
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, Journal
-from ckptfs.lister import DirLister
 from ckptfs.transfer import SmallFile, StagedUpload, Transfers
 
 UID = os.getuid()

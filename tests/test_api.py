@@ -14,7 +14,7 @@ import pytest
 from conftest import Mount
 
 import ckptfs
-from ckptfs import guard
+from ckptfs.mount import guard
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_import_ckptfs_loads_no_fuse_trio_or_cloud_sdk() -> None:
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
     # and the probe can see such an import: the daemon side does load trio
-    loaded = subprocess.run([sys.executable, "-c", "import sys, ckptfs.ctl; print('trio' in sys.modules)"],
+    loaded = subprocess.run([sys.executable, "-c", "import sys, ckptfs.control.server; print('trio' in sys.modules)"],
                             capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "True"
 
@@ -109,7 +109,7 @@ def test_a_call_waits_for_the_control_socket_of_a_mounted_mountpoint(api_mount: 
     then waits for the socket instead of failing with NoDaemonError (it failed so at once before; the
     socket's absence is played here by moving it away for a second). A mount whose socket never comes gets
     a message that says so, after the wait."""
-    sock = ckptfs.client.socket_path(api_mount.mnt)
+    sock = ckptfs.control.client.socket_path(api_mount.mnt)
     away = sock.with_name("away.sock")
     sock.rename(away)
     back = threading.Timer(1.0, away.rename, (sock,))
@@ -123,7 +123,7 @@ def test_a_call_waits_for_the_control_socket_of_a_mounted_mountpoint(api_mount: 
     sock.rename(away)
     try:
         with pytest.raises(ckptfs.NoDaemonError, match="it is mounted, but nothing answered"):
-            ckptfs.client.call(api_mount.mnt, {"op": "status"}, socket_wait=0.3)
+            ckptfs.control.client.call(api_mount.mnt, {"op": "status"}, socket_wait=0.3)
     finally:
         away.rename(sock)
 

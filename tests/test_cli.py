@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import Mount, ckptfs_cli
 
-from ckptfs import guard
 from ckptfs.cli import MALLOC_TUNABLE, _restart_with_malloc_pad, _with_malloc_pad
 from ckptfs.errors import UsageError
-from ckptfs.mountpoint import read_ahead_path
+from ckptfs.mount import guard
+from ckptfs.mount.mountpoint import read_ahead_path
 
 
 def _one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:

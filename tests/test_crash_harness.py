@@ -247,8 +247,8 @@ def test_an_eio_at_the_kill_is_in_flight_only_when_the_daemon_did_not_answer_it(
     plan += [{"op": "open", "path": "a", "trunc": False}]
     log.write_text('{"i": 0}\n{"i": 1, "err": 5, "upto": 0}\n{"i": 2}\n{"i": 3}\n')
     assert Model().apply_log(plan, log, eio_at_kill=True)[1], "an EIO before other answered calls is a failure"
-    assert EIO_ANSWERED.search("2026-11-23 DEBUG ckptfs.fuse_ops: write failed: [EIO] cache file gone")
-    assert not EIO_ANSWERED.search("2026-11-23 DEBUG ckptfs.fuse_ops: lookup failed: [ENOENT] no entry 'a'")
+    assert EIO_ANSWERED.search("2026-11-23 DEBUG ckptfs.mount.adapter: write failed: [EIO] cache file gone")
+    assert not EIO_ANSWERED.search("2026-11-23 DEBUG ckptfs.mount.adapter: lookup failed: [ENOENT] no entry 'a'")
 
 
 # -- product bugs found by the harness --------------------------------------------------------------------

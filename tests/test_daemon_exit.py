@@ -17,7 +17,7 @@ from pathlib import Path
 # up is a getattr of its root).
 HANGING_GETATTR = """
 import os, pathlib, trio
-from ckptfs import fuse_ops
+from ckptfs.mount import adapter as fuse_ops
 
 async def getattr_that_hangs(self, inode, ctx):
     pathlib.Path(os.environ["ASKED"]).touch()

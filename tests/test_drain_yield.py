@@ -12,9 +12,9 @@ import trio
 from fsharness import Stack, check_consistency, make_stack
 from waiting import until
 
+from ckptfs.control.metrics import OpStats
 from ckptfs.drain import SMALL_BATCH, SMALL_FILE, lane
 from ckptfs.drain.ordering import Job
-from ckptfs.metrics import OpStats
 
 
 def streaming(stack: Stack) -> None:

@@ -87,7 +87,7 @@ async def test_every_handler_answers_an_errno_never_an_exception(
     import pyfuse3
     from fsharness import make_stack
 
-    from ckptfs.fuse_ops import FuseOperations
+    from ckptfs.mount.adapter import FuseOperations
 
     stack = make_stack(tmp_path)
     ops = FuseOperations(stack.fs)
@@ -112,7 +112,7 @@ async def test_every_handler_answers_an_errno_never_an_exception(
     stack.fs.getattr = bug  # type: ignore[method-assign]
     stack.fs.readlink = bug  # type: ignore[method-assign]
     for unexpected in (ops.getattr(pyfuse3.ROOT_INODE, ctx), ops.readlink(pyfuse3.ROOT_INODE, ctx)):
-        with caplog.at_level("ERROR", logger="ckptfs.fuse_ops"), pytest.raises(pyfuse3.FUSEError) as raised:
+        with caplog.at_level("ERROR", logger="ckptfs.mount.adapter"), pytest.raises(pyfuse3.FUSEError) as raised:
             await unexpected
         assert raised.value.errno == errno.EIO
     tracebacks = [r for r in caplog.records if r.levelname == "ERROR" and r.exc_info]
@@ -126,7 +126,7 @@ async def test_a_create_of_a_name_that_exists_opens_it_unless_exclusive(tmp_path
     import pyfuse3
     from fsharness import make_stack
 
-    from ckptfs.fuse_ops import FuseOperations
+    from ckptfs.mount.adapter import FuseOperations
 
     stack = make_stack(tmp_path)
     ops = FuseOperations(stack.fs)

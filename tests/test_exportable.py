@@ -19,8 +19,8 @@ from conftest import Mount
 from fsharness import GID, UID, Stack, make_stack
 
 from ckptfs.errors import FsError
-from ckptfs.fuse_ops import FuseOperations, inode_generation
 from ckptfs.journal import ROOT_ID
+from ckptfs.mount.adapter import FuseOperations, inode_generation
 
 
 @pytest.fixture

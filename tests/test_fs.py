@@ -17,11 +17,11 @@ from fsharness import GID, UID, Stack, check_consistency, list_tree, make_stack
 from waiting import drain_had_its_chance, until
 
 from ckptfs.drain import BURST_QUIET, SMALL_BATCH, SMALL_FILE
+from ckptfs.drain.recovery import recover, repair_journal
 from ckptfs.drain.scheduler import BURST_SCAN_INTERVAL
 from ckptfs.errors import FsError, PermanentBackendError, TransientBackendError
 from ckptfs.fs import RENAME_EXCHANGE, RENAME_NOREPLACE, SetAttrs
 from ckptfs.journal import CLEAN, DIRTY, REMOTE, ROOT_ID, Journal
-from ckptfs.recovery import recover, repair_journal
 
 
 @pytest.fixture
@@ -445,7 +445,7 @@ async def test_fresh_cache_imports_store_and_fetches_on_open(tmp_path: Path, nur
 
 
 def test_keys_that_cannot_be_paths_are_skipped() -> None:
-    from ckptfs.lister import _valid_path
+    from ckptfs.fetch.lister import _valid_path
 
     assert _valid_path("a/b.pt") == "a/b.pt"
     assert _valid_path("dir/") == "dir"
@@ -791,7 +791,7 @@ async def test_the_store_is_listed_one_directory_at_a_time(tmp_path: Path) -> No
 
 async def test_store_keys_that_cannot_be_paths_warn_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from ckptfs.backends.base import DirListing, ObjectInfo
-    from ckptfs.lister import apply_dir_listing
+    from ckptfs.fetch.lister import apply_dir_listing
 
     stack = make_stack(tmp_path)
     root = stack.journal.get(ROOT_ID)

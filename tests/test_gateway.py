@@ -13,8 +13,8 @@ import trio
 from fsharness import GID, UID, Stack, check_consistency, make_stack
 from waiting import until
 
+from ckptfs.drain.recovery import repair_journal
 from ckptfs.journal import CLEAN, DIRTY, ROOT_ID
-from ckptfs.recovery import repair_journal
 
 
 def open_writer(stack: Stack, name: str) -> tuple[int, int]:

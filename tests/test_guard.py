@@ -1,4 +1,4 @@
-"""The guard on a mountpoint ckptfs does not serve (ckptfs/guard.py): after a clean unmount, writes into the
+"""The guard on a mountpoint ckptfs does not serve (ckptfs/mount/guard.py): after a clean unmount, writes into the
 bare directory fail with EROFS instead of landing on the disk below. Real mounts only (the tests run as root)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import Mount, ckptfs_cli
 
-from ckptfs import guard
+from ckptfs.mount import guard
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a guard needs root")
 

@@ -1,5 +1,5 @@
 """The handle table and a takeover without a kernel: what a daemon that takes a mount over rebuilds from the
-table the daemon before kept (handles.py, Filesystem.restore_handles, repair_journal's still_open)."""
+table the daemon before kept (fs/handle_table.py, Filesystem.restore_handles, repair_journal's still_open)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 from fsharness import make_stack
 
-from ckptfs.handles import HandleTable
+from ckptfs.drain.recovery import repair_journal
+from ckptfs.fs.handle_table import HandleTable
 from ckptfs.journal import ROOT_ID
-from ckptfs.recovery import repair_journal
 
 RW_CREATE = os.O_RDWR | os.O_CREAT
 

@@ -106,7 +106,7 @@ def test_sigterm_drains_then_leaves_the_mount_to_the_service_and_the_next_daemon
 
 
 def guard_free(mnt: Path) -> bool:
-    from ckptfs import guard
+    from ckptfs.mount import guard
 
     top = guard.mounted_at(mnt)
     return top is not None and top.fstype == "fuse.ckptfs"
@@ -187,7 +187,7 @@ def test_a_service_that_goes_while_the_daemon_drains_to_leave_makes_it_unmount_i
     assert m.proc.wait(timeout=60) == 0
     m.proc = None
     assert "unmounting" in m.log.read_text() and (m.store / "open.bin").read_bytes() == b"o" * 1000
-    from ckptfs import guard
+    from ckptfs.mount import guard
 
     top = guard.mounted_at(m.mnt)
     assert top is not None and top.is_guard, top  # unmounted and guarded, not a stale mount at ENOTCONN
@@ -196,7 +196,7 @@ def test_a_service_that_goes_while_the_daemon_drains_to_leave_makes_it_unmount_i
 def test_the_service_guards_a_mountpoint_until_the_daemon_mounts_it(mount_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A node's boot: the holder starts before the daemon, and a job started meanwhile must not write onto
     the disk below the mountpoint (which the daemon would then refuse as not empty)."""
-    from ckptfs import guard
+    from ckptfs.mount import guard
 
     m: Mount = mount_factory(start=False, extra_args=("--keep-mount-on-stop",))
     m.runtime.mkdir(mode=0o700)

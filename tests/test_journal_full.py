@@ -16,8 +16,8 @@ from fsharness import GID, UID, check_consistency, make_stack
 from ckptfs import daemon
 from ckptfs.daemon import checkpoint_journal
 from ckptfs.errors import Faults
-from ckptfs.fuse_ops import _fuse_error
 from ckptfs.journal import CLEAN, REMOTE, ROOT_ID, Journal, JournalError, JournalFull
+from ckptfs.mount.adapter import _fuse_error
 
 
 def _full() -> JournalFull:

@@ -1,4 +1,4 @@
-"""The mount outlives its daemon (keep_mount, holder.py): a daemon killed with kill -9 is started again by
+"""The mount outlives its daemon (keep_mount, keepmount/holder.py): a daemon killed with kill -9 is started again by
 the holder of its FUSE connection and takes it over; the job's requests wait instead of failing.
 
 The kill loop's size follows $CKPTFS_KEEP_MOUNT_KILLS and $CKPTFS_KEEP_MOUNT_FILE_MIB (the suite's default
@@ -21,8 +21,8 @@ from conftest import Mount
 from rank_server import SERVER, Rank
 from waiting import mount_drain_had_its_chance
 
-from ckptfs import guard
 from ckptfs.errors import CkptfsError
+from ckptfs.mount import guard
 
 KILLS = int(os.environ.get("CKPTFS_KEEP_MOUNT_KILLS", "6"))
 FILE_MIB = int(os.environ.get("CKPTFS_KEEP_MOUNT_FILE_MIB", "48"))

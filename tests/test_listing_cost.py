@@ -17,8 +17,8 @@ import trio.testing
 from fsharness import Stack, check_consistency, make_stack
 from waiting import until
 
+from ckptfs.fetch.lister import MAX_PATH_BYTES, DirLister, _listed_name, _plain_names, _valid_path
 from ckptfs.journal import REMOTE, ROOT_ID, JournalFull
-from ckptfs.lister import MAX_PATH_BYTES, DirLister, _listed_name, _plain_names, _valid_path
 
 
 class Counts:

@@ -1,4 +1,4 @@
-"""The Prometheus endpoint: docs/METRICS.md and ckptfs/metrics.py list the same metrics, and a real mount
+"""The Prometheus endpoint: docs/METRICS.md and ckptfs/control/metrics.py list the same metrics, and a real mount
 serves them with values that follow what happens in it."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, Mount
 
-from ckptfs.fuse_ops import _HAS_NOFLUSH
-from ckptfs.metrics import METRICS, parse_addr
+from ckptfs.control.metrics import METRICS, parse_addr
+from ckptfs.mount.adapter import _HAS_NOFLUSH
 
 
 def test_docs_list_exactly_the_defined_metrics() -> None:

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from fsharness import Stack, check_consistency, make_stack
 
-from ckptfs.fuse_ops import FuseOperations
 from ckptfs.journal import ROOT_ID
+from ckptfs.mount.adapter import FuseOperations
 
 FILES = 20
 

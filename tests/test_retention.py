@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import Mount
 
-from ckptfs.retention import Checkpoint, pinned_by_pointers, plan, step_of
+from ckptfs.retention.rules import Checkpoint, pinned_by_pointers, plan, step_of
 
 
 def test_newest_by_step_number_not_by_mtime() -> None:

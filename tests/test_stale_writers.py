@@ -21,9 +21,9 @@ from conftest import Mount
 from fsharness import Stack, check_consistency, make_stack
 from test_passthrough import needs_passthrough
 
-from ckptfs.evict import STALE_QUIET
+from ckptfs.cache.evictor import STALE_QUIET
+from ckptfs.drain.recovery import repair_journal
 from ckptfs.journal import CLEAN, DIRTY, REMOTE, JournalFull
-from ckptfs.recovery import repair_journal
 
 KIB = 1024
 

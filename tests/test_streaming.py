@@ -18,10 +18,10 @@ import pytest
 import trio
 from fsharness import Stack, check_consistency, make_stack
 
+from ckptfs.drain.recovery import repair_journal
 from ckptfs.errors import FsError
 from ckptfs.fs import data_path
 from ckptfs.journal import CLEAN, REMOTE, ROOT_ID
-from ckptfs.recovery import repair_journal
 
 KIB = 1 << 10
 CHUNK = 64 * KIB

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, Mount
 
-from ckptfs import guard
+from ckptfs.mount import guard
 
 UNIT = REPO / "systemd" / "ckptfs@.service"
 

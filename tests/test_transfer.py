@@ -20,10 +20,10 @@ from store_targets import BIG, META, PART, Target, engine, fetch, local_target, 
 from ckptfs.backends.base import TEMP_PREFIX, ObjectMeta, ObjectStore, UploadPart, UploadRef, UploadState
 from ckptfs.backends.local import LocalStore
 from ckptfs.errors import NotFoundBackendError, PermanentBackendError, TransientBackendError
-from ckptfs.leftovers import SWEEP_RETRY_FIRST
-from ckptfs.local_io import SourceChangedError
-from ckptfs.memory import MemoryBudget
 from ckptfs.transfer import Priority, PutFile, SmallFile, Transfers, plan_part_size
+from ckptfs.transfer.leftovers import SWEEP_RETRY_FIRST
+from ckptfs.transfer.local_io import SourceChangedError
+from ckptfs.transfer.memory import MemoryBudget
 
 MiB = 1 << 20
 

@@ -22,11 +22,14 @@ import pytest
 import trio
 from conftest import REPO, Mount, stock_pyfuse3
 
-from ckptfs import client, config, guard, takeover
+from ckptfs import config
+from ckptfs.control import client
 from ckptfs.errors import CkptfsError, UsageError
 from ckptfs.fs import Filesystem
 from ckptfs.journal import ROOT_ID, Journal
-from ckptfs.systemd import Notifier
+from ckptfs.keepmount import keeper
+from ckptfs.keepmount.systemd import Notifier
+from ckptfs.mount import guard
 
 
 @pytest.mark.core
@@ -57,15 +60,15 @@ def test_a_pyfuse3_without_the_additions_keeps_no_mount_and_says_how_to_get_it(t
     class StockSession:  # what pyfuse3 3.5.0 of PyPI has of what keep_mount calls
         def close(self, unmount: bool = True) -> None: ...
 
-    keeper = takeover.ConnectionKeeper(
-        cast(takeover.FuseConnection, StockSession()), cast(Filesystem, None), Notifier(),
+    kept = keeper.ConnectionKeeper(
+        cast(keeper.FuseConnection, StockSession()), cast(Filesystem, None), Notifier(),
         mountpoint=tmp_path / "mnt", cache_root=tmp_path,
         keep_mount=True, guard_mountpoint=True, handle_table=None, held=None, restored=[],
         restart_argv=["mount", "file:///x", str(tmp_path / "mnt")])
-    trio.run(keeper.start_holder)  # before: AttributeError 'init_request', and the mount failed with it
-    assert keeper.link is None and not keeper.keeps
-    assert keeper.why.startswith("off: this pyfuse3 is the stock build")
-    assert "scripts/build-wheels.sh" in keeper.why and "Transport endpoint is not connected" in keeper.why
+    trio.run(kept.start_holder)  # before: AttributeError 'init_request', and the mount failed with it
+    assert kept.link is None and not kept.keeps
+    assert kept.why.startswith("off: this pyfuse3 is the stock build")
+    assert "scripts/build-wheels.sh" in kept.why and "Transport endpoint is not connected" in kept.why
 
 
 def test_a_held_connection_that_this_pyfuse3_cannot_take_over_is_one_clear_error(
@@ -73,11 +76,11 @@ def test_a_held_connection_that_this_pyfuse3_cannot_take_over_is_one_clear_error
 ) -> None:
     read_end, write_end = os.pipe()
     os.close(write_end)
-    from ckptfs import holder_link
+    from ckptfs.keepmount import link as holder_link
 
     monkeypatch.setattr(holder_link, "inherited", lambda: holder_link.Held(read_end, b"init", None))
     with pytest.raises(CkptfsError, match="stock build, which cannot take a connection over"):
-        takeover.find_held_connection(tmp_path / "mnt", object())
+        keeper.find_held_connection(tmp_path / "mnt", object())
     with pytest.raises(OSError):
         os.fstat(read_end)  # the descriptor was let go
 
@@ -249,7 +252,7 @@ exec setpriv --reuid={user.pw_uid} --regid={user.pw_gid} --clear-groups \\
 
 
 def test_a_machine_without_fusermount3_gets_one_clear_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from ckptfs import mountpoint
+    from ckptfs.mount import mountpoint
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no fusermount3 on it
     monkeypatch.setattr(os, "geteuid", lambda: 1234)

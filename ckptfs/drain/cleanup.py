@@ -1,5 +1,5 @@
 """Cleanup the drain does in the store beside its jobs: aborting the staged uploads and spills of files
-removed meanwhile, and starting the sweeps of leftovers (the engine's `leftovers.py` owns them: when one is
+removed meanwhile, and starting the sweeps of leftovers (the engine's `transfer/leftovers.py` owns them: when one is
 due, backing off while the store refuses) from the scheduler's rounds and at the end of a flush.
 
 The scheduler (scheduler.py) starts both from its rounds; durability.py waits for the aborts.

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
 from ckptfs.journal import FILE, Inode, Journal
 
 # A snapshot holds if the file's last change is at least this much older than the moment the snapshot

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ckptfs.drain.ordering import CommitMarkers, Job
 from ckptfs.journal import DIR, FILE, Inode, Journal
-from ckptfs.retention import step_of
+from ckptfs.retention.rules import step_of
 
 # While a notice lasts, which steps are complete is looked at again after every change of the mount (a
 # file closed, a marker written: `stale`), and at least this often (trio seconds).

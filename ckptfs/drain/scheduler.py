@@ -19,18 +19,18 @@ from typing import Any
 
 import trio
 
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
 from ckptfs.drain import ordering
 from ckptfs.drain.cleanup import Cleanup
 from ckptfs.drain.durability import Durability, FlushResult
-from ckptfs.drain.lane import SmallLane
-from ckptfs.drain.namespace import Namespace
+from ckptfs.drain.namespace_jobs import NamespaceJobs
+from ckptfs.drain.object_records import ObjectRecords
 from ckptfs.drain.open_uploads import OpenUploads
 from ckptfs.drain.ordering import CommitMarkers, Job, below, keyed
 from ckptfs.drain.preemption import REPLAN_INTERVAL, Preemption, choose
-from ckptfs.drain.records import Records
 from ckptfs.drain.retries import Parked, Retries
-from ckptfs.drain.spills import Spills
+from ckptfs.drain.small_lane import SmallLane
+from ckptfs.drain.spill_jobs import SpillJobs
 from ckptfs.drain.stats import DrainStats
 from ckptfs.drain.uploads import SMALL_BATCH, SMALL_BATCH_BYTES, SMALL_FILE, Uploads
 from ckptfs.errors import Faults
@@ -104,7 +104,7 @@ class Drain:
         self.why_marker_waits: Callable[[Inode], str | None] = lambda inode: None
 
         self.retries = Retries(journal, self.stats, self.faults, engine.store.url)
-        self.records = Records(journal, self.markers)
+        self.records = ObjectRecords(journal, self.markers)
         self.preemption = Preemption(journal, self.markers)
         # Gateway mode: files still open for writing are uploaded once idle (None: only after their close).
         self.open_uploads = OpenUploads(journal, cache, open_upload_idle)
@@ -113,7 +113,7 @@ class Drain:
                                      why_marker_waits=lambda inode: self.why_marker_waits(inode),
                                      note_open_changes=self.open_uploads.note_changes)
         self.cleanup.progressed = self.durability.progressed
-        self.spills = Spills(
+        self.spills = SpillJobs(
             journal, cache, engine, self.records, self.markers, self.stats, discard_upload=self.discard_upload,
             # Early spills stage files being written while the cache has room, where the store can place
             # them at their key without a copy (see UploadState.early).
@@ -122,7 +122,7 @@ class Drain:
         )
         self.uploads = Uploads(journal, cache, engine, self.records, self.spills, self.retries, self.markers,
                                self.stats, self.open_uploads, marker_blocked=self._marker_blocked)
-        self.namespace = Namespace(journal, engine, self.records, self.retries, self.stats, clock=clock,
+        self.namespace = NamespaceJobs(journal, engine, self.records, self.retries, self.stats, clock=clock,
                                    marker_blocked=self._marker_blocked)
         # Batches of small uploads, started when the writer's requests let them.
         self.lane = SmallLane(self._upload_slots, self._run_batch, pressed=self._pressed)
@@ -156,7 +156,7 @@ class Drain:
             self.notify()
 
     def set_pressure(self, on: bool) -> None:
-        """The cache is full (evict.py calls this every round while it is): upload closed files at once,
+        """The cache is full (cache/evictor.py calls this every round while it is): upload closed files at once,
         ignoring upload_delay, and spill files being written, until it is not."""
         self.spills.pressure = on
         if on:

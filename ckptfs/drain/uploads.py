@@ -17,17 +17,24 @@ from collections.abc import Callable
 import trio
 
 from ckptfs.backends.base import UploadState
-from ckptfs.cache import CacheDir, CacheFile
+from ckptfs.cache.directory import CacheDir, CacheFile
+from ckptfs.drain.object_records import (
+    ObjectRecords,
+    Uploaded,
+    journal_holds,
+    journaled_state,
+    object_meta,
+    upload_priority,
+)
 from ckptfs.drain.open_uploads import OpenUploads, Snapshot, settle, stat_snapshot
 from ckptfs.drain.ordering import CommitMarkers, Job, changed_since_scan
-from ckptfs.drain.records import Records, Uploaded, journal_holds, journaled_state, object_meta, upload_priority
 from ckptfs.drain.retries import Retries
-from ckptfs.drain.spills import Spills
+from ckptfs.drain.spill_jobs import SpillJobs
 from ckptfs.drain.stats import DrainStats
 from ckptfs.errors import NotFoundBackendError
 from ckptfs.journal import DIR, FILE, SYMLINK, UPLOADING, Inode, Journal
-from ckptfs.local_io import SourceChangedError
 from ckptfs.transfer import PutFile, SmallFile, StagedUpload, Transfers
+from ckptfs.transfer.local_io import SourceChangedError
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +51,8 @@ class Uploads:
         journal: Journal,
         cache: CacheDir,
         engine: Transfers,
-        records: Records,
-        spills: Spills,
+        records: ObjectRecords,
+        spills: SpillJobs,
         retries: Retries,
         markers: CommitMarkers,
         stats: DrainStats,

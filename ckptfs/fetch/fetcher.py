@@ -14,10 +14,10 @@ from typing import Any
 
 import trio
 
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
+from ckptfs.cache.evictor import HIGH_WATER, Evictor
 from ckptfs.checksums import combine_crcs, crc_text
 from ckptfs.errors import BackendError, FsError, NotFoundBackendError, ObjectChangedError, errno_for_backend_error
-from ckptfs.evict import HIGH_WATER, Evictor
 from ckptfs.fetch.partials import PartialFiles
 from ckptfs.fetch.stream import Reader, Stream, close_stream, identity_of
 from ckptfs.journal import REMOTE, Inode, Journal, JournalFull

@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Protocol
 
-from ckptfs.cache import CacheDir, punch_hole_fd
+from ckptfs.cache.directory import CacheDir, punch_hole_fd
 from ckptfs.errors import FsError
 from ckptfs.fetch.stream import Stream, close_stream, identity_of
 from ckptfs.journal import Inode

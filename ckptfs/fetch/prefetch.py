@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ckptfs.cache.evictor import HIGH_WATER, Evictor
+from ckptfs.config import human_size
 from ckptfs.errors import FsError, UsageError
-from ckptfs.evict import HIGH_WATER, Evictor
-from ckptfs.evict import _size as _size
 from ckptfs.fetch.fetcher import Fetcher
 from ckptfs.journal import DIR, FILE, REMOTE, ROOT_ID, Inode
 
@@ -199,11 +199,13 @@ class Prefetcher:
             return
         if wanted > budget:
             raise UsageError(
-                f"cannot prefetch {path or '/'}: its files to fetch take {_size(wanted)}, more than the cache can"
-                f" hold ({_size(budget)}: {HIGH_WATER:.0%} of the {_size(int(limit))} budget); raise cache_size"
+                f"cannot prefetch {path or '/'}: its files to fetch take {human_size(wanted)}, more than the cache"
+                f" can hold ({human_size(budget)}: {HIGH_WATER:.0%} of the {human_size(int(limit))} budget); raise"
+                " cache_size"
                 " (--cache-size), or prefetch a part of it (a subdirectory or file)")
         raise UsageError(
-            f"cannot prefetch {path or '/'}: its files to fetch take {_size(wanted)}, and only"
-            f" {_size(max(0, budget - held))} of the cache's {_size(budget)} can be made free: {_size(held)} are"
-            " files not yet uploaded, open, kept by an earlier prefetch or being prefetched. Release earlier"
-            " prefetches (ckptfs prefetch --release), wait for the drain (ckptfs flush), or raise cache_size")
+            f"cannot prefetch {path or '/'}: its files to fetch take {human_size(wanted)}, and only"
+            f" {human_size(max(0, budget - held))} of the cache's {human_size(budget)} can be made free:"
+            f" {human_size(held)} are files not yet uploaded, open, kept by an earlier prefetch or being"
+            " prefetched. Release earlier prefetches (ckptfs prefetch --release), wait for the drain (ckptfs"
+            " flush), or raise cache_size")

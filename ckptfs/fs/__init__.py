@@ -1,5 +1,5 @@
 """POSIX semantics of the mount, testable without a kernel; one module per concern, wired by Filesystem
-(filesystem.py), the object fuse_ops.py translates kernel requests into calls of:
+(filesystem.py), the object mount/adapter.py translates kernel requests into calls of:
 
   interface.py     the values requests take and return (Attr, SetAttrs, ...), the protocols of collaborators
   inodes.py        an inode by id, as a directory, and its attributes (journal row + cache file)
@@ -21,7 +21,7 @@
 The layer changes persistent state only through the journal and reads/writes file data only through
 cache files (a read-only open of a remote file reads its partial file, whose chunks the fetcher brings in
 as reads need them). It never talks to an object store (the fetcher does that for it) and never imports
-pyfuse3: fuse_ops.py translates its results and FsError into FUSE replies.
+pyfuse3: mount/adapter.py translates its results and FsError into FUSE replies.
 """
 
 from ckptfs.fs.attributes import ERROR_XATTR, STATE_XATTR

@@ -10,7 +10,7 @@ import stat
 import time
 from collections.abc import Callable
 
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
 from ckptfs.errors import FsError
 from ckptfs.fs.changes import Changes
 from ckptfs.fs.data_path import DataPath

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import trio
 
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
 from ckptfs.fs.open_files import OpenFiles
 from ckptfs.journal import Journal, JournalFull
 

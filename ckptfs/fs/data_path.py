@@ -5,7 +5,7 @@ back-pressure of a full cache.
 The write path (`write`) is the hot path: one dict lookup, one budget compare, one pwrite, no SQL. The
 journal learns that a file changed at the first write of each open handle (`_first_write`), and its final
 size at release. A write that finds the cache over its budget raises RoomNeeded before it writes anything;
-the caller awaits wait_for_room() and writes again (back-pressure, see evict.py).
+the caller awaits wait_for_room() and writes again (back-pressure, see cache/evictor.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from ckptfs.cache import (
+from ckptfs.cache.directory import (
     FALLOC_FL_KEEP_SIZE,
     FALLOC_FL_PUNCH_HOLE,
     FALLOC_FL_ZERO_RANGE,
@@ -29,12 +29,12 @@ from ckptfs.cache import (
     fallocate_fd,
     punch_hole_fd,
 )
+from ckptfs.cache.evictor import Evictor
 from ckptfs.errors import FsError
-from ckptfs.evict import Evictor
 from ckptfs.fs.announce import Announcements
 from ckptfs.fs.changes import Changes
 from ckptfs.fs.inodes import attr_of, existing
-from ckptfs.fs.interface import Attr, FetchFn, Reader, ReadStreams, RoomNeeded
+from ckptfs.fs.interface import Attr, FetchFn, PartialReader, ReadStreams, RoomNeeded
 from ckptfs.fs.kernel_cache import KernelCache
 from ckptfs.fs.namespace import Namespace
 from ckptfs.fs.open_files import OpenFile, OpenFiles
@@ -260,7 +260,8 @@ class DataPath:
             raise FsError(exc.errno or errno.EIO, f"cannot open the partial file: {exc.strerror}") from None
         return self._new_handle(inode.id, fd, flags, False, reader)
 
-    def _new_handle(self, inode_id: int, fd: int, flags: int, dirtied: bool, reader: Reader | None = None) -> int:
+    def _new_handle(
+            self, inode_id: int, fd: int, flags: int, dirtied: bool, reader: PartialReader | None = None) -> int:
         fh = self._open_files.take_fh()
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         # A partial file is not a data file yet: its chunks are the fetcher's to account.
@@ -444,7 +445,7 @@ class DataPath:
         """After unmount: close every handle (the kernel will send no more releases). A close the journal
         cannot record (cache filesystem full) is left to the recovery at the next start, which takes
         every file for closed. The kernel keeps the backing file of a passthrough writer after the
-        connection went, and its writes go on into the cache file: such files are watched (evict.py)."""
+        connection went, and its writes go on into the cache file: such files are watched (cache/evictor.py)."""
         kept = {h.inode_id for h in self.handles.values() if h.writable and h.backing}
         for fh in list(self.handles):
             try:

@@ -1,4 +1,4 @@
-"""Filesystem: the POSIX semantics of the mount as one object, which fuse_ops.py and daemon.py call. It
+"""Filesystem: the POSIX semantics of the mount as one object, which mount/adapter.py and daemon.py call. It
 owns no state of its own: it wires the modules of this package, each the owner of one concern, and hands
 every request to its owner (write and read without a hop of their own: they are the hot path)."""
 
@@ -9,12 +9,13 @@ from typing import Any
 
 import trio
 
-from ckptfs.cache import CacheDir
-from ckptfs.evict import Evictor
+from ckptfs.cache.directory import CacheDir
+from ckptfs.cache.evictor import Evictor
 from ckptfs.fs.announce import Announcements
 from ckptfs.fs.attributes import Attributes
 from ckptfs.fs.changes import Changes
 from ckptfs.fs.data_path import DataPath
+from ckptfs.fs.handle_table import HandleTable, OpenHandle
 from ckptfs.fs.interface import (
     Announcer,
     Attr,
@@ -34,7 +35,6 @@ from ckptfs.fs.open_files import OpenFiles
 from ckptfs.fs.references import References
 from ckptfs.fs.requests import KernelRequests
 from ckptfs.fs.takeover import Takeover
-from ckptfs.handles import HandleTable, OpenHandle
 from ckptfs.journal import Inode, Journal
 
 

@@ -7,7 +7,7 @@ import errno
 import logging
 import os
 
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
 from ckptfs.errors import FsError
 from ckptfs.fs.interface import Attr
 from ckptfs.journal import DIR, FILE, REMOTE, Inode, Journal

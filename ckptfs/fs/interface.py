@@ -65,7 +65,7 @@ class Moved(NamedTuple):
 FetchFn = Callable[[Inode], Awaitable[None]]
 
 
-class Reader(Protocol):
+class PartialReader(Protocol):
     """One handle's reader of a remote file's partial file (fetch.Reader)."""
 
     @property
@@ -75,7 +75,7 @@ class Reader(Protocol):
     def complete(self) -> bool: ...
 
 
-R = TypeVar("R", bound=Reader)
+R = TypeVar("R", bound=PartialReader)
 
 
 class ReadStreams(Protocol[R]):
@@ -91,7 +91,7 @@ class ReadStreams(Protocol[R]):
 
 
 class BackingFiles(Protocol):
-    """The kernel's registry of backing files for FUSE passthrough (fuse_ops.py implements it)."""
+    """The kernel's registry of backing files for FUSE passthrough (mount/adapter.py implements it)."""
 
     def open(self, fd: int) -> int:
         """Register the open file `fd` with the kernel; its backing id for an open or create reply."""

@@ -9,7 +9,7 @@ import errno
 import logging
 import os
 
-from ckptfs.cache import CacheDir, CacheFile
+from ckptfs.cache.directory import CacheDir, CacheFile
 from ckptfs.fs.interface import BackingFiles
 from ckptfs.fs.open_files import OpenFile
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import trio
 
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
 from ckptfs.errors import BackendError, FsError, errno_for_backend_error
 from ckptfs.fs.inodes import directory, journal_attr, local_attr
 from ckptfs.fs.interface import Attr, DirEntry, Lister, OtherNodesWork

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
 from ckptfs.errors import FsError
 from ckptfs.fs.inodes import as_directory, attr_of, directory, existing
 from ckptfs.fs.interface import Attr, Lister, Moved

@@ -1,5 +1,5 @@
 """The table of open handles: which handle number names which open file (OpenFile), the lowest free number
-first (so that the mapped record of them, handles.py, stays as small as the most files ever open at once),
+first (so that the mapped record of them, fs/handle_table.py, stays as small as the most files ever open at once),
 and how many handles and writers each inode has open (an inode with open handles is in use: never evicted
 nor purged)."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 import errno
 import heapq
 
-from ckptfs.cache import CacheFile
+from ckptfs.cache.directory import CacheFile
 from ckptfs.errors import FsError
-from ckptfs.fs.interface import Reader
-from ckptfs.handles import HandleTable
+from ckptfs.fs.handle_table import HandleTable
+from ckptfs.fs.interface import PartialReader
 
 
 class OpenFile:
@@ -23,7 +23,7 @@ class OpenFile:
 
     def __init__(
         self, inode_id: int, fd: int, local: CacheFile, writable: bool, dirtied: bool, direct: bool,
-        reader: Reader | None = None, backing: int = 0,
+        reader: PartialReader | None = None, backing: int = 0,
     ) -> None:
         self.inode_id = inode_id
         self.fd = fd
@@ -41,7 +41,7 @@ class OpenFile:
 class OpenFiles:
     def __init__(self) -> None:
         self.handles: dict[int, OpenFile] = {}
-        # Handle numbers: the lowest free one first, so the handle table (handles.py) stays small.
+        # Handle numbers: the lowest free one first, so the handle table (fs/handle_table.py) stays small.
         self._next_fh = 1
         self._free_fhs: list[int] = []
         # Where open handles are recorded for a daemon that takes the mount over (None: nowhere).

@@ -9,8 +9,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ckptfs.cache import CacheDir
-from ckptfs.evict import Evictor
+from ckptfs.cache.directory import CacheDir
+from ckptfs.cache.evictor import Evictor
 from ckptfs.fs.changes import Changes
 from ckptfs.fs.interface import ReadStreams
 from ckptfs.fs.open_files import OpenFiles

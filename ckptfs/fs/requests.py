@@ -9,7 +9,7 @@ its source gone, the create finds its file, the open or create its handle alread
 Each is answered as if it had just succeeded. A request not sent again gets the error as it is. Builds of
 pyfuse3 without request ids (the stock one) pass 0: never sent again.
 
-The FUSE adapter (fuse_ops.py) converts types and errors only; everything a kernel's request means beyond
+The FUSE adapter (mount/adapter.py) converts types and errors only; everything a kernel's request means beyond
 the POSIX call is here, so that another adapter would repeat none of it."""
 
 from __future__ import annotations

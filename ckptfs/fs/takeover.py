@@ -1,5 +1,5 @@
 """Open handles across a takeover of the mount (keep-mount): each handle is recorded in the handle table
-(handles.py) when the reply naming it goes to the kernel (handed_out); a daemon that takes the connection
+(fs/handle_table.py) when the reply naming it goes to the kernel (handed_out); a daemon that takes the connection
 over restores them (restore_handles), and answers an open or create the kernel sends again, because the
 daemon before died before its reply went out, with the handle made for it (unanswered)."""
 
@@ -10,13 +10,13 @@ import logging
 import os
 from typing import Any
 
-from ckptfs.cache import CacheDir, CacheFile
+from ckptfs.cache.directory import CacheDir, CacheFile
 from ckptfs.fs.changes import Changes
-from ckptfs.fs.interface import Reader, ReadStreams
+from ckptfs.fs.handle_table import OpenHandle
+from ckptfs.fs.interface import PartialReader, ReadStreams
 from ckptfs.fs.kernel_cache import KernelCache
 from ckptfs.fs.open_files import OpenFile, OpenFiles
 from ckptfs.fs.references import References
-from ckptfs.handles import OpenHandle
 from ckptfs.journal import CLEAN, FILE, REMOTE, Journal
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Takeover:
         if inode is None or inode.kind != FILE:
             log.warning("an open handle of inode %d could not be taken over: the file is gone", inode_id)
             return False
-        reader: Reader | None = None
+        reader: PartialReader | None = None
         try:
             if inode.state == REMOTE:
                 if record.writable or self.streams is None:

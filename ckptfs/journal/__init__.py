@@ -24,8 +24,8 @@ recovery's, the lister's imports and the peers' changes included); checkpoint() 
 
 from ckptfs.journal.connection import JournalError, JournalFull, JournalUnusable, journal_unusable
 from ckptfs.journal.journal import Journal
-from ckptfs.journal.local import rewritten
-from ckptfs.journal.records import (
+from ckptfs.journal.local_copies import rewritten
+from ckptfs.journal.rows import (
     CLEAN,
     DIR,
     DIRTY,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
-from ckptfs.journal.base import JournalBase, id_groups, prefix_range
-from ckptfs.journal.records import PendingDelete
+from ckptfs.journal.core import JournalBase, id_groups, prefix_range
+from ckptfs.journal.rows import PendingDelete
 
 
 class PendingDeletes(JournalBase):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ckptfs.journal.local import LocalCopies
-from ckptfs.journal.namespace import Namespace
+from ckptfs.journal.local_copies import LocalCopies
+from ckptfs.journal.tree import Tree
 from ckptfs.journal.work import DrainWork
 
 
-class Journal(Namespace, DrainWork, LocalCopies):
+class Journal(Tree, DrainWork, LocalCopies):
     """The journal of one cache dir: open it with its path (journal.db); see the package's docstring."""

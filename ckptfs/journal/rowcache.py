@@ -9,7 +9,7 @@ exact values it wrote or drops it (a statement whose effect depends on the row, 
 A rollback drops everything (Journal.transaction): the rows read or written inside it may never have
 been. What is dropped is read again from SQLite at its next use.
 
-An entry's id is checked against its row at each use (Namespace.lookup): an entry can therefore never
+An entry's id is checked against its row at each use (Tree.lookup): an entry can therefore never
 answer with a row that moved away or was unlinked. A negative entry cannot be checked that way; every
 statement that gives a directory a name (create_inode, import_remote, import_listed, move) drops or
 replaces the name's entry.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptfs.journal.records import Inode
+from ckptfs.journal.rows import Inode
 
 # Rows and entries kept (each); beyond, the cache starts again empty. A 100,000-file walk reads every row
 # once, but the requests that read a row again (lookup, create, rename, getattr of the files being

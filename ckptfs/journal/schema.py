@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckptfs.journal.connection import JournalError
-from ckptfs.journal.records import INODE_COLUMNS, ROOT_ID
+from ckptfs.journal.rows import INODE_COLUMNS, ROOT_ID
 
 SCHEMA_VERSION = 4
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
-from ckptfs.journal.base import id_groups, prefix_range
+from ckptfs.journal.core import id_groups, prefix_range
 from ckptfs.journal.deletes import PendingDeletes
-from ckptfs.journal.records import INODE_COLUMNS, Inode
+from ckptfs.journal.rows import INODE_COLUMNS, Inode
 
 
 class DrainWork(PendingDeletes):

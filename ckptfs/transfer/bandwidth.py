@@ -270,6 +270,10 @@ class _Slots:
         self._waiters: list[_SlotWaiter] = []
         self._seq = 0
 
+    def waiting(self) -> int:
+        """Callers waiting for a slot now."""
+        return sum(1 for w in self._waiters if w.status == "waiting")
+
     async def acquire(self, priority: int) -> None:
         if self.busy < self.limit and not self._waiters:
             self.busy += 1
@@ -328,7 +332,7 @@ class Direction:
         return LimitNow(rate, source, entry, until, self.timetable, self.bucket.waiting + self._slots_waiting())
 
     def _slots_waiting(self) -> int:
-        return sum(1 for w in self._slots._waiters if w.status == "waiting")
+        return self._slots.waiting()
 
     def _resolve(self, wall: float) -> tuple[int | None, str, str | None, float | None]:
         """(rate, source, timetable entry, until) in effect at `wall`."""
@@ -399,7 +403,7 @@ class Direction:
         cap's bytes in ranges of `range_size` at once, at least one, granted in priority order."""
         self._range_size = range_size
         rate = self._set_window()
-        if rate is None and not self._slots._waiters:
+        if rate is None and not self._slots.waiting():
             yield
             return
         await self._slots.acquire(priority)

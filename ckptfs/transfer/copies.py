@@ -13,8 +13,8 @@ import trio
 
 from ckptfs.backends.base import ObjectMeta, UploadPart
 from ckptfs.errors import NotFoundBackendError, TooLargeToCopyError, TransientBackendError, UploadGoneError
+from ckptfs.transfer.contracts import UPLOAD_SPREAD, MiB, plan_part_size
 from ckptfs.transfer.pool import for_each
-from ckptfs.transfer.values import UPLOAD_SPREAD, MiB, plan_part_size
 
 if TYPE_CHECKING:
     from ckptfs.transfer.staging import StagedUploads

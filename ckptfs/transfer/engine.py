@@ -24,19 +24,8 @@ from ckptfs.errors import (
     PermanentBackendError,
     TransientBackendError,
 )
-from ckptfs.local_io import (
-    RangeWriter,
-    SourceChangedError,
-    read_whole,
-    source_error,
-)
-from ckptfs.memory import MemoryBudget
 from ckptfs.transfer.bandwidth import NO_LIMIT, Bandwidth, Timetable
-from ckptfs.transfer.copies import Copies
-from ckptfs.transfer.pool import for_each, parallel
-from ckptfs.transfer.spills import Spills
-from ckptfs.transfer.staging import StagedUploads
-from ckptfs.transfer.values import (
+from ckptfs.transfer.contracts import (
     UPLOAD_SPREAD,
     FetchedRange,
     MiB,
@@ -47,6 +36,17 @@ from ckptfs.transfer.values import (
     TransferStats,
     plan_part_size,
 )
+from ckptfs.transfer.copies import Copies
+from ckptfs.transfer.local_io import (
+    RangeWriter,
+    SourceChangedError,
+    read_whole,
+    source_error,
+)
+from ckptfs.transfer.memory import MemoryBudget
+from ckptfs.transfer.pool import for_each, parallel
+from ckptfs.transfer.spills import Spills
+from ckptfs.transfer.staging import StagedUploads
 
 log = logging.getLogger(__name__)
 

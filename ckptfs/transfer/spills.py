@@ -15,10 +15,10 @@ import trio
 from ckptfs.backends.base import ObjectMeta, UploadPart, UploadState
 from ckptfs.checksums import combine_crcs, crc_of, crc_text, whole_crc
 from ckptfs.errors import BackendError, NotFoundBackendError, PermanentBackendError
-from ckptfs.leftovers import SPILL_PREFIX
-from ckptfs.local_io import SourceChangedError, fdatasync_path, source_error
+from ckptfs.transfer.contracts import Priority
+from ckptfs.transfer.leftovers import SPILL_PREFIX
+from ckptfs.transfer.local_io import SourceChangedError, fdatasync_path, source_error
 from ckptfs.transfer.pool import for_each, parallel
-from ckptfs.transfer.values import Priority
 
 if TYPE_CHECKING:
     from ckptfs.transfer.copies import Copies

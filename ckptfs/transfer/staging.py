@@ -18,12 +18,12 @@ import trio
 from ckptfs.backends.base import ObjectMeta, ObjectStore, RangeSink, UploadPart, UploadRef, backoff_delays
 from ckptfs.checksums import crc32, crc_text
 from ckptfs.errors import BackendError, ObjectChangedError, TransientBackendError, UploadGoneError
-from ckptfs.leftovers import Leftovers
-from ckptfs.local_io import RangeWriter, SourceChangedError, read_part, scan_crc, source_error
-from ckptfs.memory import MemoryBudget
 from ckptfs.transfer.bandwidth import Bandwidth
+from ckptfs.transfer.contracts import Priority, TransferStats
+from ckptfs.transfer.leftovers import Leftovers
+from ckptfs.transfer.local_io import RangeWriter, SourceChangedError, read_part, scan_crc, source_error
+from ckptfs.transfer.memory import MemoryBudget
 from ckptfs.transfer.pool import for_each
-from ckptfs.transfer.values import Priority, TransferStats
 
 log = logging.getLogger(__name__)
 

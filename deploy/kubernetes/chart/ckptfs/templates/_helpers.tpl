@@ -28,7 +28,7 @@
 {{- end -}}
 
 {{/* The FUSE mountpoint, the same path on the host and in the containers. */}}
-{{- define "ckptfs.mountpoint" -}}
+{{- define "ckptfs.mount.mountpoint" -}}
 {{- printf "%s/%s" (trimSuffix "/" .Values.mount.root) .Values.mount.name -}}
 {{- end -}}
 

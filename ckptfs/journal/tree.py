@@ -10,9 +10,9 @@ import time
 from collections.abc import Collection
 from itertools import chain
 
-from ckptfs.journal.base import id_groups, prefix_range
+from ckptfs.journal.core import id_groups, prefix_range
 from ckptfs.journal.deletes import PendingDeletes
-from ckptfs.journal.records import CLEAN, DIR, DIRTY, FILE, INODE_COLUMNS, REMOTE, ROOT_ID, EntryRow, Inode, ListedEntry
+from ckptfs.journal.rows import CLEAN, DIR, DIRTY, FILE, INODE_COLUMNS, REMOTE, ROOT_ID, EntryRow, Inode, ListedEntry
 
 _LISTED_COLUMNS = ("INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, size, mtime_ns, ctime_ns, target,"
                    " state, version, uploaded_version, remote_key, checksum, closed_at) VALUES ")
@@ -36,7 +36,7 @@ def _insert_listed_many(rows: int) -> str:
     return _LISTED_COLUMNS + ", ".join([_LISTED_ROW] * rows)
 
 
-class Namespace(PendingDeletes):
+class Tree(PendingDeletes):
     """The tree of entries and its changes; an entry removed or moved queues its store keys' deletes."""
 
     def lookup(self, parent: int, name: str) -> Inode | None:

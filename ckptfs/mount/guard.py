@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptfs.client import canonical_mountpoint
+from ckptfs.control.client import canonical_mountpoint
 from ckptfs.errors import CkptfsError
 
 log = logging.getLogger(__name__)

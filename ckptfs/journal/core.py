@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from ckptfs.journal.connection import connect, from_sqlite, translate_public_methods
-from ckptfs.journal.records import INODE_COLUMNS, Inode
 from ckptfs.journal.rowcache import RowCache
+from ckptfs.journal.rows import INODE_COLUMNS, Inode
 from ckptfs.journal.schema import check_version, create_tables, migrations
 
 T = TypeVar("T")

@@ -2,11 +2,11 @@
 
 The kernel keeps a FUSE connection (and so the mount, and every request a process is waiting on) as long as
 one process holds its /dev/fuse descriptor. After a daemon mounts, it starts a holder (`python -m
-ckptfs.holder`, its own session, a few MB) and hands it a duplicate of that descriptor with the kernel's INIT
+ckptfs.keepmount.holder`, its own session, a few MB) and hands it a duplicate of that descriptor with the kernel's INIT
 request. The daemon stays attached to the holder over a Unix socket beside its control socket. When that
 link breaks without a goodbye (kill -9, the OOM killer, a crash), the holder starts the daemon again with
 the command line it was mounted with; the new daemon attaches, receives the descriptor, replays INIT
-(pyfuse3.takeover), takes over the open handles (handles.py), asks the kernel to send again the requests
+(pyfuse3.takeover), takes over the open handles (fs/handle_table.py), asks the kernel to send again the requests
 the dead daemon had read but not answered (FUSE_NOTIFY_RESEND, Linux >= 6.9), and serves on. The training
 job sees a pause, not an error. A `ckptfs mount` of the same mountpoint started by hand while no daemon is
 attached takes over the same way.
@@ -27,7 +27,7 @@ next one to attach, however long that takes. A daemon whose service went away (t
 hands its connection in again once a new one listens (docs/design/keep-mount.md).
 
 This module is the holder (`main`) and the node's holder service (`serve_node`), and the wire both sides
-share; the daemon's side (`start`, `attach`, `hand_to_service`, the link) is holder_link.py. The holder
+share; the daemon's side (`start`, `attach`, `hand_to_service`, the link) is keepmount/link.py. The holder
 imports nothing of the daemon: it must stay small and must not break when the daemon's code is replaced
 under it.
 """
@@ -49,10 +49,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckptfs.client import runtime_dir, socket_path
+from ckptfs.control.client import holder_path, service_path
 from ckptfs.errors import CkptfsError
 
-log = logging.getLogger("ckptfs.holder")  # also when run as __main__
+log = logging.getLogger("ckptfs.keepmount.holder")  # also when run as __main__
 
 RESTART_DELAY = 1.0  # seconds between a daemon's death and the start of the next
 MAX_START_FAILURES = 5  # daemons in a row that exit before they serve: the holder gives up
@@ -65,12 +65,6 @@ ATTACH_TIMEOUT = 10.0
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 MAX_MESSAGE = 1 << 20
 
-
-def holder_path(mountpoint: str | Path) -> Path:
-    """The holder's socket: beside the mount's control socket, found from the mountpoint alone (a stat of a
-    mount nobody serves would hang). Its name is as long as the control socket's (a Unix socket's path has
-    at most 107 bytes)."""
-    return socket_path(mountpoint).with_suffix(".hold")
 
 
 def recv_message(sock: socket.socket) -> tuple[bytes, list[int]]:
@@ -93,7 +87,7 @@ def recv_message(sock: socket.socket) -> tuple[bytes, list[int]]:
 def spawn(config: dict[str, Any], fd: int, *, own_session: bool) -> subprocess.Popen[bytes]:
     """Start a holder process for the connection `fd` described by `config`; return once it listens."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptfs.holder"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, "-m", "ckptfs.keepmount.holder"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         pass_fds=(fd,), start_new_session=own_session, close_fds=True,
     )
     assert proc.stdin is not None and proc.stdout is not None
@@ -113,12 +107,7 @@ def spawn(config: dict[str, Any], fd: int, *, own_session: bool) -> subprocess.P
 
 # -- the node's holder service (`ckptfs holder`, Kubernetes) ---------------------------------------------
 
-SERVICE_SOCKET = "holder.sock"
 
-
-def service_path() -> Path:
-    """Where the node's holder service listens: in the runtime dir, which the daemon's pod shares."""
-    return runtime_dir() / SERVICE_SOCKET
 
 
 def listen(listener: socket.socket, path: Path, backlog: int) -> None:

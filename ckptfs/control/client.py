@@ -85,6 +85,21 @@ def socket_path(mountpoint: StrPath) -> Path:
     return runtime_dir() / f"{digest}.sock"
 
 
+def holder_path(mountpoint: str | Path) -> Path:
+    """The holder's socket: beside the mount's control socket, found from the mountpoint alone (a stat of a
+    mount nobody serves would hang). Its name is as long as the control socket's (a Unix socket's path has
+    at most 107 bytes)."""
+    return socket_path(mountpoint).with_suffix(".hold")
+
+
+SERVICE_SOCKET = "holder.sock"  # the node's holder service, in the runtime dir
+
+
+def service_path() -> Path:
+    """Where the node's holder service listens: in the runtime dir, which the daemon's pod shares."""
+    return runtime_dir() / SERVICE_SOCKET
+
+
 def call(
     mountpoint: StrPath, request: dict[str, Any], *, timeout: float | None = 10.0,
     socket_wait: float = SOCKET_WAIT_SECONDS,

@@ -20,7 +20,7 @@ lowered when the cache filesystem would otherwise keep less than `min_free` free
 others fill it past `min_free`, writes go on, uploaded in parts as they are written, instead of waiting
 for room only others can free (what s3fs's ensure_diskfree does). Both are plain
 attributes read on every FUSE write, so the write path pays two attribute loads and a compare. The
-evictor (evict.py) keeps `used` under `limit` and makes writers wait when it cannot. Writes the daemon does
+evictor (cache/evictor.py) keeps `used` under `limit` and makes writers wait when it cannot. Writes the daemon does
 not see (holes filled later; the kernel writing a data file itself, with FUSE passthrough) are charged
 when the file is measured again from its size and st_blocks (`observe`): at close and fsync, and every
 evictor round for the files in `measured`.

@@ -15,9 +15,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from ckptfs.backends.base import UploadState
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
 from ckptfs.journal import CLEAN, FILE, REMOTE, ROOT_ID, UPLOADING, Inode, Journal
-from ckptfs.journal.local import rewritten
+from ckptfs.journal.local_copies import rewritten
 from ckptfs.transfer import Transfers
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
-"""Retention carried out: reads the mount's top level, asks retention.py which checkpoints go, and deletes
+"""Retention carried out: reads the mount's top level, asks retention/rules.py which checkpoints go, and deletes
 them through the mount's namespace (an `rm -r` through the fs package), so that the journal and the drain take the
 deletes to the store like any other. Runs after each completed checkpoint (keep_last) and for `ckptfs prune`.
 
-retention.py holds the rules and stays pure; this module owns only what applying them touches: the
+retention/rules.py holds the rules and stays pure; this module owns only what applying them touches: the
 listing of the top level and of what is deleted, the pointer files' text, and the other nodes' pending work.
 """
 
@@ -15,11 +15,11 @@ from collections.abc import Callable
 import trio
 
 from ckptfs.errors import Faults
+from ckptfs.fetch.lister import DirLister
 from ckptfs.fs import Filesystem
 from ckptfs.journal import DIR, FILE, ROOT_ID, Inode, Journal, journal_unusable
-from ckptfs.lister import DirLister
 from ckptfs.nodes import TOP_FILES, PeerRecords
-from ckptfs.retention import Checkpoint, Plan, pinned_by_pointers, plan
+from ckptfs.retention.rules import Checkpoint, Plan, pinned_by_pointers, plan
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class Pruner:
         self.peers = peers
         self.faults = faults
         self._wanted = trio.Event()
-        # True while a preemption notice lasts: retention's deletes wait (the daemon wires it; preempter.py).
+        # True while a preemption notice lasts: retention's deletes wait (the daemon wires it; preempt/preempter.py).
         self.held: Callable[[], bool] = lambda: False
         # Retention deletes behind the kernel's back (no FUSE request): what it held of a deleted checkpoint
         # goes with these (fuse_ops.forget_kernel_entry_now and forget_kernel_data), called in a worker thread.
@@ -74,7 +74,7 @@ class Pruner:
                 log.info("retention (keep_last %d): deleted %s", keep_last, ", ".join(result.delete))
 
     async def prune(self, keep_last: int, keep_globs: tuple[str, ...], *, dry_run: bool) -> Plan:
-        """Delete all but the newest `keep_last` top-level checkpoints (see retention.py) through the
+        """Delete all but the newest `keep_last` top-level checkpoints (see retention/rules.py) through the
         namespace, so that the drain removes them from the store too."""
         await self.lister.ensure(ROOT_ID)
         top = [c for c in self.journal.all_children(ROOT_ID) if c.name and not c.name.startswith(".")]

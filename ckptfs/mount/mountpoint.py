@@ -18,8 +18,9 @@ from pathlib import Path
 
 import trio
 
-from ckptfs import guard, holder
+from ckptfs.control.client import holder_path
 from ckptfs.errors import CkptfsError
+from ckptfs.mount import guard
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ STALE_MOUNT_STAT_WAIT = 5.0  # how long the start waits on a stat of a FUSE moun
 
 def check_mountpoint(mountpoint: Path) -> bool:
     """Whether `mountpoint` can be mounted on (CkptfsError naming why not). Returns whether a guard was
-    removed from it: a guard (guard.py) kept writes off the bare directory while nothing served it, and
+    removed from it: a guard (mount/guard.py) kept writes off the bare directory while nothing served it, and
     mounting replaces it."""
     removed = guard.remove(mountpoint)
     try:
@@ -65,7 +66,7 @@ def _stat_of_a_mountpoint(mountpoint: Path) -> os.stat_result:
     if not result:
         raise CkptfsError(
             f"mountpoint {mountpoint} is a FUSE mount ({top.describe()}) whose connection is kept alive but that no"
-            f" daemon serves, and no holder answers at {holder.holder_path(mountpoint)}: the mount was kept by"
+            f" daemon serves, and no holder answers at {holder_path(mountpoint)}: the mount was kept by"
             " another ckptfs version's holder, or another process holds its /dev/fuse. Stop that process, or"
             f" detach the mount (umount -l {mountpoint}: the processes using it then get errors), then mount again")
     if isinstance(result[0], OSError):

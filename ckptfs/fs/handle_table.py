@@ -1,6 +1,6 @@
 """The open file handles the kernel holds, kept where a daemon that takes the mount over finds them.
 
-When a daemon dies and another takes over its FUSE connection (holder.py), the kernel still refers to the
+When a daemon dies and another takes over its FUSE connection (keepmount/holder.py), the kernel still refers to the
 handles the dead one handed out: reads, writes, fsyncs and releases name them. This table is what the new
 daemon rebuilds them from: for each handle, the inode, how it was opened (flags), whether it had dirtied
 the file, whether it bypassed the page cache, and its passthrough backing id (the kernel keeps that file

@@ -1,4 +1,4 @@
-"""Spills: the start of a file still being written leaves for the store before the file is closed.
+"""Spill jobs: the start of a file still being written leaves for the store before the file is closed.
 
 Owns: when a file being written has grown enough to spill (`spillable`), staging its parts in order (while
 the cache is full: sealing each part, then punching it out of the cache file once the journal has it;
@@ -17,9 +17,9 @@ from dataclasses import replace
 import trio
 
 from ckptfs.backends.base import UploadState
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
+from ckptfs.drain.object_records import ObjectRecords, journaled_state, object_meta, upload_priority
 from ckptfs.drain.ordering import CommitMarkers
-from ckptfs.drain.records import Records, journaled_state, object_meta, upload_priority
 from ckptfs.drain.stats import DrainStats
 from ckptfs.journal import FILE, Inode, Journal
 from ckptfs.transfer import Transfers
@@ -31,13 +31,13 @@ log = logging.getLogger(__name__)
 SPILL_LOOKAHEAD = 16 << 20
 
 
-class Spills:
+class SpillJobs:
     def __init__(
         self,
         journal: Journal,
         cache: CacheDir,
         engine: Transfers,
-        records: Records,
+        records: ObjectRecords,
         markers: CommitMarkers,
         stats: DrainStats,
         *,

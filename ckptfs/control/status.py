@@ -16,14 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.backends.base import CredentialState
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
+from ckptfs.cache.evictor import Evictor, EvictStats
+from ckptfs.config import human_size
+from ckptfs.control.metrics import OpStats, Snapshot
 from ckptfs.drain import Drain, DrainStats, Parked
 from ckptfs.errors import Faults
-from ckptfs.evict import Evictor, EvictStats
 from ckptfs.fetch import Fetcher, FetchStats
 from ckptfs.fs import Filesystem
 from ckptfs.journal import Journal
-from ckptfs.metrics import OpStats, Snapshot
 from ckptfs.nodes import NodeRecords, PeerRecords
 from ckptfs.transfer import LimitNow, Transfers, TransferStats, timetable_text
 
@@ -33,7 +34,7 @@ FAILING_LISTED = 100  # `ckptfs status` names this many parked jobs (and counts 
 
 @dataclass(frozen=True)
 class KeepMount:
-    """What keeps the mount's connection beyond this daemon (holder.py, systemd's store), and what this
+    """What keeps the mount's connection beyond this daemon (keepmount/holder.py, systemd's store), and what this
     daemon took over."""
 
     holder_pid: int | None
@@ -383,13 +384,6 @@ def status_line(stats: MountStats) -> str:
     pending_files = sum(_count(stats, s, "files") for s in ("dirty", "uploading"))
     pending_bytes = sum(_count(stats, s, "bytes") for s in ("dirty", "uploading"))
     what = "draining before unmount" if stats.shutting_down else "mounted"
-    return (f"{what}: {pending_files} files ({_human(pending_bytes)}) not yet uploaded,"
-            f" {stats.in_flight} transfers in flight, cache {_human(stats.cache_used)} used")
+    return (f"{what}: {pending_files} files ({human_size(pending_bytes)}) not yet uploaded,"
+            f" {stats.in_flight} transfers in flight, cache {human_size(stats.cache_used)} used")
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

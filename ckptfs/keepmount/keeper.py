@@ -1,10 +1,10 @@
 """The FUSE connection beyond one daemon's life (keep_mount, docs/design/keep-mount.md): handing a
-duplicate of it to a holder (holder.py) or to systemd's file descriptor store, taking over the one a daemon
+duplicate of it to a holder (keepmount/holder.py) or to systemd's file descriptor store, taking over the one a daemon
 before left (its open handles, the requests it had not answered), and letting go of it at the end: unmount
 after a clean stop, abort after a journal failure, hand over for `ckptfs restart`, keep for the next
 daemon otherwise.
 
-The FUSE session itself stays in daemon.py (the only module besides fuse_ops.py that imports pyfuse3): this
+The FUSE session itself stays in daemon.py (the only module besides mount/adapter.py that imports pyfuse3): this
 module gets the few session calls it needs as a `FuseConnection` (the pyfuse3 module is one).
 """
 
@@ -19,12 +19,14 @@ from typing import Protocol
 
 import trio
 
-from ckptfs import guard, holder, holder_link
+from ckptfs.control.client import service_path
 from ckptfs.errors import CkptfsError
 from ckptfs.fs import Filesystem
-from ckptfs.handles import HandleTable, OpenHandle
-from ckptfs.mountpoint import unmount
-from ckptfs.systemd import Notifier, listen_fds
+from ckptfs.fs.handle_table import HandleTable, OpenHandle
+from ckptfs.keepmount import link as holder_link
+from ckptfs.keepmount.systemd import Notifier, listen_fds
+from ckptfs.mount import guard
+from ckptfs.mount.mountpoint import unmount
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +213,7 @@ class ConnectionKeeper:
         except CkptfsError as exc:
             log.warning("the node's holder service did not take the connection (%s)", exc)
         if self.wait_for_service:
-            self.why = (f"off: waiting for the node's holder service (`ckptfs holder`, {holder.service_path()}); until"
+            self.why = (f"off: waiting for the node's holder service (`ckptfs holder`, {service_path()}); until"
                         f" it takes the connection, {_WITHOUT_KEEP_MOUNT}")
             log.warning("keep_mount %s", self.why)
             return

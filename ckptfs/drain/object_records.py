@@ -19,7 +19,7 @@ from ckptfs.transfer import Priority
 
 
 class Uploaded(NamedTuple):
-    """An object the store now holds for an inode, to be recorded (Records.record_uploads)."""
+    """An object the store now holds for an inode, to be recorded (ObjectRecords.record_uploads)."""
 
     inode_id: int
     key: str
@@ -30,7 +30,7 @@ class Uploaded(NamedTuple):
     still_open: bool = False  # a file still open for writing (gateway mode): it stays dirty
 
 
-class Records:
+class ObjectRecords:
     def __init__(self, journal: Journal, markers: CommitMarkers) -> None:
         self.journal = journal
         self.markers = markers

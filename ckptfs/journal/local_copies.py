@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-from ckptfs.journal.base import JournalBase
-from ckptfs.journal.records import Inode
+from ckptfs.journal.core import JournalBase
+from ckptfs.journal.rows import Inode
 
 # meta key: the files a writer may still change behind the daemon (see stale_writers).
 STALE_WRITERS = "stale_writers"
@@ -58,7 +58,7 @@ class LocalCopies(JournalBase):
     def stale_writers(self) -> dict[int, float]:
         """Files that were open for writing when a daemon died without a takeover, which the kernel may
         still write through the handles it kept: inode id -> since when (time.time()) the cache file has
-        been seen unchanged. Kept by recovery.py and the evictor, which watch them."""
+        been seen unchanged. Kept by drain/recovery.py and the evictor, which watch them."""
         text = self.get_meta(STALE_WRITERS)
         if not text:
             return {}
@@ -70,7 +70,7 @@ class LocalCopies(JournalBase):
     def set_stale_writers(self, watched: dict[int, float]) -> None:
         self.set_meta(STALE_WRITERS, json.dumps({str(k): v for k, v in sorted(watched.items())}))
 
-    # -- eviction (called by evict.py) ----------------------------------------------------------------
+    # -- eviction (called by cache/evictor.py) ----------------------------------------------------------------
 
     def clean_files(self) -> list[int]:
         """Ids of linked files whose local data is a clean copy of what the store holds: what may be

@@ -18,7 +18,7 @@ import trio
 
 from ckptfs.backends.base import SYMLINK as STORE_SYMLINK
 from ckptfs.backends.base import DirListing, ObjectInfo, ObjectStore
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
 from ckptfs.errors import BackendError
 from ckptfs.journal import CLEAN, DIR, FILE, REMOTE, ROOT_ID, SYMLINK, Inode, Journal, ListedEntry
 from ckptfs.journal.connection import JournalFull

@@ -36,10 +36,10 @@ from pyfuse3 import (
     XAttrNameT,
 )
 
+from ckptfs.control.metrics import OpStats
 from ckptfs.errors import Faults, FsError
 from ckptfs.fs import Attr, Filesystem, RoomNeeded, SetAttrs
 from ckptfs.journal import JournalFull, journal_unusable
-from ckptfs.metrics import OpStats
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def kernel_backing_files() -> KernelBackingFiles | None:
 
 # -- telling the kernel what the daemon changed behind its back (FUSE notifications) --------------------------
 # Every change not made by a FUSE request: another node's files a listing brought in, replaced or removed
-# (lister.DirLister), `ckptfs refresh`, retention (pruner.py), eviction (evict.py), a file the drain
+# (lister.DirLister), `ckptfs refresh`, retention (retention/pruner.py), eviction (cache/evictor.py), a file the drain
 # removes because its object vanished, what recovery changed after a takeover (daemon.py). The rules:
 # forget_kernel_entry queues (pyfuse3's notification thread sends it): safe inside a request handler, where
 # the kernel may hold the directory's lock the notification needs. forget_kernel_entry_now and

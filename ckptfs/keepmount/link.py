@@ -1,4 +1,4 @@
-"""keep_mount, the daemon's side of the holder (holder.py): attaching to the holder of a connection and
+"""keep_mount, the daemon's side of the holder (keepmount/holder.py): attaching to the holder of a connection and
 the link it keeps (`attach`, `Link`), starting a holder for a connection just mounted (`start`), handing one
 to the node's holder service (`hand_to_service`), and the other ways a daemon receives a connection it takes
 over (`Held`): from the daemon before in this process after `ckptfs restart` (`inherited`), or from
@@ -16,8 +16,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from ckptfs.control.client import holder_path, service_path
 from ckptfs.errors import CkptfsError
-from ckptfs.holder import ATTACH_TIMEOUT, holder_path, recv_message, service_path, spawn
+from ckptfs.keepmount.holder import ATTACH_TIMEOUT, recv_message, spawn
 
 
 class Link:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ckptfs.drain.object_records import ObjectRecords, object_meta
 from ckptfs.drain.ordering import breaks_move_cycle, changed_since_scan, parking_key, target_taken
-from ckptfs.drain.records import Records, object_meta
 from ckptfs.drain.retries import Retries
 from ckptfs.drain.stats import DrainStats
 from ckptfs.errors import NotFoundBackendError
@@ -26,12 +26,12 @@ log = logging.getLogger(__name__)
 DELETE_DEFER = 1.0
 
 
-class Namespace:
+class NamespaceJobs:
     def __init__(
         self,
         journal: Journal,
         engine: Transfers,
-        records: Records,
+        records: ObjectRecords,
         retries: Retries,
         stats: DrainStats,
         *,

@@ -35,7 +35,8 @@ from typing import Protocol
 
 import trio
 
-from ckptfs.cache import CacheDir
+from ckptfs.cache.directory import CacheDir
+from ckptfs.config import human_size
 from ckptfs.errors import FsError
 from ckptfs.journal import CLEAN, FILE, REMOTE, Inode, Journal, JournalFull, rewritten
 
@@ -94,7 +95,7 @@ class EvictStats:
     enospc: int = 0  # waits that gave up after dirty_wait
 
 
-class PartialFiles(Protocol):
+class DroppablePartials(Protocol):
     """Partial files of remote objects being read (fetch.PartialFiles): more room the evictor can make."""
 
     def droppable(self) -> list[int]:
@@ -139,9 +140,9 @@ class Evictor:
         self._logged_at = -LOG_INTERVAL
         self._squeezed = False
         self._squeeze_logged_at = -SQUEEZE_LOG_INTERVAL
-        self.partials: PartialFiles | None = None  # set by the fetcher
+        self.partials: DroppablePartials | None = None  # set by the fetcher
         # inode id -> since when (time.time()) its cache file has been seen unchanged: files a writer the
-        # kernel kept after a daemon died may still change (journal.stale_writers, set by recovery.py).
+        # kernel kept after a daemon died may still change (journal.stale_writers, set by drain/recovery.py).
         self.stale: dict[int, float] = {}
         self._warned_stale: set[int] = set()
         # Files a prefetch wants in the cache until they are read (fetch/prefetch.py): never evicted. An open
@@ -203,11 +204,11 @@ class Evictor:
                 "the filesystem of the cache dir %s has %s free and min_free keeps %s of it: the cache is down"
                 " to %s, and files being written are uploaded in parts while they are written (a write into a"
                 " part already uploaded fails with EIO). Free space on that filesystem, or lower --min-free",
-                self.cache.root, _size(self.cache.free_bytes), _size(self.cache.min_free_bytes),
-                _size(int(self.cache.limit)),
+                self.cache.root, human_size(self.cache.free_bytes), human_size(self.cache.min_free_bytes),
+                human_size(int(self.cache.limit)),
             )
         elif not squeezed:
-            log.debug("the cache filesystem has room again: the cache budget is %s", _size(int(self.cache.limit)))
+            log.debug("the cache filesystem has room again: the cache budget is %s", human_size(int(self.cache.limit)))
 
     def watch(self, inode_ids: set[int], now: float) -> None:
         """Watch these files from now on (and the next daemons, through the journal): a writer the kernel
@@ -364,7 +365,7 @@ class Evictor:
             self._logged_at = now
             log.info(
                 "cache full (%s used of a %s budget, mostly data not yet uploaded): writes wait for the drain"
-                " for up to %ss", _size(self.cache.used), _size(int(self.cache.limit)), self.dirty_wait,
+                " for up to %ss", human_size(self.cache.used), human_size(int(self.cache.limit)), self.dirty_wait,
             )
         try:
             with trio.move_on_after(self.dirty_wait):
@@ -385,7 +386,7 @@ class Evictor:
             log.error(
                 "%s gave up after waiting %ss for room in the cache (%s used of %s): ENOSPC. The drain is"
                 " not keeping up or the store refuses uploads (see ckptfs status); %s",
-                what, self.dirty_wait, _size(self.cache.used), _size(int(self.cache.limit)), fix,
+                what, self.dirty_wait, human_size(self.cache.used), human_size(int(self.cache.limit)), fix,
             )
             raise FsError(errno.ENOSPC, "cache full of data not yet uploaded")
         finally:
@@ -396,10 +397,3 @@ class Evictor:
     def _fits(self, needed: int) -> bool:
         return self.cache.used + needed <= self.cache.limit
 
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

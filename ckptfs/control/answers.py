@@ -1,7 +1,7 @@
 """The answers to the control socket's requests (`ckptfs status|flush|limit|nodes|preempt|prefetch|prune|refresh|
 restart|umount`).
 
-ctl.py is the socket (who may connect, one JSON object per line); this module decides what each request
+control/server.py is the socket (who may connect, one JSON object per line); this module decides what each request
 does, through the parts of the mount it is given. What only the daemon's lifecycle can do (stop, restart,
 say how it is) it asks of the daemon, as a `Lifecycle`.
 """
@@ -16,13 +16,13 @@ from typing import Any, Protocol
 import trio
 
 from ckptfs.config import parse_rate
+from ckptfs.control.status import MountStats, limits_json, status_json
 from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, UsageError
-from ckptfs.lister import DirLister
+from ckptfs.fetch.lister import DirLister
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
-from ckptfs.preempter import Preempter
-from ckptfs.pruner import Pruner
-from ckptfs.snapshot import MountStats, limits_json, status_json
+from ckptfs.preempt.preempter import Preempter
+from ckptfs.retention.pruner import Pruner
 from ckptfs.transfer import Bandwidth
 
 RETIRE_RECORDS_WAIT = 10.0  # after a flush or the unmount's drain: how long deleting this node's records may take
@@ -158,8 +158,8 @@ class ControlRequests:
         return {"ok": True, "limits": limits_json(*self.bandwidth.now())}
 
     async def _preempt(self, request: dict[str, Any]) -> dict[str, Any]:
-        """`ckptfs preempt`: a preemption notice with `deadline` seconds left (preempter.py); with `wait`, answer
-        with the report once it is written (when every complete step is durable, or at the deadline)."""
+        """`ckptfs preempt`: a preemption notice with `deadline` seconds left (preempt/preempter.py); with `wait`,
+        answer with the report once it is written (when every complete step is durable, or at the deadline)."""
         seconds = request.get("deadline")
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < math.inf:
             return {"ok": False, "usage": True,

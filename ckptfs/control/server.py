@@ -7,7 +7,7 @@ holds even where the socket was made reachable (a shared runtime dir, a chmod): 
 the daemon runs as may ask for status, flush, refresh or unmount. The protocol is one JSON object per line
 each way: {"op": "status"} -> {"ok": true, ...}. This is the server side: it runs in the daemon's nursery
 and only calls the handler it is given. The client side (plain blocking sockets, no event loop) is
-ckptfs/client.py, which the CLI and the Python API (`import ckptfs`) share.
+ckptfs/control/client.py, which the CLI and the Python API (`import ckptfs`) share.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import trio
 
 # Where a mount's socket lives is defined once, on the client side; the daemon binds where clients look.
-from ckptfs.client import canonical_mountpoint as canonical_mountpoint
-from ckptfs.client import socket_path as socket_path
+from ckptfs.control.client import canonical_mountpoint as canonical_mountpoint
+from ckptfs.control.client import socket_path as socket_path
 
 log = logging.getLogger(__name__)
 

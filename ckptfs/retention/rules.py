@@ -7,7 +7,7 @@ A checkpoint is a top-level entry of the mount (a directory such as `global_step
 uploaded; and the pointer files themselves. "Newest" is by the step number in the name when every
 candidate has one (`step_900` < `step_1000`, whatever their mtimes), else by modification time.
 
-This module only decides (`plan`); pruner.py deletes through the mount's namespace, so the journal and
+This module only decides (`plan`); retention/pruner.py deletes through the mount's namespace, so the journal and
 the drain take the deletes to the store like any `rm -r`.
 """
 
