@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.cli import _with_malloc_pad
+from ckptfs.cli.launch import _with_malloc_pad
 from ckptfs.control import client
 from ckptfs.control.client import canonical_mountpoint
 from ckptfs.errors import CkptfsError

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import Mount, ckptfs_cli
 
-from ckptfs.cli import MALLOC_TUNABLE, _restart_with_malloc_pad, _with_malloc_pad
+from ckptfs.cli.launch import MALLOC_TUNABLE, _restart_with_malloc_pad, _with_malloc_pad
 from ckptfs.errors import UsageError
 from ckptfs.mount import guard
 from ckptfs.mount.mountpoint import read_ahead_path
@@ -355,7 +355,7 @@ def test_repeated_log_messages_are_rate_limited() -> None:
     import logging
     import time
 
-    from ckptfs.cli import RepeatFilter
+    from ckptfs.cli.logs import RepeatFilter
 
     records: list[str] = []
 
@@ -386,7 +386,7 @@ def test_a_reply_nobody_waits_for_any_more_is_not_logged_as_an_error() -> None:
     stay errors."""
     import logging
 
-    from ckptfs.cli import AnswerNobodyWaitsFor
+    from ckptfs.cli.logs import AnswerNobodyWaitsFor
 
     records: list[logging.LogRecord] = []
 

@@ -16,7 +16,9 @@ import pytest
 from conftest import Mount, ckptfs_cli
 
 from ckptfs import cli
+from ckptfs.cli import arguments
 from ckptfs.config import DEFAULT_COMMIT_MARKERS, Config, load_config, load_settings
+from ckptfs.control import client
 from ckptfs.errors import CkptfsError, UsageError
 
 
@@ -30,7 +32,7 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _mount_config(*argv: str) -> Config:
     """The Config `ckptfs mount ARGV` would run with, in this process's environment."""
-    return cli._config_from_args(cli._parser().parse_args(["mount", *argv]))
+    return arguments.config_from_args(arguments.build_parser().parse_args(["mount", *argv]))
 
 
 def test_every_kind_of_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -169,7 +171,7 @@ def test_umount_and_guard_use_the_configured_drain_timeout_and_guard_setting(
     def unmount(mountpoint: Path, timeout: float | None = None) -> None:
         seen.append(timeout)
 
-    monkeypatch.setattr(cli.client, "unmount", unmount)
+    monkeypatch.setattr(client, "unmount", unmount)
     monkeypatch.setenv("CKPTFS_MOUNTPOINT", str(tmp_path))
     assert cli.main(["umount"]) == 0 and seen == [None]  # no limit unless configured
     monkeypatch.setenv("CKPTFS_DRAIN_TIMEOUT", "42")

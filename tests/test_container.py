@@ -172,7 +172,7 @@ def test_as_pid_1_a_sigterm_before_the_daemon_serves_ends_it(handler: bool) -> N
     ignored. Without it (the control case) the process stays."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) for a PID namespace")
-    code = ("import time; from ckptfs.cli import end_on_sigterm_as_init; "
+    code = ("import time; from ckptfs.cli.launch import end_on_sigterm_as_init; "
             f"{'end_on_sigterm_as_init(); ' if handler else ''}print('ready', flush=True); time.sleep(60)")
     proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", code],
                             stdout=subprocess.PIPE, text=True, cwd=REPO)
