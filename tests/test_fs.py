@@ -847,7 +847,7 @@ async def test_a_file_renamed_to_a_commit_marker_while_its_upload_waits_for_a_sl
     stack.write_file(".latest.tmp", b"shard")
     stack.drain.notify()
     # The drain chose .latest.tmp: its scan's dispatch waits for an upload slot.
-    slots = stack.drain._upload_slots
+    slots = stack.drain.dispatcher.upload_slots
     await until(lambda: slots.statistics().tasks_waiting, what="a job of .latest.tmp waiting for a slot")
     stack.fs.rename(ROOT_ID, b".latest.tmp", ROOT_ID, b"latest", 0)
     since = time.time()

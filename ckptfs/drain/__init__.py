@@ -5,7 +5,8 @@ worker threads. Between two awaits a run of journal calls is atomic, so every jo
 each await before it records anything. The protocol is written up in docs/design/drain.md.
 
 One concern per module:
-    scheduler.py   Drain: scans the journal, claims jobs' keys, dispatches them; what ckptfs calls
+    scheduler.py   Drain: scans the journal, chooses the jobs that may start; what ckptfs calls
+    dispatch.py    runs a scan's jobs as slots free up: claimed keys, small uploads in batches, a job's end
     ordering.py    the pure ordering rules (commit markers, busy keys, moves waiting for keys, parents first)
     retries.py     backoff after a failure, parking of jobs that keep failing unexpectedly
     uploads.py     one entry's upload, and small closed files in batches

@@ -1,11 +1,12 @@
-"""The drain's scheduler: scans the journal for work, claims each job's store keys, and dispatches the jobs
-to the parts that do them, as slots free up. `Drain` is also what the rest of ckptfs talks to.
+"""The drain's scheduler: scans the journal for work and chooses the jobs that may start, in order, for
+dispatch.py to run as slots free up. `Drain` is also what the rest of ckptfs talks to.
 
 Owns: the rounds of scan and dispatch (rate-limited, woken by notify/mount_changed), choosing the jobs of
-a scan in order (what is due; the rules of ordering.py decide what must still wait), the upload and other
-slots, small uploads in batches, a job's end (its keys and slot freed, flushes woken), and the fault
-isolation that keeps one entry's failure that entry's. Retries and parking are retries.py's; the jobs are
-uploads.py's, spills.py's and namespace.py's; flush waiters durability.py's; aborts and sweeps cleanup.py's.
+a scan in order (what is due; the rules of ordering.py decide what must still wait; under a preemption
+notice preemption.py's order), and the fault isolation that keeps one entry's failure that entry's.
+Running the jobs (slots, claimed keys, small uploads in batches, a job's end) is dispatch.py's; retries and
+parking are retries.py's; the jobs are uploads.py's, spills.py's and namespace_jobs.py's; flush waiters
+durability.py's; aborts and sweeps cleanup.py's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import trio
 from ckptfs.cache.directory import CacheDir
 from ckptfs.drain import ordering
 from ckptfs.drain.cleanup import Cleanup
+from ckptfs.drain.dispatch import Dispatcher
 from ckptfs.drain.durability import Durability, FlushResult
 from ckptfs.drain.namespace_jobs import NamespaceJobs
 from ckptfs.drain.object_records import ObjectRecords
@@ -29,10 +31,9 @@ from ckptfs.drain.open_uploads import OpenUploads
 from ckptfs.drain.ordering import CommitMarkers, Job, below, keyed
 from ckptfs.drain.preemption import REPLAN_INTERVAL, Preemption, choose
 from ckptfs.drain.retries import Parked, Retries
-from ckptfs.drain.small_lane import SmallLane
 from ckptfs.drain.spill_jobs import SpillJobs
 from ckptfs.drain.stats import DrainStats
-from ckptfs.drain.uploads import SMALL_BATCH, SMALL_BATCH_BYTES, SMALL_FILE, Uploads
+from ckptfs.drain.uploads import SMALL_FILE, Uploads
 from ckptfs.errors import Faults
 from ckptfs.journal import DIR, FILE, Inode, Journal, journal_unusable
 from ckptfs.transfer import Transfers
@@ -40,8 +41,6 @@ from ckptfs.transfer import Transfers
 log = logging.getLogger(__name__)
 
 SCAN_LIMIT = 2000
-# While new work keeps arriving, rescan at most this often (a scan reads up to SCAN_LIMIT rows).
-RESCAN_INTERVAL = 0.2
 # Scans start at least this far apart, however often the filesystem notifies.
 MIN_SCAN_INTERVAL = 0.02
 # During a burst of namespace changes, scans its own notifications cause start at least this far apart: a
@@ -86,17 +85,9 @@ class Drain:
         self.clock = clock
         self.stats = DrainStats()
         self.faults = faults if faults is not None else Faults()
-        self._upload_slots = trio.Semaphore(transfers)
-        self._other_slots = trio.Semaphore(transfers * 2)
         self._new_work = trio.Event()
         self._urgent = trio.Event()  # notify(), not mount_changed(): scan without the burst's coalescing
         self._changed_at = -math.inf  # trio time of the mount's last namespace change (mount_changed)
-        self._running: set[tuple[str, int]] = set()
-        # Under a preemption notice, running jobs of a later rank are cut short by their scope (a job
-        # claimed but not started yet, a small one waiting in the lane, when it starts).
-        self._scopes: dict[tuple[str, int], trio.CancelScope] = {}
-        self._cut_at_start: set[tuple[str, int]] = set()
-        self._busy_keys: set[str] = set()
         # Whether a closed commit marker must still wait for other nodes (nodes.PeerRecords.blocks); the
         # drain is notified when that may have changed.
         self.waits_for_nodes: Callable[[Inode], bool] = lambda inode: False
@@ -124,8 +115,10 @@ class Drain:
                                self.stats, self.open_uploads, marker_blocked=self._marker_blocked)
         self.namespace = NamespaceJobs(journal, engine, self.records, self.retries, self.stats, clock=clock,
                                    marker_blocked=self._marker_blocked)
-        # Batches of small uploads, started when the writer's requests let them.
-        self.lane = SmallLane(self._upload_slots, self._run_batch, pressed=self._pressed)
+        # The jobs running now, and the batches of small uploads (its lane) waiting for the writer to let them.
+        self.dispatcher = Dispatcher(transfers, self.uploads, self.spills, self.namespace, self.retries,
+                                     self.durability, notify=self.notify, pressed=self._pressed)
+        self.lane = self.dispatcher.lane
 
     # -- what the rest of ckptfs calls -----------------------------------------------------------------
 
@@ -184,7 +177,7 @@ class Drain:
         return self.markers.match(name)
 
     def in_flight(self) -> int:
-        return len(self._running) - self.lane.waiting
+        return len(self.dispatcher.running) - self.lane.waiting
 
     def discard_upload(self, state_text: str) -> None:
         """A file with a staged upload or spill (its journaled `upload_state`) was removed: abort it."""
@@ -248,7 +241,7 @@ class Drain:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Scan and dispatch until cancelled. Nothing but an unusable journal ends it: a job's failure is
-        the job's (_attempt), one entry's failure in a scan is that entry's (_isolated), and any other
+        the job's (dispatch.py), one entry's failure in a scan is that entry's (_isolated), and any other
         failure of a round is logged, counted, and the next round comes after a pause."""
         pause = SCAN_FAILURE_PAUSE
         async with trio.open_nursery() as nursery:
@@ -280,7 +273,7 @@ class Drain:
             sweep_at = math.inf
         jobs, next_due = self._scan()
         next_due = min(next_due, sweep_at)
-        if not await self._dispatch(jobs, nursery, scanned_at):
+        if not await self.dispatcher.dispatch(jobs, nursery, scanned_at, self._new_work):
             self.stats.scans += 1
             self.stats.last_scan_at = scan_began
             self.stats.idle = not self._new_work.is_set()
@@ -363,7 +356,7 @@ class Drain:
             nonlocal next_due
             if inode is not None and self.retries.parked:
                 self.retries.unpark_if_changed(job_id, inode)
-            if job_id in self._running:
+            if job_id in self.dispatcher.running:
                 return True
             retry_at = self.retries.due_at(job_id)
             if retry_at > now:
@@ -376,7 +369,7 @@ class Drain:
             self.journal.dirs_to_upload() + [inode for inode in misplaced if inode.kind == DIR], self.markers,
             retrying=lambda inode_id: any(self.retries.due_at((kind, inode_id)) > now for kind in ("upload", "move")))
         for inode, key in keyed(self.journal.uploads_due(cut_off, SCAN_LIMIT, small=(SMALL_FILE, small_cut_off))):
-            if waiting(("upload", inode.id), inode) or ("spill", inode.id) in self._running:
+            if waiting(("upload", inode.id), inode) or ("spill", inode.id) in self.dispatcher.running:
                 continue
             with self._isolated("upload", inode):
                 if self._marker_blocked(inode) or (unmarked and below(key, unmarked)):
@@ -391,7 +384,7 @@ class Drain:
             next_due = min(next_due, self._scan_open(open_ids, jobs, unmarked, waiting, now, now_wall))
         if pressure or self.spills.early:
             for inode_id in open_ids:
-                if waiting(("spill", inode_id)) or ("upload", inode_id) in self._running:
+                if waiting(("spill", inode_id)) or ("upload", inode_id) in self.dispatcher.running:
                     continue
                 if self.spills.spillable(inode_id) >= self.spills.part_size:
                     if unmarked and below(self._path(inode_id), unmarked):
@@ -427,20 +420,16 @@ class Drain:
         """Under a notice: the jobs of a scan that may start, in the order of preemption.choose; running
         uploads and spills it leaves out are cut short (they resume from their saved parts)."""
         self.preemption.replan_if_due(trio.current_time())
-        ids = {job.ident for job in jobs if job.kind != "delete"} | {i for k, i in self._running if k != "delete"}
+        running = self.dispatcher.running
+        ids = {job.ident for job in jobs if job.kind != "delete"} | {i for k, i in running if k != "delete"}
         inodes = self.journal.get_many(ids)
 
         def rank(kind: str, ident: int) -> int | None:
             inode = inodes.get(ident)
             return None if inode is None else self.preemption.rank_of(inode.path)
 
-        chosen, cut = choose(jobs, self._running, rank, self.preemption.other_rank)
-        for job_id in cut:
-            scope = self._scopes.get(job_id)
-            if scope is not None:
-                scope.cancel()
-            else:
-                self._cut_at_start.add(job_id)
+        chosen, cut = choose(jobs, running, rank, self.preemption.other_rank)
+        self.dispatcher.cut(cut)
         return chosen
 
     def _scan_open(
@@ -456,7 +445,7 @@ class Drain:
         self.open_uploads.forget_gone(open_ids)
         for inode in self.journal.get_many(open_ids).values():
             if (inode.key is None or waiting(("upload", inode.id))
-                    or ("spill", inode.id) in self._running):
+                    or ("spill", inode.id) in self.dispatcher.running):
                 continue
             due_at = self.open_uploads.due_at(inode, urgent)
             if due_at is None:
@@ -494,126 +483,7 @@ class Drain:
         """ordering.target_taken, with the journal's owner of `key` now."""
         return ordering.target_taken(inode, self.journal.key_owner(key))
 
-    # -- running jobs ----------------------------------------------------------------------------------
-
-    async def _dispatch(self, jobs: list[Job], nursery: trio.Nursery, scanned_at: float) -> bool:
-        """Start the jobs of a scan as slots free up; small uploads are claimed in batches of up to
-        SMALL_BATCH and queued for the small lane (lane.py), which starts them (one upload slot each) when
-        the writer lets it. True if it stopped early for new work."""
-        batch: list[Job] = []
-        batch_bytes = 0
-        interrupted = False
-        try:
-            for job in jobs:
-                if job.small:
-                    if self._claim(job):
-                        batch.append(job)
-                        batch_bytes += job.size
-                    if len(batch) < SMALL_BATCH and batch_bytes < SMALL_BATCH_BYTES:
-                        continue
-                if batch:
-                    self.lane.queue(batch)
-                    batch, batch_bytes = [], 0
-                if not job.small:
-                    slots = self._upload_slots if job.kind in ("upload", "spill") else self._other_slots
-                    await slots.acquire()
-                    if not self._claim(job):
-                        slots.release()
-                        continue
-                    nursery.start_soon(self._run_job, job, slots)
-                if self._new_work.is_set() and trio.current_time() - scanned_at > RESCAN_INTERVAL:
-                    interrupted = True
-                    break
-        finally:
-            if batch:
-                self.lane.queue(batch)
-        return interrupted
-
     def _pressed(self) -> bool:
         """A flush waits or the cache needs room: small uploads do not wait for a lull in the writer's
         requests then (lane.py)."""
         return self.spills.pressure or bool(self.durability.waiting) or self.preemption.active
-
-    def _claim(self, job: Job) -> bool:
-        try:
-            if ordering.busy(job, self._running, self._busy_keys):
-                return False
-        except Exception as exc:
-            if journal_unusable(exc):
-                raise
-            self.retries.failed_unexpectedly(job, exc)
-            return False
-        self._running.add((job.kind, job.ident))
-        self._busy_keys.update(job.keys)
-        return True
-
-    @contextmanager
-    def _cuttable(self, jobs: list[Job]) -> Iterator[None]:
-        """The jobs run in a scope that a preemption notice may cancel (_preempt_order)."""
-        job_ids = [(job.kind, job.ident) for job in jobs]
-        scope = trio.CancelScope()
-        if any(job_id in self._cut_at_start for job_id in job_ids):
-            scope.cancel()
-        for job_id in job_ids:
-            self._scopes[job_id] = scope
-        try:
-            with scope:
-                yield
-        finally:
-            for job_id in job_ids:
-                self._scopes.pop(job_id, None)
-                self._cut_at_start.discard(job_id)
-
-    async def _run_job(self, job: Job, slots: trio.Semaphore) -> None:
-        try:
-            with self._cuttable([job]):
-                await self._attempt(job)
-        finally:
-            self._settle([job], slots)
-
-    async def _run_batch(self, jobs: list[Job], slots: trio.Semaphore) -> None:
-        try:
-            with self._cuttable(jobs):
-                try:
-                    rest = await self.uploads.upload_small(jobs)
-                except Exception as exc:
-                    if journal_unusable(exc):
-                        raise
-                    for job in jobs:
-                        self.retries.failed_unexpectedly(job, exc)
-                    return
-                for job in rest:
-                    await self._attempt(job)
-        finally:
-            self._settle(jobs, slots)
-
-    async def _attempt(self, job: Job) -> None:
-        """Run one job; a failure schedules its retry."""
-        try:
-            if job.kind == "upload":
-                await self.uploads.upload(job.ident, job.keys[0])
-            elif job.kind == "spill":
-                await self.spills.spill(job.ident)
-            elif job.kind == "move":
-                await self.namespace.move(job.ident, (job.keys[0], job.keys[1]))
-            elif job.kind == "meta":
-                await self.namespace.update_meta(job.ident)
-            else:
-                await self.namespace.delete(job.ident)
-        except Exception as exc:
-            if journal_unusable(exc):
-                raise
-            self.retries.failed_unexpectedly(job, exc)
-        else:
-            self.retries.succeeded(job)
-
-    def _settle(self, jobs: list[Job], slots: trio.Semaphore) -> None:
-        """Jobs ended (done, failed or cancelled): free their keys and slot, wake flushes and the scanner."""
-        for job in jobs:
-            self._running.discard((job.kind, job.ident))
-            self._busy_keys.difference_update(job.keys)
-        slots.release()
-        self.durability.jobs_ended(jobs)
-        # Their outcome may be new work (a restart under a new name, a queued delete, an unblocked
-        # marker); scans are cheap and rate-limited by the dispatch loop.
-        self.notify()
