@@ -13,7 +13,8 @@ from fsharness import Stack, check_consistency, make_stack
 from waiting import until
 
 from ckptfs.control.metrics import OpStats
-from ckptfs.drain import SMALL_BATCH, SMALL_FILE, lane
+from ckptfs.drain import SMALL_BATCH, SMALL_FILE
+from ckptfs.drain import small_lane as lane
 from ckptfs.drain.ordering import Job
 
 

@@ -13,8 +13,8 @@ import trio
 import trio.testing
 from fsharness import GID, UID, check_consistency, make_stack
 
-from ckptfs import daemon
-from ckptfs.daemon import checkpoint_journal
+from ckptfs.daemon import services
+from ckptfs.daemon.services import checkpoint_journal
 from ckptfs.errors import Faults
 from ckptfs.journal import CLEAN, REMOTE, ROOT_ID, Journal, JournalError, JournalFull
 from ckptfs.mount.adapter import _fuse_error
@@ -204,7 +204,7 @@ async def test_a_checkpoint_the_full_cache_filesystem_refuses_is_tried_again_lat
 
     On the real clock: the checkpoint runs in a worker thread, and an autojump clock skips ahead while a
     thread works (this test once ran out its 60 virtual seconds during the first checkpoint in CI)."""
-    monkeypatch.setattr(daemon, "JOURNAL_CHECKPOINT_INTERVAL", 0.01)
+    monkeypatch.setattr(services, "JOURNAL_CHECKPOINT_INTERVAL", 0.01)
     journal = _CheckpointsRefusedOnce()
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
