@@ -70,7 +70,7 @@ class Attributes:
         if changes.gid is not None:
             columns["gid"] = changes.gid
         if (changes.uid is not None or changes.gid is not None) and changes.mode is None and inode.kind == FILE:
-            # A change of owner drops setuid and setgid (the kernel leaves that to us: see fuse_ops).
+            # A change of owner drops setuid and setgid (the kernel leaves that to us: see mount/adapter.py).
             columns["mode"] = inode.mode & ~(stat.S_ISUID | stat.S_ISGID)
         if changes.mtime_ns is not None or changes.atime_ns is not None:
             current = attr_of(self.journal, self.cache, existing(self.journal, inode_id))

@@ -245,7 +245,7 @@ class Tree(PendingDeletes):
 
     def mark_dirty(self, inode_id: int) -> None:
         """The content is about to change: new version, dirty, not closed (a writer holds it). Setuid and
-        setgid go, as a write drops them (the daemon asks the kernel to leave that to it: see fuse_ops)."""
+        setgid go, as a write drops them (the daemon asks the kernel to leave that to it: see mount/adapter.py)."""
         self.db.execute(
             "UPDATE inodes SET version = version + 1, state = 'dirty', closed_at = NULL, mode = mode & ~3072"
             " WHERE id = ?",
