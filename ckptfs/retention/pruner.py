@@ -41,7 +41,7 @@ class Pruner:
         self.peers = peers
         self.faults = faults
         self._wanted = trio.Event()
-        # True while a preemption notice lasts: retention's deletes wait (the daemon wires it; preempt/preempter.py).
+        # True while a preemption notice lasts: retention's deletes wait (the daemon wires it; notices/preempter.py).
         self.held: Callable[[], bool] = lambda: False
         # Retention deletes behind the kernel's back (no FUSE request): what it held of a deleted checkpoint
         # goes with these (fuse_ops.forget_kernel_entry_now and forget_kernel_data), called in a worker thread.
