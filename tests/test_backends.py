@@ -431,7 +431,7 @@ def test_the_server_verifies_part_checksums(s3_target: Target) -> None:
         pytest.skip("moto accepts any x-amz-checksum-crc32 (it does not verify)")
     store = s3_target.store
     assert isinstance(store, S3Store)
-    client = store._client
+    client = store.wire.client
     upload = client.create_multipart_upload(Bucket=store.bucket, Key="run/42/x", ChecksumAlgorithm="CRC32")
     body = os.urandom(1000)
     wrong = base64.b64encode((zlib.crc32(body) ^ 1).to_bytes(4, "big")).decode()
@@ -452,7 +452,7 @@ def test_bodies_are_not_hashed_for_the_signature(s3_target: Target) -> None:
     def record(request: Any, event_name: str, **_: Any) -> None:
         signed[event_name.rsplit(".", 1)[-1]] = request.headers["X-Amz-Content-SHA256"]
 
-    store._client.meta.events.register("before-send.s3", record)
+    store.wire.client.meta.events.register("before-send.s3", record)
     data = os.urandom(PART)
     store.put_object("small", data[:1000], META, _crc(data[:1000]))
     upload = store.open_upload("big", META, _crc(data))
@@ -474,7 +474,7 @@ def test_small_puts_do_not_wait_for_100_continue(s3_target: Target) -> None:
     def record(request: Any, event_name: str, **_: Any) -> None:
         sent[event_name.rsplit(".", 1)[-1]] = request.headers.get("Expect")
 
-    store._client.meta.events.register("before-send.s3", record)
+    store.wire.client.meta.events.register("before-send.s3", record)
     data = os.urandom(100_000)
     store.put_object("small", data, META, _crc(data))
     assert sent == {"PutObject": None}

@@ -355,7 +355,7 @@ def test_azure_server_rejects_a_block_with_a_wrong_md5(azurite: AzuriteServer, m
     upload = store.open_upload("k", META, "")
     wrong = base64.b64encode(hashlib.md5(b"other bytes").digest()).decode()
     with pytest.raises(HttpResponseError, match="MD5") as caught:
-        store._blob(store._full("k")).stage_block(store._block_id(upload, 1), b"some bytes",
+        store.wire.blob(store.wire.full("k")).stage_block(store._block_id(upload, 1), b"some bytes",
                                                   headers={"Content-MD5": wrong})
     # Azure answers Md5Mismatch (transient: the bytes were damaged on the way); Azurite InvalidOperation.
     assert caught.value.status_code == 400

@@ -121,6 +121,15 @@ def is_expired_credential(exc: BaseException) -> bool:
     return status in (400, 401, 403) and "expired" in message and ("token" in message or "credential" in message)
 
 
+def was_answered(exc: BackendError) -> bool:
+    """Did the server answer the request (an error), with no earlier try of it sent by the SDK? Then it
+    did nothing; else (no answer, or a retry) it may have acted."""
+    cause = exc.__cause__
+    if not isinstance(cause, botocore.exceptions.ClientError):
+        return False
+    return not (cause.response or {}).get("ResponseMetadata", {}).get("RetryAttempts", 0)
+
+
 def is_code(exc: BaseException, *codes: str) -> bool:
     cause = exc.__cause__ if isinstance(exc, BackendError) else exc
     return isinstance(cause, botocore.exceptions.ClientError) and _client_error_code(cause)[0] in codes
