@@ -205,6 +205,21 @@ def test_list_leftovers_reports_only_this_owners_uploads(target: Target) -> None
     assert target.leftovers() == []
 
 
+def test_an_owner_set_after_the_store_is_made_tags_its_uploads(target: Target) -> None:
+    """The daemon makes the store, then sets `owner` from the journal (daemon.py): the helper that tags and
+    finds uploads by owner (S3's markers, GCS's composed uploads) must see the new value, not the one the
+    store was made with, or a restart never finds its own leftovers."""
+    first, later = target.make(owner="made-with"), target.make(owner="set-later")
+    first.owner = "set-later"
+    assert first.owner == "set-later"
+    upload = first.open_upload("k", META, None)
+    assert upload.upload_id in {ref.upload_id for ref in later.list_leftovers()}
+    assert all(ref.upload_id != upload.upload_id for ref in target.make(owner="made-with").list_leftovers())
+    first.abort_upload(upload)
+    assert later.list_leftovers() == []
+    assert target.leftovers() == []
+
+
 def test_get_range_reads_ranges_of_one_version(target: Target) -> None:
     store = target.store
     data = os.urandom(3000)

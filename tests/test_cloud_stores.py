@@ -329,11 +329,11 @@ def test_a_store_on_the_whole_bucket(target: Target) -> None:
 
 
 def test_gcs_server_rejects_a_part_with_a_wrong_crc32c(fake_gcs: GcsServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptfs.backends.gcs as gcs
+    import ckptfs.backends.gcswire as gcswire
 
     store = _gcs_target(fake_gcs).store
     upload = store.open_upload("k", META, "")
-    monkeypatch.setattr(gcs, "_crc32c_b64", lambda data: "AAAAAA==")  # what a flipped bit on the wire looks like
+    monkeypatch.setattr(gcswire, "_crc32c_b64", lambda data: "AAAAAA==")  # what a flipped bit on the wire looks like
     # GCS rejects the request; the emulators store the object and answer their own CRC32C, which
     # put_part compares with the one it sent.
     with pytest.raises(TransientBackendError):

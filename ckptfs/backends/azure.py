@@ -32,8 +32,11 @@ its MD5 (validate_content): a new version replaces the old atomically, and a rea
 are strongly consistent, so list_notes sees every note whose Put Blob has returned. Notes are not under
 `.ckptfs-tmp.uploads/`, the only directory list_leftovers and the upload cleanups list or delete in.
 
-Errors: every SDK failure is translated once (azureerrors.py). Every method makes one attempt (the SDK
-retries once); the callers retry.
+Requests: every one goes through the store's AzureWire (azurewire.py), which AzureBlobStore owns: the
+clients made from the credential chain above, the container and the prefix, the translation of every SDK
+failure (azureerrors.py, once, in the wire) and the client made anew after an expired token. This module
+owns what the requests mean: the layout above, the staged uploads and their markers, reads, listings,
+copies, metadata and notes. Every method makes one attempt (the SDK retries once); the callers retry.
 """
 
 from __future__ import annotations

@@ -26,8 +26,12 @@ CRC32C (a new generation replaces the old atomically; a read gets one generation
 consistent, so list_notes sees every note whose upload has returned. Notes are not under `.ckptfs-tmp.parts/`,
 the only directory list_leftovers and the upload cleanups list or delete in.
 
-Errors: every SDK failure is translated once (gcserrors.py). Every method makes one attempt: the SDK's own
-retries are off for the transfer primitives and on for listings; the callers retry.
+Requests: every one goes through the store's GcsWire (gcswire.py), which GcsStore owns and shares with its
+ComposedUploads: the client, the bucket and the prefix, the CRC32C of every upload, and the translation of
+every SDK failure (gcserrors.py, once, in the wire). This module owns what the requests mean: the layout
+above, reads (with the cache of known versions), listings, copies, metadata and notes; the staged uploads
+are gcsuploads.py's. Every method makes one attempt: the SDK's own retries are off for the transfer
+primitives and on for listings; the callers retry.
 """
 
 from __future__ import annotations

@@ -31,8 +31,11 @@ strongly consistent (AWS since 2020, SeaweedFS and moto by construction), so lis
 whose PutObject has returned. They are apart from the markers' `.ckptfs-tmp.uploads/`, which is all that
 list_leftovers and the sweeps ever list.
 
-Errors: every SDK failure is translated once (s3errors.py). Every method makes one attempt (botocore
-retries once, standard mode); the callers retry.
+Requests: every one goes through the store's S3Wire (s3wire.py), which S3Store owns and shares with its
+UploadMarkers: the clients, the bucket and the prefix, the translation of every SDK failure (s3errors.py,
+once, in the wire) and the refresh-once of an expired credential. This module owns what the requests mean:
+the layout above, the staged uploads' primitives, reads, listings, copies and notes. Every method makes one
+attempt (botocore retries once, standard mode); the callers retry.
 """
 
 from __future__ import annotations

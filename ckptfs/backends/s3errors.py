@@ -1,6 +1,7 @@
 """What S3's answers mean, for S3Store (s3.py): the one table from S3 error codes to the BackendError kinds
 (ERROR_CODES; codes not listed fall back on the HTTP status), the translation of every boto3, botocore and
-urllib3 failure, and what the mount's check tells the user of one.
+urllib3 failure (applied in one place, S3Wire in s3wire.py), what an error says of whether the request may
+have been carried out (for s3markers.py), and what the mount's check tells the user of one.
 """
 
 from __future__ import annotations
