@@ -46,7 +46,7 @@ CLOUD_SDKS = {"boto3", "botocore", "google", "azure", "s3transfer"}
 # Underscore names that are public API: a NamedTuple's methods, and the few private names of the standard
 # library and of google-cloud-storage that have no public spelling.
 PUBLIC_UNDERSCORE = {"_replace", "_fields", "_asdict", "_make", "_exit", "_Environ"}
-THIRD_PARTY_PRIVATE = {("backends/gcs.py", "_credentials"), ("backends/gcs.py", "_http")}
+THIRD_PARTY_PRIVATE = {("backends/gcswire.py", "_credentials"), ("backends/gcswire.py", "_http")}
 
 
 def _modules() -> list[Path]:
