@@ -24,11 +24,13 @@ from ckptfs.journal import (
     Journal,
     JournalFull,
     ListedEntry,
-    base,
-    local,
-    namespace,
+    core,
+    deletes,
+    local_copies,
+    tree,
     work,
 )
+from ckptfs.journal.core import fetch_inode
 
 # SQL that changes a row or an entry of the inodes table.
 _WRITES_INODES = ("UPDATE inodes", "INSERT INTO inodes", "DELETE FROM inodes", "_INSERT_LISTED", "_insert_listed_many")
@@ -42,14 +44,14 @@ def _root(journal: Journal) -> Inode:
 
 def _fresh(journal: Journal, inode_id: int) -> Inode | None:
     """The row as the table holds it, past the cache."""
-    return journal._one(f"SELECT {', '.join(Inode._fields)} FROM inodes WHERE id = ?", (inode_id,))
+    return fetch_inode(journal.db, f"SELECT {', '.join(Inode._fields)} FROM inodes WHERE id = ?", (inode_id,))
 
 
 def test_every_function_that_writes_inodes_keeps_the_cache() -> None:
     """A mutator added without a word to the cache would leave it stale: each function of the journal whose
     SQL changes inodes names the cache (updates or drops what it changed), or calls one that does."""
     missing = []
-    for module in (base, namespace, work, local):
+    for module in (core, tree, work, deletes, local_copies):
         tree = ast.parse(inspect.getsource(module))
         for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef) or not node.args.args or node.args.args[0].arg != "self":
@@ -236,7 +238,8 @@ def test_random_changes_leave_the_cache_exact(tmp_path: Path, seed: int) -> None
         assert journal.stale_cache_entries() == []
         for directory in [i for i in journal.all_inodes() if i.kind == DIR and (i.parent or i.id == ROOT_ID)]:
             for name in names:
-                assert journal.lookup(directory.id, name) == journal._one(
+                assert journal.lookup(directory.id, name) == fetch_inode(
+                    journal.db,
                     f"SELECT {', '.join(Inode._fields)} FROM inodes WHERE parent = ? AND name = ?", (directory.id, name)
                 )
         for inode in journal.all_inodes():
