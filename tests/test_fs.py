@@ -429,7 +429,8 @@ async def test_fresh_cache_imports_store_and_fetches_on_open(tmp_path: Path, nur
     recover(stack.journal, stack.cache, stack.drain.engine, 0.0)
     assert stack.journal.names.by_path("run") is None  # nothing is listed before the mount looks
     await list_tree(stack.fs)
-    assert {i.path for i in stack.journal.names.all_inodes()} == {"", "run", "run/step_1", "run/step_1/model.pt", "empty-dir"}
+    paths = {i.path for i in stack.journal.names.all_inodes()}
+    assert paths == {"", "run", "run/step_1", "run/step_1/model.pt", "empty-dir"}
     inode = stack.journal.names.by_path("run/step_1/model.pt")
     assert inode is not None and inode.state == REMOTE and inode.size == 7000
     assert (inode.uid, inode.gid) == (os.getuid(), os.getgid())

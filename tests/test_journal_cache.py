@@ -52,8 +52,8 @@ def test_every_function_that_writes_inodes_keeps_the_cache() -> None:
     SQL changes inodes names the cache (updates or drops what it changed), or calls one that does."""
     missing = []
     for module in (core, tree, work, deletes, local_copies):
-        tree = ast.parse(inspect.getsource(module))
-        for node in ast.walk(tree):
+        parsed = ast.parse(inspect.getsource(module))
+        for node in ast.walk(parsed):
             if not isinstance(node, ast.FunctionDef) or not node.args.args or node.args.args[0].arg != "self":
                 continue  # a method of the journal, not a helper that builds SQL text
             text = ast.unparse(node)
@@ -103,10 +103,10 @@ def test_names_that_appear_replace_a_negative_entry(tmp_path: Path) -> None:
         assert journal.names.lookup(ROOT_ID, name) is None
     with journal.transaction():
         created = journal.names.create_inode(root, "created", FILE, 0o100644, 0, 0)
-        imported = journal.names.import_remote(root, "imported", FILE, size=3, mtime_ns=1, mode=0o100644, key="imported",
-                                         uid=0, gid=0, now=time.time())
-        journal.names.import_listed(_root(journal), [ListedEntry("listed", FILE, 5, 1, 0o100644, "listed")], uid=0, gid=0,
-                              now=time.time())
+        imported = journal.names.import_remote(root, "imported", FILE, size=3, mtime_ns=1, mode=0o100644,
+                                               key="imported", uid=0, gid=0, now=time.time())
+        journal.names.import_listed(_root(journal), [ListedEntry("listed", FILE, 5, 1, 0o100644, "listed")],
+                                    uid=0, gid=0, now=time.time())
         source = journal.names.create_inode(_root(journal), "source", FILE, 0o100644, 0, 0)
     journal.names.move(source, _root(journal), "renamed")
     assert journal.names.lookup(ROOT_ID, "created") == created

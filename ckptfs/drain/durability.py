@@ -161,7 +161,8 @@ class Durability:
     def _outstanding(self, paths: list[str] | None) -> dict[int, int]:
         """inode id -> the version that must reach the store, for everything pending under `paths`."""
         items = {}
-        for inode in [*self.journal.work.pending_uploads(), *self.journal.work.misplaced(), *self.journal.work.meta_stale(-1)]:
+        work = self.journal.work
+        for inode in [*work.pending_uploads(), *work.misplaced(), *work.meta_stale(-1)]:
             if in_scope(inode.path or "", paths):
                 items[inode.id] = inode.version
         return items

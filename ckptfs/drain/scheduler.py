@@ -386,7 +386,8 @@ class Drain:
                 small = (inode.kind == FILE and inode.size <= SMALL_FILE and inode.upload_state is None
                          and not self.markers.match(inode.name))
                 jobs.append(Job("upload", inode.id, (key,), small, inode.size))
-        open_ids = self.journal.copies.open_dirty_files() if pressure or self.spills.early or self.open_uploads.enabled else []
+        open_files_wanted = pressure or self.spills.early or self.open_uploads.enabled
+        open_ids = self.journal.copies.open_dirty_files() if open_files_wanted else []
         if self.open_uploads.enabled:
             next_due = min(next_due, self._scan_open(open_ids, jobs, unmarked, waiting, now, now_wall))
         if pressure or self.spills.early:

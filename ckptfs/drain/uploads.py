@@ -252,7 +252,8 @@ class Uploads:
         files: list[SmallFile] = []
         rest: list[Job] = []
         size = 0
-        rows: dict[int, Inode] | None = self.journal.names.get_many([job.ident for job in jobs])  # one query, not one a file
+        # One query, not one a file.
+        rows: dict[int, Inode] | None = self.journal.names.get_many([job.ident for job in jobs])
         for job in jobs:
             inode = self._still_due(job.ident, job.keys[0], rows=rows)
             if inode is None:
