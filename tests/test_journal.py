@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs.journal import ROOT_ID, Journal
+from ckptfs.journal import ROOT_ID, Journal, JournalUnusable
+from ckptfs.journal.deletes import PendingDeletes
+from ckptfs.journal.local_copies import LocalCopies
+from ckptfs.journal.tree import Names
+from ckptfs.journal.work import DrainWork
 
 # What the drain's scan (and a flush's check) asks on every round, every 20 ms while it is busy.
 SCAN_QUERIES: dict[str, Callable[[Journal], object]] = {
@@ -207,3 +211,65 @@ def test_owned_keys_below_a_directory_with_none_is_one_probe(tmp_path: Path) -> 
     journal.db.set_trace_callback(None)
     assert len(statements) == 1, statements
     assert journal.work.owned_keys(["step_0002/f000"], under="step_0002/") == {"step_0002/f000"}
+
+
+def test_the_tables_share_one_connection_and_its_transactions(tmp_path: Path) -> None:
+    """The tables are objects of their own on one connection: a transaction spans them (an unlink queues
+    its store key's delete in another table, and a rollback undoes both), and a sequence number given by
+    one table (a rename's) is not given again by another (a file rewritten behind the daemon)."""
+    journal = Journal(tmp_path / "journal.db")
+    tables = (journal.names, journal.work, journal.deletes, journal.copies)
+    assert len({id(table) for table in tables}) == 4
+    assert all(table.db is journal.db and table.cache is journal.cache for table in tables)
+    root = journal.names.get(ROOT_ID)
+    assert root is not None
+    with journal.transaction():
+        made = journal.names.create_inode(root, "f", "file", 0o100644, 0, 0)
+        journal.work.finish_upload(made, key="f", version=1, checksum=None, size=0, clean=True)
+    uploaded = journal.names.get(made.id)
+    assert uploaded is not None
+    with pytest.raises(RuntimeError), journal.transaction():
+        journal.names.detach(uploaded)
+        assert [d.key for d in journal.deletes.pending_deletes()] == ["f"]
+        raise RuntimeError("rolled back")
+    assert journal.deletes.pending_deletes() == []
+    assert journal.names.lookup(ROOT_ID, "f") == uploaded
+    with journal.transaction():
+        folder = journal.names.create_inode(root, "d", "dir", 0o40755, 0, 0)
+        inner = journal.names.create_inode(folder, "g", "file", 0o100644, 0, 0)
+        journal.names.move(folder, root, "e")  # the subtree's seqs: a statement of their own
+    moved = journal.names.get(inner.id)
+    assert moved is not None
+    journal.copies.rewritten_behind(made.id, size=1, mtime_ns=1, now=time.time())
+    rewritten = journal.names.get(made.id)
+    assert rewritten is not None and rewritten.seq > moved.seq
+    journal.close()
+
+
+def test_every_table_raises_the_journals_errors(tmp_path: Path) -> None:
+    """SQLite's errors leave each table (and the journal's own calls) as the journal's, translated at the
+    call: after close, each says the journal is unusable, not sqlite3's ProgrammingError."""
+    journal = Journal(tmp_path / "journal.db")
+    journal.close()
+    calls: list[Callable[[], object]] = [
+        lambda: journal.names.get(ROOT_ID), lambda: journal.names.lookup(ROOT_ID, "x"),
+        lambda: journal.work.pending_uploads(), lambda: journal.deletes.pending_deletes(),
+        lambda: journal.copies.clean_files(), lambda: journal.get_meta("x"), journal.sync,
+    ]
+    for call in calls:
+        with pytest.raises(JournalUnusable):
+            call()
+
+
+def test_each_method_belongs_to_one_table_and_the_journal_keeps_few() -> None:
+    """A caller finds a call in one place: no name is a method of two tables, and the Journal itself has
+    only the calls that span the tables."""
+    owners: dict[str, list[str]] = {}
+    for table in (Names, DrainWork, PendingDeletes, LocalCopies):
+        for name in vars(table):
+            if not name.startswith("_"):
+                owners.setdefault(name, []).append(table.__name__)
+    assert {name: where for name, where in owners.items() if len(where) > 1} == {}
+    own = {name for name in vars(Journal) if not name.startswith("_")}
+    assert own == {"commits", "transaction", "sync", "checkpoints_elsewhere", "checkpoint", "get_meta", "set_meta",
+                   "close"}
