@@ -261,10 +261,10 @@ def apply_dir_listing(
     objects another node replaced are served anew, and entries whose objects someone deleted go (the
     namespace is shared: the delete wins), unless they hold local work. Imported entries belong to the
     daemon's user (object stores keep no owner). `listed_at`: the directory counts as listed at that time
-    (Namespace.set_listed), in the same transaction.
+    (Names.set_listed), in the same transaction.
 
     One transaction, and a number of journal statements that does not grow with the listing (the new
-    entries go in by two statements: Namespace.import_listed), except for subdirectories and entries that
+    entries go in by two statements: Names.import_listed), except for subdirectories and entries that
     already exist: a fresh node's first walk of a big tree is mostly this.
 
     `stored_before`: inode id -> uploaded_version of the entries the store held before the listing began
