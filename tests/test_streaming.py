@@ -19,7 +19,7 @@ import trio
 from fsharness import Stack, check_consistency, make_stack
 
 from ckptfs.drain.recovery import repair_journal
-from ckptfs.errors import FsError, PermanentBackendError
+from ckptfs.errors import FsError
 from ckptfs.fs import data_path
 from ckptfs.journal import CLEAN, REMOTE, ROOT_ID
 
@@ -151,47 +151,6 @@ async def test_random_reads_return_the_right_bytes_and_fetch_each_chunk_once(sta
         size = rng.choice([1, 100, 4 * KIB, CHUNK + 17, 3 * CHUNK])
         assert await stack.fs.read(fh, offset, size) == content[offset:offset + size]
     assert max(Counter(chunk_offsets(stack, "r.bin")).values()) == 1
-    stack.fs.release(fh)
-
-
-async def test_a_chunks_blocks_are_allocated_before_its_bytes_arrive(stack: Stack) -> None:
-    """Measured on ext4 (bench/prefetch_bench.py): a fresh node's restore read took less time when each chunk's
-    blocks were allocated (fallocate) before the pieces of its range landed in the partial file, instead of
-    every pwrite reserving blocks in a sparse file. Only that chunk's blocks: what a partial file holds on
-    disk stays what the cache budget charges for it."""
-    ino, content = await remote_file(stack, "p.bin", 16 * CHUNK)
-    stack.store.range_gate = threading.Event()  # every range is held before its first byte
-    fh = await stack.fs.open(ino, os.O_RDONLY)
-    fd = stack.fs.handles[fh].fd
-    got: list[bytes] = []
-
-    async def read() -> None:
-        got.append(await stack.fs.read(fh, 12 * CHUNK, 4 * KIB))  # far from the start: no read-ahead
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(read)
-        with trio.fail_after(10):
-            while chunk_offsets(stack, "p.bin") != [12 * CHUNK]:  # noqa: ASYNC110 (the GET, in its thread)
-                await trio.sleep(0.01)
-        assert os.fstat(fd).st_blocks * 512 == CHUNK  # asked for, nothing arrived: its blocks are there
-        stack.store.range_gate.set()
-    assert got == [content[12 * CHUNK:12 * CHUNK + 4 * KIB]]
-    assert chunk_offsets(stack, "g.bin") == [] and chunk_offsets(stack, "p.bin") == [12 * CHUNK]
-    assert os.fstat(fd).st_blocks * 512 == CHUNK
-    stack.fs.release(fh)
-
-
-async def test_a_chunk_that_does_not_arrive_gives_its_blocks_back(stack: Stack) -> None:
-    ino, content = await remote_file(stack, "g.bin", 16 * CHUNK)
-    fh = await stack.fs.open(ino, os.O_RDONLY)
-    fd = stack.fs.handles[fh].fd
-    stack.store.failures.append(PermanentBackendError("injected: the store refused the range"))
-    with pytest.raises(FsError):
-        await stack.fs.read(fh, 12 * CHUNK, 4 * KIB)
-    assert chunk_offsets(stack, "g.bin") == []  # it failed before the GET was recorded, after the fallocate
-    assert os.fstat(fd).st_blocks == 0  # the preallocated chunk was punched out again
-    assert stack.cache.used == 0
-    assert await stack.fs.read(fh, 12 * CHUNK, 4 * KIB) == content[12 * CHUNK:12 * CHUNK + 4 * KIB]  # asked again
     stack.fs.release(fh)
 
 

@@ -278,7 +278,7 @@ class Fetcher:
         stream.errors.pop(index, None)
         offset, length = stream.chunk_range(index)
         pinning = pinner
-        repin = allocated = False
+        repin = False
         try:
             # The first answer fixes the version: the others wait for it, then ask for that etag. If
             # the pinning read fails, another read's chunk pins; read-ahead gives up (a read that needs
@@ -298,7 +298,6 @@ class Fetcher:
             if not reserved:
                 self.cache.reserve(length)
                 reserved = length
-            allocated = await trio.to_thread.run_sync(self.partials.preallocate, stream, offset, length)
             for _ in range(MOVES_FOLLOWED):
                 key = stream.key
                 try:
@@ -342,8 +341,6 @@ class Fetcher:
         finally:
             if reserved:
                 self.cache.unreserve(reserved)
-            if allocated and index not in stream.present:
-                self.partials.unallocate(stream, offset, length)
             if pinning:
                 stream.pinning = False
                 stream.pin_attempt.set()

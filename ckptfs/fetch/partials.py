@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Protocol
 
-from ckptfs.cache.directory import FALLOC_FL_KEEP_SIZE, CacheDir, fallocate_fd, punch_hole_fd
+from ckptfs.cache.directory import CacheDir, punch_hole_fd
 from ckptfs.errors import FsError
 from ckptfs.fetch.stream import Stream, close_stream, identity_of
 from ckptfs.journal import Inode
@@ -32,9 +32,6 @@ class PartialFiles:
         self.streams: dict[int, Stream] = {}  # remote inode id -> the Stream new opens use
         self.all: set[Stream] = set()  # every Stream with a partial file, detached ones too
         self._serial = itertools.count(1)
-        # Chunks get their blocks before their bytes arrive (see preallocate); False once the cache
-        # filesystem said it has no fallocate.
-        self.preallocating = True
 
     def stream_for(self, inode: Inode, chunk_size: int) -> Stream:
         """The Stream new opens of `inode` use: the current one unless it failed or the journal says the
@@ -60,35 +57,6 @@ class PartialFiles:
             self.all.add(stream)
             log.debug("streaming %s (%d bytes, %d chunks)", stream.key, stream.size, stream.count)
         return stream
-
-    def preallocate(self, stream: Stream, offset: int, length: int) -> bool:
-        """Allocate the blocks of a chunk before its ranged GET writes them (run in a worker thread); True
-        if it did. Measured on ext4 (bench/results/prefetch_bench_2026-11-28.md): a fresh node's 1 GiB
-        restore read took 15-20% less time when the partial file's blocks were allocated before the pieces
-        of 16 concurrent ranges landed in it, instead of each piece's pwrite reserving delayed-allocation
-        blocks in a sparse file. One chunk at a time, not the whole file: the file may be larger than the
-        cache, and what a partial file holds on disk stays what the budget charges (its present and
-        in-flight chunks). A filesystem without fallocate is written sparse, as before."""
-        if not self.preallocating or stream.fd < 0 or length <= 0:
-            return False
-        try:
-            fallocate_fd(stream.fd, FALLOC_FL_KEEP_SIZE, offset, length)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
-            self.preallocating = False
-            return False
-        return True
-
-    def unallocate(self, stream: Stream, offset: int, length: int) -> None:
-        """Give back the blocks of a chunk that was preallocated but did not arrive (its fetch failed or was
-        abandoned): its charge goes back to the budget, so its blocks go back to the filesystem."""
-        if stream.fd < 0 or stream.dropped:
-            return  # a dropped partial file's blocks go with the file
-        try:
-            punch_hole_fd(stream.fd, offset, length)
-        except OSError as exc:
-            log.warning("cannot free a chunk of %s that did not arrive: %s", stream.key, exc.strerror)
 
     def detach(self, stream: Stream) -> None:
         """New opens must not use this Stream; its partial file goes once its readers are done."""
