@@ -38,12 +38,12 @@ def phases(store_dir: Path, scratch: Path) -> dict[str, float]:
     store = LocalStore(store_dir)
     listing = Listing(journal, cache, NothingToList(), None)  # type: ignore[arg-type]  # readdir needs neither
     entry = fuse_ops._entry_template(0, 30.0)
-    root = journal.get(ROOT_ID)
+    root = journal.names.get(ROOT_ID)
     assert root is not None
     apply_dir_listing(journal, root, store.list_dir(""), now=time.time(), exact_mtimes=True,
                       vanished=lambda inode: None, warned=set(), cache=cache)
     spent = {"list_dir": 0.0, "import": 0.0, "readdir": 0.0}
-    for child in journal.all_children(ROOT_ID):
+    for child in journal.names.all_children(ROOT_ID):
         started = time.thread_time()
         listed = store.list_dir(child.key or "")
         listed_at = time.thread_time()

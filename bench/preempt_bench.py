@@ -44,7 +44,7 @@ from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  #
 
 from ckptfs.config import parse_rate  # noqa: E402
 from ckptfs.control import client  # noqa: E402
-from ckptfs.preempt.preempter import REPORT_NAME  # noqa: E402
+from ckptfs.notices.preempter import REPORT_NAME  # noqa: E402
 
 MIB = 1 << 20
 STEPS = ("step_1", "step_2", "step_3")

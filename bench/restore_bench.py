@@ -12,7 +12,9 @@ listing starting with the disk quiet (`sync`, the page cache dropped before a re
   boto3      s3transfer's download_file of the object to local disk (64 MiB parts, 4 and 16 threads), and
              a paginated list_objects_v2 of the directory.
 
-Medians of --runs; JSON in bench/results/restore_bench.json.
+Medians of --runs, and the median over the rounds of each round's ratio (the ways timed minutes apart in one
+round: steadier than a ratio of medians on this shared, noisy machine); JSON in
+bench/results/restore_bench.json.
 
 Run from the repo's venv with the test extra installed:  python bench/restore_bench.py [--size 2G]
 """
@@ -33,11 +35,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  # noqa: E402
-from s3_drain_bench import MIB, ckptfs, make_source, parse_size, quiet_disk, rotated, write_report  # noqa: E402
+from common import (  # noqa: E402
+    MIB,
+    S3Server,
+    ckptfs,
+    client_env,
+    make_source,
+    median_ratio,
+    parse_size,
+    quiet_disk,
+    rotated,
+    round_ratios,
+    seaweedfs,
+    write_report,
+)
 
 DEFAULT_JSON = REPO / "bench" / "results" / "restore_bench.json"
 BUCKET = "restore-bench"
@@ -58,8 +71,7 @@ def upload(server: S3Server, source: Path, files: int) -> None:
 def run_ckptfs(server: S3Server, root: Path, run: int, size: int, files: int) -> dict[str, float]:
     mnt, cache = root / f"mnt-{run}", root / f"cache-{run}"
     mnt.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV_UNSET}
-    env.update(CLIENT_ENV, CKPTFS_RUNTIME_DIR=str(root / "run"))
+    env = client_env(root / "run")
     ckptfs("mount", "--no-guard-mountpoint",
            f"s3://{BUCKET}/run", str(mnt), "--cache-dir", str(cache), "--endpoint-url", server.endpoint,
            "--metrics-addr", "off", "--daemon", env=env)
@@ -115,12 +127,8 @@ def main() -> None:
     args = p.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="ckptfs-restore-bench.", dir=args.dir))
-    server = start_seaweedfs(root / "seaweedfs")
-    os.environ.update(CLIENT_ENV)
-    for name in CLIENT_ENV_UNSET:
-        os.environ.pop(name, None)
     results: dict[str, list[float]] = {}
-    try:
+    with seaweedfs(root) as server:
         source = root / "checkpoint.bin"
         make_source(source, args.size)
         upload(server, source, args.files)
@@ -136,24 +144,25 @@ def main() -> None:
                 for name, seconds in times.items():
                     results.setdefault(f"{' '.join(way.split())} {name}", []).append(seconds)
                 print(f"run {run + 1}/{args.runs} {way:<16}  restore {times['restore']:6.2f}s"
-                      f"  list {times['list']:5.2f}s", flush=True)
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+                      f"  list {times['list']:5.2f}s  load {os.getloadavg()[0]:.1f}", flush=True)
 
     medians = {name: statistics.median(values) for name, values in results.items()}
-    print(f"\nmedians of {args.runs} interleaved runs: {args.size / MIB:.0f} MiB object, {args.files} files listed")
+    print(f"\nmedians of {args.runs} interleaved runs: {args.size / MIB:.0f} MiB object, {args.files} files listed;"
+          f" {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (a shared, noisy machine)")
     for name, value in medians.items():
         print(f"  {name:<32} {value:7.2f}s")
-    ratios = {
-        "ckptfs restore / boto3 4 threads": medians["ckptfs restore"] / medians["boto3 4 threads restore"],
-        "ckptfs restore / boto3 16 threads": medians["ckptfs restore"] / medians["boto3 16 threads restore"],
-        "ckptfs list / boto3 list": medians["ckptfs list"] / medians["boto3 4 threads list"],
+    pairs = {
+        "ckptfs restore / boto3 4 threads": ("ckptfs restore", "boto3 4 threads restore"),
+        "ckptfs restore / boto3 16 threads": ("ckptfs restore", "boto3 16 threads restore"),
+        "ckptfs list / boto3 list": ("ckptfs list", "boto3 4 threads list"),
     }
+    ratios = {name: median_ratio(results, *pair) or 0.0 for name, pair in pairs.items()}
+    per_round = {name: round_ratios(results, *pair) for name, pair in pairs.items()}
+    print("median of the rounds' ratios (each round's ratio in brackets):")
     for name, value in ratios.items():
-        print(f"  {name:<34} {value:5.2f}x")
+        print(f"  {name:<34} {value:5.2f}x  [{' '.join(f'{r:.2f}' for r in per_round[name])}]")
     write_report(args.json, {"size_bytes": args.size, "files": args.files, "runs": args.runs}, results, medians,
-                 ratios)
+                 ratios, round_ratios=per_round)
 
 
 if __name__ == "__main__":

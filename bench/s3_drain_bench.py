@@ -31,7 +31,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -40,73 +39,31 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
 
-from emulators import CLIENT_ENV, CLIENT_ENV_UNSET, S3Server, start_seaweedfs  # noqa: E402
+# The helpers every bench shares live in common.py; the names stay importable from here as well.
+from common import (  # noqa: E402
+    CLIENT_ENV,
+    CLIENT_ENV_UNSET,
+    MIB,
+    QUIET_PAUSE,
+    S3Server,
+    ckptfs,
+    make_source,
+    parse_size,
+    quiet_disk,
+    rotated,
+    start_seaweedfs,
+    write_report,
+)
 
-MIB = 1 << 20
+__all__ = ["CLIENT_ENV", "CLIENT_ENV_UNSET", "MIB", "QUIET_PAUSE", "S3Server", "ckptfs", "make_source", "parse_size",
+           "quiet_disk", "rotated", "start_seaweedfs", "write_report"]
+
 DEFAULT_JSON = REPO / "bench" / "results" / "s3_drain_bench.json"
-QUIET_PAUSE = 3.0  # seconds of quiet after sync before each timed run
-T = TypeVar("T")
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
-def write_report(path: Path, settings: dict[str, Any], results: dict[str, Any], medians: dict[str, float],
-                 ratios: dict[str, float]) -> None:
-    """The JSON every bench leaves in bench/results/: its settings, the machine, each run, medians, ratios."""
-    report = {
-        **settings,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()},
-        "seconds": results, "medians": medians, "ratios": ratios,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nresults written to {path}")
-
-
-def quiet_disk(pause: float = QUIET_PAUSE, drop_cache: bool = False) -> None:
-    """Start a timed run with the disk quiet: `sync`, so that the previous run's writeback is not paid by this
-    one; the page cache dropped if asked (a read that must come from the store, not memory); then a pause."""
-    os.sync()
-    if drop_cache:
-        try:
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        except OSError:
-            pass  # not root: a local file may be read from memory; the store's side is a server either way
-    time.sleep(pause)
-
-
-def rotated(ways: list[T], run: int) -> list[T]:
-    """The ways in the order of run number `run`: each takes each place in turn (the one right after another
-    pays for what that one left behind, and the first one after a pause finds the machine idle)."""
-    k = run % len(ways)
-    return ways[k:] + ways[:k]
-
-
-def make_source(path: Path, size: int) -> None:
-    block = os.urandom(MIB)
-    with open(path, "wb") as f:
-        for i in range(size // MIB):
-            f.write(i.to_bytes(8, "big") + block[8:])  # every MiB differs: no compression, no dedupe
-    os.sync()
-
-
-def ckptfs(*args: str, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    # From "/": `python -m` puts the current directory before PYTHONPATH, so a bench started inside a
-    # checkout would run that checkout's ckptfs as --before's too.
-    result = subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True, env=env,
-                            timeout=timeout, cwd="/")
-    if result.returncode != 0:
-        raise SystemExit(f"ckptfs {args[0]} failed: {result.stderr.strip()}")
-    return result
 
 
 def copy_all(sources: list[Path], target_dir: Path) -> None:

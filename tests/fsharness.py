@@ -268,7 +268,7 @@ class GatedTransfers(Transfers):
 async def list_tree(fs: Filesystem, inode_id: int = ROOT_ID) -> None:
     """What a `find` of the mount does to the lazy listing: list every directory, depth first."""
     await fs.ensure_listed(inode_id)
-    for child in fs.journal.all_children(inode_id):
+    for child in fs.journal.names.all_children(inode_id):
         if child.kind == DIR:
             await list_tree(fs, child.id)
 
@@ -287,7 +287,7 @@ class Stack:
     def write_file(self, path: str, data: bytes, *, parent: int = ROOT_ID) -> int:
         parent_id = self.resolve_dir(path.rsplit("/", 1)[0]) if "/" in path else parent
         name = path.rsplit("/", 1)[-1].encode()
-        existing = self.journal.lookup(parent_id, name.decode())
+        existing = self.journal.names.lookup(parent_id, name.decode())
         if existing is None:
             fh, attr = self.fs.create(parent_id, name, 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
             inode_id = attr.ino
@@ -298,7 +298,7 @@ class Stack:
         return inode_id
 
     def resolve_dir(self, path: str) -> int:
-        inode = self.journal.by_path(path)
+        inode = self.journal.names.by_path(path)
         assert inode is not None and inode.kind == DIR, path
         return inode.id
 
@@ -362,8 +362,8 @@ def check_consistency(stack: Stack) -> None:
     """The invariants between journal and cache that every test ends with."""
     journal, cache = stack.journal, stack.cache
     # The journal's row cache holds nothing its tables do not (a stale row or entry would be served).
-    assert journal.stale_cache_entries() == []
-    inodes = {i.id: i for i in journal.all_inodes()}
+    assert journal.names.stale_cache_entries() == []
+    inodes = {i.id: i for i in journal.names.all_inodes()}
     paths: dict[str, int] = {}
     for inode in inodes.values():
         if inode.id == ROOT_ID:

@@ -205,6 +205,21 @@ def test_list_leftovers_reports_only_this_owners_uploads(target: Target) -> None
     assert target.leftovers() == []
 
 
+def test_an_owner_set_after_the_store_is_made_tags_its_uploads(target: Target) -> None:
+    """The daemon makes the store, then sets `owner` from the journal (daemon.py): the helper that tags and
+    finds uploads by owner (S3's markers, GCS's composed uploads) must see the new value, not the one the
+    store was made with, or a restart never finds its own leftovers."""
+    first, later = target.make(owner="made-with"), target.make(owner="set-later")
+    first.owner = "set-later"
+    assert first.owner == "set-later"
+    upload = first.open_upload("k", META, None)
+    assert upload.upload_id in {ref.upload_id for ref in later.list_leftovers()}
+    assert all(ref.upload_id != upload.upload_id for ref in target.make(owner="made-with").list_leftovers())
+    first.abort_upload(upload)
+    assert later.list_leftovers() == []
+    assert target.leftovers() == []
+
+
 def test_get_range_reads_ranges_of_one_version(target: Target) -> None:
     store = target.store
     data = os.urandom(3000)
@@ -431,7 +446,7 @@ def test_the_server_verifies_part_checksums(s3_target: Target) -> None:
         pytest.skip("moto accepts any x-amz-checksum-crc32 (it does not verify)")
     store = s3_target.store
     assert isinstance(store, S3Store)
-    client = store._client
+    client = store.wire.client
     upload = client.create_multipart_upload(Bucket=store.bucket, Key="run/42/x", ChecksumAlgorithm="CRC32")
     body = os.urandom(1000)
     wrong = base64.b64encode((zlib.crc32(body) ^ 1).to_bytes(4, "big")).decode()
@@ -452,7 +467,7 @@ def test_bodies_are_not_hashed_for_the_signature(s3_target: Target) -> None:
     def record(request: Any, event_name: str, **_: Any) -> None:
         signed[event_name.rsplit(".", 1)[-1]] = request.headers["X-Amz-Content-SHA256"]
 
-    store._client.meta.events.register("before-send.s3", record)
+    store.wire.client.meta.events.register("before-send.s3", record)
     data = os.urandom(PART)
     store.put_object("small", data[:1000], META, _crc(data[:1000]))
     upload = store.open_upload("big", META, _crc(data))
@@ -474,7 +489,7 @@ def test_small_puts_do_not_wait_for_100_continue(s3_target: Target) -> None:
     def record(request: Any, event_name: str, **_: Any) -> None:
         sent[event_name.rsplit(".", 1)[-1]] = request.headers.get("Expect")
 
-    store._client.meta.events.register("before-send.s3", record)
+    store.wire.client.meta.events.register("before-send.s3", record)
     data = os.urandom(100_000)
     store.put_object("small", data, META, _crc(data))
     assert sent == {"PutObject": None}

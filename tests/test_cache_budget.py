@@ -76,7 +76,7 @@ async def test_clean_files_are_evicted_least_recently_used_first_and_come_back(
     assert await read_all(stack, inos[0]) == bytes([0]) * (300 * KIB)
     inos.append(stack.write_file("ckpt-3", b"\3" * (300 * KIB)))  # 1200 KiB > 950 KiB high-water mark
     stack.fs.evictor.evict_if_needed()
-    states = {i: stack.journal.get(i).state for i in inos}  # type: ignore[union-attr]
+    states = {i: stack.journal.names.get(i).state for i in inos}  # type: ignore[union-attr]
     assert states[inos[1]] == REMOTE, states
     assert states[inos[0]] == CLEAN and states[inos[2]] == CLEAN
     assert stack.cache.used <= 1000 * KIB
@@ -100,11 +100,11 @@ async def test_open_and_dirty_files_are_never_evicted(tmp_path: Path, nursery: t
     dirty = stack.write_file("dirty", b"d" * (400 * KIB))  # waits out the upload delay: stays dirty
     stack.write_file("more", b"m" * (400 * KIB))
     assert stack.fs.evictor.evict(1 << 30) == 0
-    assert stack.journal.get(dirty).state != REMOTE  # type: ignore[union-attr]
-    assert stack.journal.get(attr.ino).state == CLEAN  # type: ignore[union-attr]
+    assert stack.journal.names.get(dirty).state != REMOTE  # type: ignore[union-attr]
+    assert stack.journal.names.get(attr.ino).state == CLEAN  # type: ignore[union-attr]
     stack.fs.release(fh)
     assert stack.fs.evictor.evict(1 << 30) > 0
-    assert stack.journal.get(attr.ino).state == REMOTE  # type: ignore[union-attr]
+    assert stack.journal.names.get(attr.ino).state == REMOTE  # type: ignore[union-attr]
     check_consistency(stack)
 
 
@@ -144,7 +144,7 @@ async def test_write_fails_with_enospc_after_dirty_wait(tmp_path: Path, nursery:
     assert stack.fs.evictor.stats.enospc == 1
     stack.fs.release(fh)
     # Nothing written before is lost: both files are still in the cache, dirty, and journaled.
-    assert stack.journal.by_path("first").state != REMOTE  # type: ignore[union-attr]
+    assert stack.journal.names.by_path("first").state != REMOTE  # type: ignore[union-attr]
     check_consistency(stack)
 
 
@@ -217,7 +217,7 @@ async def test_a_file_larger_than_the_cache_is_spilled_while_it_is_written(
     assert stack.drain.stats.spilled_bytes > 0
     assert stack.store_files() == {"big.pt": bytes(expected)}
     # Its local copy had holes: it was evicted, and reads come back whole from the store.
-    assert stack.journal.get(attr.ino).state == REMOTE  # type: ignore[union-attr]
+    assert stack.journal.names.get(attr.ino).state == REMOTE  # type: ignore[union-attr]
     stack.cache.configure_budget(8 << 20, 0)
     assert await read_all(stack, attr.ino) == bytes(expected)
     assert not [p for p in (tmp_path / "store").rglob("*") if ".ckptfs-tmp." in str(p) and not p.is_dir()]

@@ -329,11 +329,11 @@ def test_a_store_on_the_whole_bucket(target: Target) -> None:
 
 
 def test_gcs_server_rejects_a_part_with_a_wrong_crc32c(fake_gcs: GcsServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptfs.backends.gcs as gcs
+    import ckptfs.backends.gcswire as gcswire
 
     store = _gcs_target(fake_gcs).store
     upload = store.open_upload("k", META, "")
-    monkeypatch.setattr(gcs, "_crc32c_b64", lambda data: "AAAAAA==")  # what a flipped bit on the wire looks like
+    monkeypatch.setattr(gcswire, "_crc32c_b64", lambda data: "AAAAAA==")  # what a flipped bit on the wire looks like
     # GCS rejects the request; the emulators store the object and answer their own CRC32C, which
     # put_part compares with the one it sent.
     with pytest.raises(TransientBackendError):
@@ -355,7 +355,7 @@ def test_azure_server_rejects_a_block_with_a_wrong_md5(azurite: AzuriteServer, m
     upload = store.open_upload("k", META, "")
     wrong = base64.b64encode(hashlib.md5(b"other bytes").digest()).decode()
     with pytest.raises(HttpResponseError, match="MD5") as caught:
-        store._blob(store._full("k")).stage_block(store._block_id(upload, 1), b"some bytes",
+        store.wire.blob(store.wire.full("k")).stage_block(store._block_id(upload, 1), b"some bytes",
                                                   headers={"Content-MD5": wrong})
     # Azure answers Md5Mismatch (transient: the bytes were damaged on the way); Azurite InvalidOperation.
     assert caught.value.status_code == 400

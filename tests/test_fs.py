@@ -40,7 +40,7 @@ async def test_write_close_uploads_identical_bytes(stack: Stack) -> None:
     stack.write_file("a.bin", b"x" * 100_000)
     await stack.flush()
     assert stack.store_files() == {"a.bin": b"x" * 100_000}
-    inode = stack.journal.by_path("a.bin")
+    inode = stack.journal.names.by_path("a.bin")
     assert inode is not None and inode.state == CLEAN
     assert inode.uploaded_version == inode.version
     assert inode.checksum is not None and inode.checksum.startswith("crc32:")
@@ -62,7 +62,7 @@ async def test_truncate_marks_dirty_and_uploads(stack: Stack) -> None:
     ino = stack.write_file("t", b"0123456789")
     await stack.flush()
     await stack.fs.setattr(ino, SetAttrs(size=4), None)
-    assert stack.journal.get(ino).state == DIRTY  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == DIRTY  # type: ignore[union-attr]
     await stack.flush()
     assert stack.store_files()["t"] == b"0123"
 
@@ -74,7 +74,7 @@ async def test_reopen_without_writing_does_not_reupload(stack: Stack) -> None:
     assert await stack.fs.read(fh, 0, 4) == b"data"
     stack.fs.release(fh)
     await stack.flush()
-    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
     assert [c for c in stack.store.calls if c[0] == "commit"] == [("commit", "r")]
 
 
@@ -95,7 +95,7 @@ async def test_names_the_store_cannot_keep(stack: Stack) -> None:
         stack.fs.mknod(ROOT_ID, b"fifo", stat.S_IFIFO | 0o644, UID, GID)
     assert errno_of(exc) == errno.EPERM
     attr = stack.fs.mknod(ROOT_ID, b"plain", stat.S_IFREG | 0o644, UID, GID)
-    assert attr.size == 0 and stack.journal.by_path("plain") is not None
+    assert attr.size == 0 and stack.journal.names.by_path("plain") is not None
 
 
 async def test_rename_before_upload_uploads_new_name_only(tmp_path: Path, nursery: trio.Nursery) -> None:
@@ -135,7 +135,7 @@ async def test_small_files_upload_in_batches(stack: Stack) -> None:
     assert sorted(key for batch in batches for key in batch) == sorted(contents)
     assert len(batches) == 3 and max(len(batch) for batch in batches) == SMALL_BATCH
     for name in contents:
-        inode = stack.journal.by_path(name)
+        inode = stack.journal.names.by_path(name)
         assert inode is not None and inode.state == CLEAN and inode.checksum is not None
 
 
@@ -276,7 +276,7 @@ async def test_rename_after_upload_moves_object(stack: Stack) -> None:
     await stack.flush()
     assert stack.store_files() == {"step_1/a": b"A", "step_1/b": b"B"}
     assert stack.store_dirs() == {"step_1"}
-    assert stack.journal.get(d).remote_key == "step_1/"  # type: ignore[union-attr]
+    assert stack.journal.names.get(d).remote_key == "step_1/"  # type: ignore[union-attr]
 
 
 async def test_rename_over_clean_file_never_deletes_the_new_object(stack: Stack) -> None:
@@ -287,7 +287,7 @@ async def test_rename_over_clean_file_never_deletes_the_new_object(stack: Stack)
     await stack.flush()
     assert stack.store_files() == {"ckpt": b"new"}
     assert ("delete", "ckpt") not in stack.store.calls
-    assert stack.journal.pending_deletes() == []
+    assert stack.journal.deletes.pending_deletes() == []
 
 
 async def test_rename_flags(stack: Stack) -> None:
@@ -320,11 +320,11 @@ async def test_unlink_open_file_stays_readable_then_goes(stack: Stack) -> None:
     await stack.flush()
     assert stack.store_files() == {}
     stack.fs.release(fh)
-    assert stack.journal.get(ino) is not None  # the kernel has not forgotten it yet
+    assert stack.journal.names.get(ino) is not None  # the kernel has not forgotten it yet
     stack.fs.forget(ino, 1)
-    assert stack.journal.get(ino) is not None  # one of the two references (create, lookup) is left
+    assert stack.journal.names.get(ino) is not None  # one of the two references (create, lookup) is left
     stack.fs.forget(ino, 1)
-    assert stack.journal.get(ino) is None
+    assert stack.journal.names.get(ino) is None
     assert not stack.cache.has_data(ino)
 
 
@@ -427,20 +427,21 @@ async def test_fresh_cache_imports_store_and_fetches_on_open(tmp_path: Path, nur
     (store_dir / "empty-dir").mkdir()
     stack = make_stack(tmp_path)
     recover(stack.journal, stack.cache, stack.drain.engine, 0.0)
-    assert stack.journal.by_path("run") is None  # nothing is listed before the mount looks
+    assert stack.journal.names.by_path("run") is None  # nothing is listed before the mount looks
     await list_tree(stack.fs)
-    assert {i.path for i in stack.journal.all_inodes()} == {"", "run", "run/step_1", "run/step_1/model.pt", "empty-dir"}
-    inode = stack.journal.by_path("run/step_1/model.pt")
+    paths = {i.path for i in stack.journal.names.all_inodes()}
+    assert paths == {"", "run", "run/step_1", "run/step_1/model.pt", "empty-dir"}
+    inode = stack.journal.names.by_path("run/step_1/model.pt")
     assert inode is not None and inode.state == REMOTE and inode.size == 7000
     assert (inode.uid, inode.gid) == (os.getuid(), os.getgid())
     fh = await stack.fs.open(inode.id, os.O_RDONLY)
     assert await stack.fs.read(fh, 0, 14) == b"weightsweights"
     stack.fs.release(fh)
-    assert stack.journal.get(inode.id).state == CLEAN  # type: ignore[union-attr]
+    assert stack.journal.names.get(inode.id).state == CLEAN  # type: ignore[union-attr]
     await nursery.start(stack.drain.run)
     await stack.flush()
     assert [c for c in stack.store.calls if c[0] == "commit"] == []
-    assert stack.journal.by_path("empty-dir") is not None
+    assert stack.journal.names.by_path("empty-dir") is not None
     check_consistency(stack)
 
 
@@ -468,7 +469,7 @@ async def test_crash_recovery_resumes_pending_work(tmp_path: Path, nursery: trio
     journal = Journal(stack.cache.journal_path)
     report = repair_journal(journal, stack.cache, now=0.0)
     assert report.purged_unlinked == 1 and report.resumed_uploads == 2
-    reopened = journal.get(attr.ino)
+    reopened = journal.names.get(attr.ino)
     assert reopened is not None and reopened.size == 5000 and reopened.closed_at == 0.0
     journal.close()
     fresh = make_stack(tmp_path, upload_delay=3600)
@@ -497,14 +498,14 @@ async def test_flush_of_many_files_reads_each_a_bounded_number_of_times(tmp_path
     for i in range(count):
         stack.write_file(f"f{i}", b"x")
     reads = 0
-    real_get = stack.journal.get
+    real_get = stack.journal.names.get
 
     def counting_get(inode_id: int):  # type: ignore[no-untyped-def]
         nonlocal reads
         reads += 1
         return real_get(inode_id)
 
-    stack.journal.get = counting_get  # type: ignore[method-assign]
+    stack.journal.names.get = counting_get  # type: ignore[method-assign]
     await stack.flush(seconds=60)
     assert len(stack.store_files()) == count
     assert reads < 15 * count, f"{reads} journal reads to flush {count} files"
@@ -520,7 +521,7 @@ async def test_chmod_and_utime_of_uploaded_file_rewrite_store_metadata(stack: St
     assert stat.S_IMODE(stored.st_mode) == 0o755 and stored.st_mtime_ns == 1_600_000_000_000_000_000
     calls = [c for c in stack.store.calls if c[0] in ("commit", "set_meta")]
     assert calls == [("commit", "run.sh"), ("set_meta", "run.sh")]
-    assert stack.journal.get(ino).meta_dirty == 0  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).meta_dirty == 0  # type: ignore[union-attr]
 
 
 async def test_chmod_during_first_upload_reaches_store(stack: Stack) -> None:
@@ -541,7 +542,7 @@ async def test_moving_a_tree_deeper_cannot_outgrow_key_length(stack: Stack) -> N
     parent = stack.resolve_dir("deep")
     for _ in range(3):
         stack.fs.mkdir(parent, b"d" * 255, 0o755, UID, GID)
-        parent = stack.journal.lookup(parent, "d" * 255).id  # type: ignore[union-attr]
+        parent = stack.journal.names.lookup(parent, "d" * 255).id  # type: ignore[union-attr]
     with pytest.raises(FsError) as exc:
         stack.fs.rename(ROOT_ID, b"a", parent, b"a", 0)
     assert errno_of(exc) == errno.ENAMETOOLONG
@@ -660,8 +661,8 @@ async def test_file_deleted_from_store_by_another_node_goes_here_too(stack: Stac
     await stack.flush()
     (stack.store.inner.root / "shared.pt").unlink()
     await list_tree(stack.fs)
-    assert stack.journal.by_path("shared.pt") is None
-    assert stack.journal.by_path("mine-dirty.pt") is not None
+    assert stack.journal.names.by_path("shared.pt") is None
+    assert stack.journal.names.by_path("mine-dirty.pt") is not None
 
 
 async def test_unexpected_error_in_a_job_is_retried_not_fatal(stack: Stack) -> None:
@@ -765,8 +766,8 @@ async def test_tree_deleted_by_another_node_goes_here_too(stack: Stack) -> None:
     await stack.flush()
     shutil.rmtree(stack.store.inner.root / "old_step")
     await list_tree(stack.fs)
-    assert stack.journal.by_path("old_step") is None
-    assert stack.journal.by_path("old_step/model.pt") is None
+    assert stack.journal.names.by_path("old_step") is None
+    assert stack.journal.names.by_path("old_step/model.pt") is None
 
 
 async def test_the_store_is_listed_one_directory_at_a_time(tmp_path: Path) -> None:
@@ -778,14 +779,14 @@ async def test_the_store_is_listed_one_directory_at_a_time(tmp_path: Path) -> No
     stack = make_stack(tmp_path)
     await stack.fs.ensure_listed(ROOT_ID)
     assert stack.fs.lister.listings == 1  # type: ignore[attr-defined]
-    assert {i.path for i in stack.journal.all_inodes()} == {"", "step_0", "step_1", "step_2"}
-    step_1 = stack.journal.by_path("step_1")
+    assert {i.path for i in stack.journal.names.all_inodes()} == {"", "step_0", "step_1", "step_2"}
+    step_1 = stack.journal.names.by_path("step_1")
     assert step_1 is not None
     stack.fs.lookup(ROOT_ID, b"step_1")
     await stack.fs.ensure_listed(step_1.id)
     assert stack.fs.lister.listings == 2  # type: ignore[attr-defined]
-    assert len(stack.journal.all_children(step_1.id)) == 50
-    assert stack.journal.by_path("step_0/shard_0.pt") is None  # not looked into: not listed
+    assert len(stack.journal.names.all_children(step_1.id)) == 50
+    assert stack.journal.names.by_path("step_0/shard_0.pt") is None  # not looked into: not listed
     check_consistency(stack)
 
 
@@ -794,7 +795,7 @@ async def test_store_keys_that_cannot_be_paths_warn_once(tmp_path: Path, caplog:
     from ckptfs.fetch.lister import apply_dir_listing
 
     stack = make_stack(tmp_path)
-    root = stack.journal.get(ROOT_ID)
+    root = stack.journal.names.get(ROOT_ID)
     assert root is not None
     listing = DirListing(
         [ObjectInfo("ok.pt", "file", 1, 0, 0o644), ObjectInfo("x" * 300, "file", 1, 0, 0o644)], ["..", "fine"],
@@ -804,7 +805,7 @@ async def test_store_keys_that_cannot_be_paths_warn_once(tmp_path: Path, caplog:
     for _ in range(2):
         apply_dir_listing(stack.journal, root, listing, now=0.0, exact_mtimes=True, vanished=stack.fs.vanished,
                           warned=warned, cache=stack.cache)
-    assert {i.path for i in stack.journal.all_inodes()} == {"", "ok.pt", "fine"}
+    assert {i.path for i in stack.journal.names.all_inodes()} == {"", "ok.pt", "fine"}
     skipped = [r for r in caplog.records if "cannot be a path" in r.getMessage()]
     assert len(skipped) == 2, [r.getMessage() for r in skipped]
 
@@ -922,7 +923,7 @@ async def test_an_upload_that_commits_while_its_directory_is_listed_is_not_taken
     with trio.fail_after(10):
         while stack.fs.lister._in_flight:  # type: ignore[attr-defined]  # noqa: ASYNC110 (no event to wait on)
             await trio.sleep(0.01)
-    entry = stack.journal.lookup(ROOT_ID, "a")
+    entry = stack.journal.names.lookup(ROOT_ID, "a")
     assert entry is not None and entry.id == inode_id, "the mount lost a file it had just uploaded"
     assert entry.state == CLEAN and entry.size == len(b"new bytes")
     assert stack.store_files() == {"a": b"new bytes"}
@@ -958,11 +959,11 @@ async def test_a_delete_that_completes_while_its_directory_is_listed_brings_noth
     (store_dir / "ckpt").mkdir()
     (store_dir / "ckpt" / "x").write_bytes(b"x")
     await stack.fs.lister.ensure(ROOT_ID)
-    ckpt = stack.journal.by_path("ckpt")
+    ckpt = stack.journal.names.by_path("ckpt")
     assert ckpt is not None
     await stack.fs.lister.ensure(ckpt.id, required=True)
     stack.fs.unlink(ckpt.id, b"x")
-    [pending] = stack.journal.pending_deletes()
+    [pending] = stack.journal.deletes.pending_deletes()
     listed = stack.store.list_dir
 
     def list_while_the_delete_completes(prefix: str):  # type: ignore[no-untyped-def]
@@ -972,7 +973,7 @@ async def test_a_delete_that_completes_while_its_directory_is_listed_brings_noth
 
             def done() -> None:
                 with stack.journal.transaction():
-                    stack.journal.delete_done(pending.id)
+                    stack.journal.deletes.delete_done(pending.id)
 
             trio.from_thread.run_sync(done)
         return listing
@@ -980,7 +981,7 @@ async def test_a_delete_that_completes_while_its_directory_is_listed_brings_noth
     stack.store.list_dir = list_while_the_delete_completes  # type: ignore[method-assign]
     await stack.fs.prepare_rmdir(ROOT_ID, b"ckpt")
     stack.fs.rmdir(ROOT_ID, b"ckpt")  # before: ENOTEMPTY, x listed back as a remote file
-    assert stack.journal.by_path("ckpt/x") is None
+    assert stack.journal.names.by_path("ckpt/x") is None
 
 
 async def test_a_deferred_delete_waits_its_turn_instead_of_spinning(tmp_path: Path, nursery: trio.Nursery) -> None:

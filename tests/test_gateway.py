@@ -26,7 +26,7 @@ async def store_has(stack: Stack, name: str, data: bytes, seconds: float = 10) -
     """Wait until the store shows `data` at `name` and the journal has recorded it."""
     await until(
         lambda: stack.store_files().get(name) == data and not any(
-            inode.state == "uploading" for inode in stack.journal.all_inodes() if inode.path == name),
+            inode.state == "uploading" for inode in stack.journal.names.all_inodes() if inode.path == name),
         seconds=seconds, what=f"{name} in the store as written ({len(data)} bytes), its upload recorded")
 
 
@@ -44,12 +44,12 @@ async def test_an_open_file_is_uploaded_once_idle_and_its_close_needs_no_second_
     written_at = time.monotonic()
     await store_has(stack, "shard.pt", b"A" * 5000)
     assert time.monotonic() - written_at >= 0.3  # not before it was idle
-    inode = stack.journal.get(ino)
+    inode = stack.journal.names.get(ino)
     assert inode is not None and inode.state == DIRTY  # still open: only its close can call it clean
     stack.fs.release(fh)
     await stack.flush()
     with trio.fail_after(10):
-        while (inode := stack.journal.get(ino)) is not None and inode.state != CLEAN:  # noqa: ASYNC110 (no event)
+        while (inode := stack.journal.names.get(ino)) is not None and inode.state != CLEAN:  # noqa: ASYNC110 (no event)
             await trio.sleep(0.02)
     assert commits(stack, "shard.pt") == [b"A" * 5000]  # the close uploaded nothing again
     check_consistency(stack)
@@ -228,7 +228,7 @@ async def test_a_file_written_after_its_upload_while_open_is_a_new_version_after
 
     after = make_stack(tmp_path)
     repair_journal(after.journal, after.cache, time.time())
-    inode = after.journal.get(ino)
+    inode = after.journal.names.get(ino)
     assert inode is not None and inode.state == DIRTY and inode.version > inode.uploaded_version
     await nursery.start(after.drain.run)
     await after.flush()

@@ -53,7 +53,7 @@ async def test_a_takeover_restores_open_files_and_purges_an_unlinked_one_once_th
     _, unanswered = stack.fs.create(ROOT_ID, b"unanswered", 0o644, RW_CREATE, 0, 0)  # the daemon dies first
     stack.fs.unlink(ROOT_ID, b"gone")
     stack.fs.forget(gone.ino, 1)  # the kernel forgets the name, not the open file
-    assert stack.journal.get(gone.ino) is not None
+    assert stack.journal.names.get(gone.ino) is not None
 
     # The daemon dies with both files open; the next one takes the connection over.
     table.close()
@@ -66,24 +66,24 @@ async def test_a_takeover_restores_open_files_and_purges_an_unlinked_one_once_th
                    still_writing={r.inode_id for r in records if r.writable})
     after.fs.handle_table = table
     assert after.fs.restore_handles(records) == 2
-    kept_inode = after.journal.get(kept.ino)
+    kept_inode = after.journal.names.get(kept.ino)
     assert kept_inode is not None and kept_inode.closed_at is None  # still open for writing: not uploaded
     assert after.fs.open_writers() == 2
-    unanswered_inode = after.journal.get(unanswered.ino)
+    unanswered_inode = after.journal.names.get(unanswered.ino)
     assert unanswered_inode is not None and unanswered_inode.closed_at is not None  # closed by recovery
     assert await after.fs.read(gone_fh, 0, 3) == b"abc"
     assert after.fs.write(kept_fh, 3, b"!") == 1
 
     after.fs.release(gone_fh)
     # The kernel's references from before are unknown: only its FORGET lets the inode go.
-    assert after.journal.get(gone.ino) is not None
+    assert after.journal.names.get(gone.ino) is not None
     after.fs.forget(gone.ino, 1)
-    assert after.journal.get(gone.ino) is None
+    assert after.journal.names.get(gone.ino) is None
     assert not after.cache.has_data(gone.ino)
     after.fs.release(gone_fh)  # sent again by the kernel: nothing happens
 
     after.fs.release(kept_fh)
-    kept_inode = after.journal.get(kept.ino)
+    kept_inode = after.journal.names.get(kept.ino)
     assert kept_inode is not None and kept_inode.closed_at is not None and kept_inode.state == "dirty"
     assert _contents(after.cache.data_path(kept.ino)) == b"xyz!"
     fh, _ = after.fs.create(ROOT_ID, b"new", 0o644, RW_CREATE, 0, 0)
@@ -98,6 +98,6 @@ async def test_without_a_takeover_recovery_purges_unlinked_files_and_closes_open
     stack.fs.unlink(ROOT_ID, b"gone")
     after = make_stack(tmp_path)
     repair_journal(after.journal, after.cache, time.time())
-    assert after.journal.get(gone.ino) is None
-    kept_inode = after.journal.get(kept.ino)
+    assert after.journal.names.get(gone.ino) is None
+    kept_inode = after.journal.names.get(kept.ino)
     assert kept_inode is not None and kept_inode.closed_at is not None

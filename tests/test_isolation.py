@@ -127,7 +127,7 @@ def test_what_counts_as_an_unusable_journal(tmp_path: Path) -> None:
     assert not journal_unusable(full.value)  # a full cache filesystem: retried, not the end
     journal.close()
     with pytest.raises(JournalUnusable) as closed:
-        journal.get(ROOT_ID)
+        journal.names.get(ROOT_ID)
     assert journal_unusable(closed.value)
     assert journal_unusable(ExceptionGroup("nursery", [ValueError(), closed.value]))
     assert not journal_unusable(Bug())

@@ -64,11 +64,11 @@ async def test_a_request_the_full_journal_refuses_answers_enospc_and_changes_not
         for i in range(2000):
             stack.fs.mkdir(ROOT_ID, f"dir-{i:04d}-{'x' * 200}".encode(), 0o755, UID, GID)
     assert _fuse_error(caught.value, "mkdir", Faults(), _not_expected).errno == errno.ENOSPC
-    made = len(stack.journal.all_children(ROOT_ID))
-    assert stack.journal.lookup(ROOT_ID, f"dir-{made:04d}-{'x' * 200}") is None
+    made = len(stack.journal.names.all_children(ROOT_ID))
+    assert stack.journal.names.lookup(ROOT_ID, f"dir-{made:04d}-{'x' * 200}") is None
     stack.journal.db.execute("PRAGMA max_page_count = 1073741823")  # room again
     stack.fs.mkdir(ROOT_ID, b"after", 0o755, UID, GID)
-    assert stack.journal.lookup(ROOT_ID, "after") is not None
+    assert stack.journal.names.lookup(ROOT_ID, "after") is not None
 
 
 def test_a_full_journal_answers_enospc_not_eio() -> None:
@@ -89,12 +89,12 @@ async def test_a_close_the_full_journal_refused_is_recorded_once_there_is_room(
     await nursery.start(stack.fs.run)
     fh, attr = stack.fs.create(ROOT_ID, b"model.pt", 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
     stack.fs.write(fh, 0, b"weights")
-    record_close = stack.journal.mark_closed
-    stack.journal.mark_closed = _refuse  # type: ignore[method-assign]
+    record_close = stack.journal.names.mark_closed
+    stack.journal.names.mark_closed = _refuse  # type: ignore[method-assign]
     with pytest.raises(JournalFull):
         stack.fs.release(fh)
     assert not stack.fs.in_use(attr.ino)  # the handle is gone all the same
-    stack.journal.mark_closed = record_close  # type: ignore[method-assign]  # room again
+    stack.journal.names.mark_closed = record_close  # type: ignore[method-assign]  # room again
     await stack.flush(seconds=15)
     assert stack.store_files() == {"model.pt": b"weights"}
     check_consistency(stack)
@@ -109,7 +109,7 @@ async def test_a_staged_upload_the_full_journal_could_not_remember_is_aborted(
     8400 round 5: a temp object in the file:// store after flush)."""
     stack = make_stack(tmp_path)
     stack.drain.engine.part_size = 1 << 20
-    save_upload_state = stack.journal.save_upload_state
+    save_upload_state = stack.journal.work.save_upload_state
     refused = []
 
     def cannot_grow_once(inode_id: int, state: str | None) -> None:
@@ -118,7 +118,7 @@ async def test_a_staged_upload_the_full_journal_could_not_remember_is_aborted(
             raise _full()
         save_upload_state(inode_id, state)
 
-    stack.journal.save_upload_state = cannot_grow_once  # type: ignore[method-assign]
+    stack.journal.work.save_upload_state = cannot_grow_once  # type: ignore[method-assign]
     await nursery.start(stack.drain.run)
     data = os.urandom(12 << 20)
     stack.write_file("big.bin", data)
@@ -138,14 +138,14 @@ async def test_an_eviction_the_full_journal_refuses_leaves_the_file_and_the_daem
     await nursery.start(stack.drain.run)
     ino = stack.write_file("old.bin", b"o" * 100_000)
     await stack.flush()
-    mark_evicted = stack.journal.mark_evicted
-    stack.journal.mark_evicted = _refuse  # type: ignore[method-assign]
+    mark_evicted = stack.journal.copies.mark_evicted
+    stack.journal.copies.mark_evicted = _refuse  # type: ignore[method-assign]
     assert stack.fs.evictor.evict(1 << 40) == 0
     stack.fs.evictor.evict_if_clean(ino)
-    assert stack.cache.has_data(ino) and stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
-    stack.journal.mark_evicted = mark_evicted  # type: ignore[method-assign]  # room again
+    assert stack.cache.has_data(ino) and stack.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
+    stack.journal.copies.mark_evicted = mark_evicted  # type: ignore[method-assign]  # room again
     assert stack.fs.evictor.evict(1 << 40) == 100_000
-    assert stack.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == REMOTE  # type: ignore[union-attr]
     check_consistency(stack)
 
 
@@ -162,20 +162,20 @@ async def test_a_fetched_file_the_full_journal_cannot_adopt_stays_remote_and_rea
     ino = stack.write_file("model.pt", content)
     await stack.flush()
     stack.fs.evictor.evict(1 << 40)
-    finish_fetch = stack.journal.finish_fetch
-    stack.journal.finish_fetch = _refuse  # type: ignore[method-assign]
+    finish_fetch = stack.journal.copies.finish_fetch
+    stack.journal.copies.finish_fetch = _refuse  # type: ignore[method-assign]
     fh = await stack.fs.open(ino, os.O_RDONLY)
     with trio.fail_after(20):
         got = b"".join([await stack.fs.read(fh, offset, 65536) for offset in range(0, len(content), 65536)])
     stack.fs.release(fh)
     assert got == content
-    assert stack.journal.get(ino).state == REMOTE and not stack.cache.has_data(ino)  # type: ignore[union-attr]
-    stack.journal.finish_fetch = finish_fetch  # type: ignore[method-assign]  # room again
+    assert stack.journal.names.get(ino).state == REMOTE and not stack.cache.has_data(ino)  # type: ignore[union-attr]
+    stack.journal.copies.finish_fetch = finish_fetch  # type: ignore[method-assign]  # room again
     fh = await stack.fs.open(ino, os.O_RDONLY)
     with trio.fail_after(20):
         got = b"".join([await stack.fs.read(fh, offset, 65536) for offset in range(0, len(content), 65536)])
     stack.fs.release(fh)
-    assert got == content and stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert got == content and stack.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
     check_consistency(stack)
 
 

@@ -105,29 +105,29 @@ def test_a_version_1_journal_is_migrated_with_its_data_intact(tmp_path: Path, op
     assert journal.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     fresh = Journal(tmp_path / "fresh.db")
     assert _schema(journal.db) == _schema(fresh.db)
-    model, optim = journal.by_path("step_1/model.pt"), journal.by_path("step_1/optim.pt")
+    model, optim = journal.names.by_path("step_1/model.pt"), journal.names.by_path("step_1/optim.pt")
     assert model is not None and optim is not None
     assert (model.state, model.size, model.version, model.remote_key, model.checksum, model.seq) == (
         CLEAN, 7, 2, "step_1/model.pt", "crc32:0a1b2c3d", 2
     )
     assert (optim.state, optim.size, optim.closed_at) == (REMOTE, 9, 3.5)
     assert model.atime_ns is None and optim.atime_ns is None  # version 4: never set, reads as the mtime
-    assert [c.name for c in journal.all_children(2)] == ["model.pt", "optim.pt"]
-    assert [(d.key, d.created_at) for d in journal.pending_deletes()] == [("old/model.pt", 4.5)]
+    assert [c.name for c in journal.names.all_children(2)] == ["model.pt", "optim.pt"]
+    assert [(d.key, d.created_at) for d in journal.deletes.pending_deletes()] == [("old/model.pt", 4.5)]
     assert journal.get_meta("source") == "file:///store"
-    assert journal.listed_dirs() == ({2: 8.5} if opened else {})
+    assert journal.names.listed_dirs() == ({2: 8.5} if opened else {})
     # New work continues the old order.
-    root = journal.get(ROOT_ID)
+    root = journal.names.get(ROOT_ID)
     assert root is not None
     with journal.transaction():
-        created = journal.create_inode(root, "step_2", "dir", 0o40755, 0, 0)
+        created = journal.names.create_inode(root, "step_2", "dir", 0o40755, 0, 0)
     assert created.seq == 4
     with journal.transaction():
-        journal.mark_meta_dirty(model.id)
-    assert [i.id for i in journal.meta_stale(10)] == [model.id]
+        journal.work.mark_meta_dirty(model.id)
+    assert [i.id for i in journal.work.meta_stale(10)] == [model.id]
     journal.close()
     again = Journal(tmp_path / "journal.db")  # a migrated journal opens as it is
-    assert again.by_path("step_2") is not None and again.listed_dirs() == ({2: 8.5} if opened else {})
+    assert again.names.by_path("step_2") is not None and again.names.listed_dirs() == ({2: 8.5} if opened else {})
 
 
 def test_a_fresh_journal_has_the_whole_schema(tmp_path: Path) -> None:

@@ -30,13 +30,13 @@ ALLOWED: dict[str, set[str]] = {
     "fs": {"cache", "errors", "journal"},
     "retention": {"errors", "fetch", "fs", "journal", "nodes"},
     "drain": {"backends", "cache", "errors", "journal", "retention", "transfer"},
-    "preempt": {"config", "drain", "transfer"},
-    "control": {"backends", "cache", "config", "drain", "errors", "fetch", "fs", "journal", "nodes", "preempt",
+    "notices": {"config", "drain", "transfer"},
+    "control": {"backends", "cache", "config", "drain", "errors", "fetch", "fs", "journal", "nodes", "notices",
                 "retention", "transfer"},
     "mount": {"control", "errors", "fs", "journal"},
     "keepmount": {"control", "errors", "fs", "mount"},
     "daemon": {"backends", "cache", "config", "control", "drain", "errors", "fetch", "fs", "journal", "keepmount",
-               "mount", "nodes", "preempt", "retention", "transfer"},
+               "mount", "nodes", "notices", "retention", "transfer"},
     "cli": {"config", "control", "daemon", "errors", "keepmount", "mount"},
     "__main__": {"cli"},
     "__init__": {"control", "errors"},
@@ -46,7 +46,7 @@ CLOUD_SDKS = {"boto3", "botocore", "google", "azure", "s3transfer"}
 # Underscore names that are public API: a NamedTuple's methods, and the few private names of the standard
 # library and of google-cloud-storage that have no public spelling.
 PUBLIC_UNDERSCORE = {"_replace", "_fields", "_asdict", "_make", "_exit", "_Environ"}
-THIRD_PARTY_PRIVATE = {("backends/gcs.py", "_credentials"), ("backends/gcs.py", "_http")}
+THIRD_PARTY_PRIVATE = {("backends/gcswire.py", "_credentials"), ("backends/gcswire.py", "_http")}
 
 
 def _modules() -> list[Path]:

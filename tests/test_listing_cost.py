@@ -70,15 +70,15 @@ async def _listing_cost(tmp_path: Path, counted: Callable[[Stack], Counts], file
     _tree(tmp_path / "store", files)
     stack = make_stack(tmp_path)
     await stack.fs.ensure_listed(ROOT_ID)
-    big = stack.journal.by_path("big")
+    big = stack.journal.names.by_path("big")
     assert big is not None
     counts = counted(stack)
     await stack.fs.ensure_listed(big.id)
-    children = {c.name: c for c in stack.journal.all_children(big.id)}
+    children = {c.name: c for c in stack.journal.names.all_children(big.id)}
     assert len(children) == files + 2  # the files, the symlink, the subdirectory
     assert children["f00003.bin"].size == 3 and children["f00003.bin"].state == REMOTE
     assert children["link"].target == "f00000.bin" and children["sub"].kind == "dir"
-    assert big.id in stack.journal.listed_dirs()
+    assert big.id in stack.journal.names.listed_dirs()
     check_consistency(stack)
     return counts.statements, counts.transactions, counts.list_dir
 
@@ -105,7 +105,7 @@ async def test_a_directory_of_1000_files_goes_into_the_journal_by_one_insert(tmp
     _tree(tmp_path / "store", 1000)
     stack = make_stack(tmp_path)
     await stack.fs.ensure_listed(ROOT_ID)
-    big = stack.journal.by_path("big")
+    big = stack.journal.names.by_path("big")
     assert big is not None
     inserts: list[str] = []
     stack.journal.db.set_trace_callback(lambda sql: sql.startswith("INSERT INTO inodes") and inserts.append(sql))
@@ -114,7 +114,7 @@ async def test_a_directory_of_1000_files_goes_into_the_journal_by_one_insert(tmp
     finally:
         stack.journal.db.set_trace_callback(None)
     assert len(inserts) <= 3, len(inserts)
-    children = {c.name: c for c in stack.journal.all_children(big.id)}
+    children = {c.name: c for c in stack.journal.names.all_children(big.id)}
     assert len(children) == 1002
     assert [children[f"f{i:05d}.bin"].size for i in range(1000)] == [i % 7 for i in range(1000)]
     assert children["f00999.bin"].path == "big/f00999.bin" and children["f00999.bin"].remote_key == "big/f00999.bin"
@@ -151,7 +151,7 @@ async def _listed_root_of_dirs(tmp_path: Path, count: int) -> tuple[Stack, DirLi
     assert isinstance(lister, DirLister)
     lister.refresh_interval = 60.0
     await stack.fs.ensure_listed(ROOT_ID)
-    return stack, lister, sorted(c.id for c in stack.journal.all_children(ROOT_ID))
+    return stack, lister, sorted(c.id for c in stack.journal.names.all_children(ROOT_ID))
 
 
 async def test_a_walk_is_listed_one_directory_ahead(tmp_path: Path, counted: Callable[[Stack], Counts]) -> None:
@@ -162,14 +162,14 @@ async def test_a_walk_is_listed_one_directory_ahead(tmp_path: Path, counted: Cal
     counts = counted(stack)
     await stack.fs.ensure_listed(ids[0])
     await trio.testing.wait_all_tasks_blocked()  # whatever runs without the lister's task had its chance
-    assert counts.list_dir == 1 and ids[1] not in stack.journal.listed_dirs()
+    assert counts.list_dir == 1 and ids[1] not in stack.journal.names.listed_dirs()
     async with trio.open_nursery() as nursery:
         await nursery.start(lister.run)
         await stack.fs.ensure_listed(ids[1])  # listed on request: the next one ahead of the walker
-        await until(lambda: ids[2] in stack.journal.listed_dirs())
+        await until(lambda: ids[2] in stack.journal.names.listed_dirs())
         assert counts.list_dir == 3
         await stack.fs.ensure_listed(ids[2])  # listed ahead before: the store is not asked again
-        await until(lambda: ids[3] in stack.journal.listed_dirs())
+        await until(lambda: ids[3] in stack.journal.names.listed_dirs())
         assert counts.list_dir == 4
         await stack.fs.ensure_listed(ids[3])  # the last one: nothing after it
         await trio.sleep(0.2)
@@ -185,7 +185,7 @@ async def test_a_full_cache_filesystem_skips_a_listing_ahead_and_the_next_still_
     """The journal cannot grow (JournalFull) while a directory is listed ahead: that listing is skipped,
     quietly (the request that needs it hears ENOSPC itself), and the task lists the next one."""
     stack, lister, ids = await _listed_root_of_dirs(tmp_path, 3)
-    import_listed = stack.journal.import_listed
+    import_listed = stack.journal.names.import_listed
     full = [True]
 
     def once_full(directory: Any, *args: Any, **kwargs: Any) -> None:
@@ -194,13 +194,13 @@ async def test_a_full_cache_filesystem_skips_a_listing_ahead_and_the_next_still_
             raise JournalFull("database or disk is full")
         import_listed(directory, *args, **kwargs)
 
-    monkeypatch.setattr(stack.journal, "import_listed", once_full)
+    monkeypatch.setattr(stack.journal.names, "import_listed", once_full)
     async with trio.open_nursery() as nursery:
         await nursery.start(lister.run)
         await stack.fs.ensure_listed(ids[0])  # d1 ahead: the journal is full
         await until(lambda: not full)
         await stack.fs.ensure_listed(ids[1])  # listed now, on request; d2 ahead
-        await until(lambda: ids[2] in stack.journal.listed_dirs())
+        await until(lambda: ids[2] in stack.journal.names.listed_dirs())
         nursery.cancel_scope.cancel()
     assert [e.name for e in stack.fs.readdir(ids[1], 0)] == [b"f.bin"]
     check_consistency(stack)
@@ -224,8 +224,8 @@ async def test_the_kernel_forgetting_a_walked_tree_is_one_query_per_batch(
     counts = counted(stack)
     stack.fs.forget_many([(entry.attr.ino, 1) for entry in walked] + [(victim, 1)])
     assert counts.statements <= 5, counts.statements  # which are unlinked; the victim's purge (4)
-    assert stack.journal.get(victim) is None and not stack.cache.has_data(victim)
-    assert len(stack.journal.all_children(big.ino)) == 602  # forgetting is no unlink
+    assert stack.journal.names.get(victim) is None and not stack.cache.has_data(victim)
+    assert len(stack.journal.names.all_children(big.ino)) == 602  # forgetting is no unlink
     check_consistency(stack)
 
 

@@ -152,7 +152,7 @@ async def test_a_forgotten_node_holds_the_markers_that_waited_for_it(
     assert held["held_by"] == ["node-b"]
     assert a.peers.pending_entries() == {TOP_FILES}  # retention counts top-level files incomplete
     # The job writes the marker again: a new snapshot leaves the forgotten node out.
-    fh = await a.stack.fs.open(a.stack.journal.by_path("latest").id, os.O_WRONLY | os.O_TRUNC)  # type: ignore[union-attr]
+    fh = await a.stack.fs.open(a.stack.journal.names.by_path("latest").id, os.O_WRONLY | os.O_TRUNC)  # type: ignore[union-attr]
     await a.stack.fs.announce_writer(fh)
     a.stack.fs.write(fh, 0, b"step_2")
     a.stack.fs.release(fh)

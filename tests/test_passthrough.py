@@ -87,10 +87,10 @@ async def test_a_writer_dirties_the_file_at_open_and_its_size_is_read_from_the_f
     stack, backing = await _stack(tmp_path, nursery)
     ino = stack.write_file("f", b"old")
     await stack.flush()
-    assert stack.journal.get(ino).state == "clean"  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == "clean"  # type: ignore[union-attr]
     fh = await stack.fs.open(ino, os.O_WRONLY)
     assert stack.fs.backing_of(fh)
-    inode = stack.journal.get(ino)
+    inode = stack.journal.names.get(ino)
     assert inode is not None and inode.state == DIRTY and inode.closed_at is None
     assert stack.fs.caching(fh) == (False, False)  # never direct_io beside passthrough: it would win
     # The kernel writes the cache file itself: the daemon sees nothing of it...
@@ -102,7 +102,7 @@ async def test_a_writer_dirties_the_file_at_open_and_its_size_is_read_from_the_f
     assert not backing.open_ids
     await stack.flush()
     assert stack.store_files() == {"f": b"new content written by the kernel"}
-    assert stack.journal.get(ino).size == 33  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).size == 33  # type: ignore[union-attr]
     check_consistency(stack)
 
 

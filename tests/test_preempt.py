@@ -17,8 +17,8 @@ from ckptfs.drain import PARK_AFTER, Drain, retries
 from ckptfs.drain.ordering import Job
 from ckptfs.drain.preemption import choose
 from ckptfs.journal import ROOT_ID, Inode
-from ckptfs.preempt.preempter import REPORT_NAME, Preempter
-from ckptfs.preempt.watchers import Notice, seconds_left
+from ckptfs.notices.preempter import REPORT_NAME, Preempter
+from ckptfs.notices.watchers import Notice, seconds_left
 
 MiB = 1 << 20
 SHARD = 2 * MiB  # above SMALL_FILE: each shard is an upload job of its own

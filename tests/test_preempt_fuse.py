@@ -16,7 +16,7 @@ import pytest
 from conftest import Mount
 
 from ckptfs.cli import EXIT_NOT_DURABLE
-from ckptfs.preempt.preempter import REPORT_NAME
+from ckptfs.notices.preempter import REPORT_NAME
 
 MiB = 1 << 20
 SHARD = 2 * MiB

@@ -93,7 +93,7 @@ async def test_a_small_file_written_to_a_temp_name_and_renamed_costs_at_most_six
     assert counts.transactions == FILES  # the create's; the close and the rename are one statement each
     assert counts.statements <= 6 * FILES, counts.statements / FILES
     stack.journal.db.set_trace_callback(None)
-    renamed = stack.journal.all_children(folder)
+    renamed = stack.journal.names.all_children(folder)
     assert sorted(i.name for i in renamed) == sorted(f"f{i}.bin" for i in range(FILES))
     assert all(i.closed_at is not None and i.size == 4096 for i in renamed)
     check_consistency(stack)
@@ -121,5 +121,5 @@ async def test_an_unlink_costs_one_read_and_one_transaction(tmp_path: Path, monk
     # the read, BEGIN, the detach, the directory's mtime, COMMIT
     assert counts.statements - statements <= 5 * FILES
     stack.journal.db.set_trace_callback(None)
-    assert stack.journal.all_children(folder) == []
+    assert stack.journal.names.all_children(folder) == []
     check_consistency(stack)

@@ -38,7 +38,7 @@ def _write_behind(stack: Stack, ino: int, offset: int, data: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(data)
-    inode = stack.journal.get(ino)
+    inode = stack.journal.names.get(ino)
     assert inode is not None
     os.utime(path, ns=(inode.mtime_ns, inode.mtime_ns + 1_000_000_000))
 
@@ -51,7 +51,7 @@ async def _uploaded_clean_file(stack: Stack, nursery: trio.Nursery, data: bytes)
     await nursery.start(stack.drain.run)
     ino = stack.write_file("f", data)
     await stack.flush()
-    inode = stack.journal.get(ino)
+    inode = stack.journal.names.get(ino)
     assert inode is not None and inode.state == CLEAN
     return ino
 
@@ -64,14 +64,14 @@ async def test_recovery_uploads_a_clean_file_that_a_stale_writer_changed(tmp_pat
     data = b"a" * (100 * KIB)
     ino = await _uploaded_clean_file(stack, nursery, data)
     await stack.fs.open(ino, os.O_WRONLY)  # no passthrough here: the journal keeps it clean, open for writing
-    version = stack.journal.get(ino).version  # type: ignore[union-attr]
+    version = stack.journal.names.get(ino).version  # type: ignore[union-attr]
     _write_behind(stack, ino, 5, b"B" * 10)
 
     after = make_stack(tmp_path)
     repair_journal(after.journal, after.cache, time.time())
-    inode = after.journal.get(ino)
+    inode = after.journal.names.get(ino)
     assert inode is not None and inode.state == DIRTY and inode.version > version and inode.closed_at is not None
-    assert ino in after.journal.stale_writers()
+    assert ino in after.journal.copies.stale_writers()
     await nursery.start(after.drain.run)
     await after.flush()
     expected = data[:5] + b"B" * 10 + data[15:]
@@ -80,7 +80,7 @@ async def test_recovery_uploads_a_clean_file_that_a_stale_writer_changed(tmp_pat
     _write_behind(after, ino, 50, b"C")  # the same kernel handle, after the next daemon's death too
     third = make_stack(tmp_path)
     repair_journal(third.journal, third.cache, time.time())
-    assert third.journal.get(ino).state == DIRTY  # type: ignore[union-attr]
+    assert third.journal.names.get(ino).state == DIRTY  # type: ignore[union-attr]
     await nursery.start(third.drain.run)
     await third.flush()
     assert _stored(third, "f") == expected[:50] + b"C" + expected[51:]
@@ -93,9 +93,9 @@ async def test_an_unchanged_file_open_at_the_crash_stays_clean(tmp_path: Path, n
     await stack.fs.open(ino, os.O_WRONLY)
     after = make_stack(tmp_path)
     repair_journal(after.journal, after.cache, time.time())
-    inode = after.journal.get(ino)
+    inode = after.journal.names.get(ino)
     assert inode is not None and inode.state == CLEAN and inode.closed_at is not None
-    assert ino in after.journal.stale_writers()  # watched all the same
+    assert ino in after.journal.copies.stale_writers()  # watched all the same
 
 
 async def test_eviction_never_drops_bytes_written_behind_the_journal(tmp_path: Path, nursery: trio.Nursery) -> None:
@@ -106,7 +106,7 @@ async def test_eviction_never_drops_bytes_written_behind_the_journal(tmp_path: P
     ino = await _uploaded_clean_file(stack, nursery, data)
     _write_behind(stack, ino, 0, b"Z" * 10)
     assert stack.fs.evictor.evict(10 * KIB) == 0
-    inode = stack.journal.get(ino)
+    inode = stack.journal.names.get(ino)
     assert inode is not None and inode.state == DIRTY and stack.cache.has_data(ino)
     await stack.flush()
     assert _stored(stack, "f") == b"Z" * 10 + data[10:]
@@ -114,7 +114,7 @@ async def test_eviction_never_drops_bytes_written_behind_the_journal(tmp_path: P
     assert ino in stack.fs.evictor.stale and stack.fs.evictor.evict(10 * KIB) == 0
     stack.fs.evictor.watch_stale_writers(time.time() + STALE_QUIET)
     assert stack.fs.evictor.evict(10 * KIB) > 0  # clean and matching its record again: evicted as usual
-    assert stack.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == REMOTE  # type: ignore[union-attr]
     check_consistency(stack)
 
 
@@ -134,16 +134,16 @@ async def test_the_watch_uploads_later_writes_then_lets_the_file_go(tmp_path: Pa
     assert after.fs.evictor.evict(10 * KIB) == 0  # watched: kept
     now = time.time()
     after.fs.evictor.watch_stale_writers(now)
-    assert after.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert after.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
     _write_behind(after, ino, 7, b"W")
     after.fs.evictor.watch_stale_writers(now + 1)
-    assert after.journal.get(ino).state == DIRTY  # type: ignore[union-attr]
+    assert after.journal.names.get(ino).state == DIRTY  # type: ignore[union-attr]
     await after.flush()
     assert _stored(after, "f") == data[:7] + b"W" + data[8:]
     after.fs.evictor.watch_stale_writers(now + 1 + STALE_QUIET - 1)
-    assert ino in after.journal.stale_writers()
+    assert ino in after.journal.copies.stale_writers()
     after.fs.evictor.watch_stale_writers(now + 1 + STALE_QUIET)
-    assert after.fs.evictor.stale == {} and after.journal.stale_writers() == {}
+    assert after.fs.evictor.stale == {} and after.journal.copies.stale_writers() == {}
     assert after.fs.evictor.evict(10 * KIB) > 0
     check_consistency(after)
 
@@ -167,9 +167,9 @@ async def test_the_watch_lets_a_file_go_once_nothing_holds_it_open(tmp_path: Pat
     assert ino in after.fs.evictor.stale and after.fs.evictor.evict(10 * KIB) == 0  # held open: watched
     os.close(stack.fs.handles[fh].fd)  # the writer goes away (its process ends: nothing releases it here)
     after.fs.evictor.watch_stale_writers(now + 1)
-    assert after.fs.evictor.stale == {} and after.journal.stale_writers() == {}
+    assert after.fs.evictor.stale == {} and after.journal.copies.stale_writers() == {}
     assert after.fs.evictor.evict(10 * KIB) > 0
-    assert after.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+    assert after.journal.names.get(ino).state == REMOTE  # type: ignore[union-attr]
     check_consistency(after)
 
 
@@ -253,10 +253,10 @@ async def test_a_full_journal_leaves_the_watch_running_and_it_tries_again(
         raise JournalFull("database or disk is full")
 
     with monkeypatch.context() as m:
-        m.setattr(stack.journal, "rewritten_behind", refuse)
+        m.setattr(stack.journal.copies, "rewritten_behind", refuse)
         stack.fs.evictor.watch_stale_writers(time.time())
-    assert stack.journal.get(ino).state == CLEAN and ino in stack.fs.evictor.stale  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == CLEAN and ino in stack.fs.evictor.stale  # type: ignore[union-attr]
     stack.fs.evictor.watch_stale_writers(time.time())  # room again
-    assert stack.journal.get(ino).state == DIRTY  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == DIRTY  # type: ignore[union-attr]
     await stack.flush()
     assert _stored(stack, "f") == b"F" + data[1:]

@@ -45,7 +45,7 @@ async def remote_file(stack: Stack, name: str, size: int) -> tuple[int, bytes]:
     ino = stack.write_file(name, content)
     await stack.flush()
     stack.fs.evictor.evict(1 << 40)
-    inode = stack.journal.get(ino)
+    inode = stack.journal.names.get(ino)
     assert inode is not None and inode.state == REMOTE
     stack.store.ranges.clear()
     return ino, content
@@ -69,7 +69,7 @@ async def test_a_read_in_the_middle_is_answered_before_the_rest_is_fetched(stack
         got = await stack.fs.read(fh, 10 * CHUNK + 100, 4 * KIB)
     assert got == content[10 * CHUNK + 100:10 * CHUNK + 100 + 4 * KIB]
     assert chunk_offsets(stack, "m.bin") == [10 * CHUNK]  # a random read reads nothing ahead
-    assert stack.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == REMOTE  # type: ignore[union-attr]
     assert stack.fs.getattr(ino).size == len(content)
     await stack.fs.fsync(fh, False)  # a partial file is nothing to make durable, and not a data file
     assert not stack.cache.has_data(ino) and ino not in stack.cache.files
@@ -85,7 +85,7 @@ async def test_sequential_read_reads_ahead_and_the_file_becomes_clean(stack: Sta
     assert sorted(offsets) == [i * CHUNK for i in range(41)]  # each chunk once
     assert stack.fetcher.stats.chunks_fetched == 41
     stack.fs.release(fh)
-    inode = stack.journal.get(ino)
+    inode = stack.journal.names.get(ino)
     assert inode is not None and inode.state == CLEAN  # verified and adopted
     assert stack.cache.reserved == 0 and stack.cache.used == len(content)
     assert os.listdir(stack.cache.tmp_dir) == []
@@ -116,7 +116,7 @@ async def test_an_empty_remote_file_is_whole_at_its_open(stack: Stack) -> None:
     the crash harness: a fresh node that had read every file still held an empty one as 'remote')."""
     ino, _ = await remote_file(stack, "empty", 0)
     fh = await stack.fs.open(ino, os.O_RDONLY)
-    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
     assert await stack.fs.read(fh, 0, 4096) == b""
     stack.fs.release(fh)
     assert chunk_offsets(stack, "empty") == []  # nothing to download
@@ -139,7 +139,7 @@ async def test_two_readers_share_one_download(stack: Stack) -> None:
     assert set(counts.values()) == {1}, counts  # one fetch per chunk, both readers waited on it
     stack.fs.release(fh1)
     stack.fs.release(fh2)
-    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
 
 
 async def test_random_reads_return_the_right_bytes_and_fetch_each_chunk_once(stack: Stack) -> None:
@@ -197,7 +197,7 @@ async def test_a_file_larger_than_the_cache_is_read_through_it(tmp_path: Path, n
         assert s.cache.used <= s.cache.limit
     assert s.fetcher.stats.chunks_punched > 0
     s.fs.release(fh)
-    assert s.journal.get(ino).state == REMOTE  # type: ignore[union-attr]  # never whole at once
+    assert s.journal.names.get(ino).state == REMOTE  # type: ignore[union-attr]  # never whole at once
     # Not open any more: the evictor drops it like a clean file.
     assert s.fs.evictor.evict(1 << 40) > 0
     assert s.cache.used == 0 and os.listdir(s.cache.tmp_dir) == []
@@ -244,14 +244,14 @@ async def test_a_checksum_mismatch_fails_reads_and_never_marks_the_file_clean(
         await stack.fs.read(fh, 0, 10)
     assert exc_info.value.errno == errno.EIO
     stack.fs.release(fh)
-    assert stack.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == REMOTE  # type: ignore[union-attr]
     assert not stack.cache.has_data(ino) and os.listdir(stack.cache.tmp_dir) == []
     assert stack.cache.used == 0
     # Opening for writing needs the whole verified content: EIO too, never a clean file.
     with pytest.raises(FsError) as exc_info:
         await stack.fs.open(ino, os.O_RDWR)
     assert exc_info.value.errno == errno.EIO
-    assert stack.journal.get(ino).state == REMOTE  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == REMOTE  # type: ignore[union-attr]
 
 
 async def test_an_object_replaced_during_a_read_fails_with_estale_then_a_new_open_starts_afresh(
@@ -272,7 +272,7 @@ async def test_an_object_replaced_during_a_read_fails_with_estale_then_a_new_ope
     fh = await stack.fs.open(ino, os.O_RDONLY)
     assert await read_all(stack, fh, len(content)) == content
     stack.fs.release(fh)
-    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
 
 
 async def test_a_read_follows_a_remote_file_the_drain_moves_meanwhile(stack: Stack) -> None:
@@ -288,7 +288,7 @@ async def test_a_read_follows_a_remote_file_the_drain_moves_meanwhile(stack: Sta
     with trio.fail_after(10):
         assert await read_all(stack, fh, len(content)) == content
     stack.fs.release(fh)
-    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
     assert stack.cache.reserved == 0
 
 
@@ -297,7 +297,7 @@ async def test_open_for_writing_waits_for_the_whole_verified_file(stack: Stack) 
     reader = await stack.fs.open(ino, os.O_RDONLY)
     assert await stack.fs.read(reader, 5 * CHUNK, 10) == content[5 * CHUNK:5 * CHUNK + 10]
     fh = await stack.fs.open(ino, os.O_RDWR)
-    assert stack.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert stack.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
     assert sorted(chunk_offsets(stack, "w.bin")) == [i * CHUNK for i in range(11)]
     stack.fs.write(fh, 0, b"NEW")
     stack.fs.release(fh)
@@ -321,10 +321,10 @@ async def test_a_kill_while_a_remote_file_is_opened_with_o_trunc_leaves_it_remot
         raise RuntimeError("killed between the journal writes")
 
     with monkeypatch.context() as patch:
-        patch.setattr(stack.journal, "mark_dirty", killed)
+        patch.setattr(stack.journal.names, "mark_dirty", killed)
         with pytest.raises(RuntimeError):
             await stack.fs.open(ino, os.O_WRONLY | os.O_TRUNC)
-    committed = stack.journal.get(ino)
+    committed = stack.journal.names.get(ino)
     assert committed is not None
     assert committed.state == REMOTE or committed.state == "dirty", committed
     # And the open, done again, rewrites the file in the store.
@@ -365,7 +365,7 @@ async def test_without_the_fetch_service_a_read_fetches_its_own_chunk(tmp_path: 
     assert chunk_offsets(s, "n.bin") == [CHUNK]
     assert await read_all(s, fh, len(content)) == content
     s.fs.release(fh)
-    assert s.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert s.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
     check_consistency(s)
 
 
@@ -396,7 +396,7 @@ async def test_a_restart_discards_partial_files_and_a_remote_inodes_data_file(
     fh2 = await s2.fs.open(ino, os.O_RDONLY)
     assert await read_all(s2, fh2, len(content)) == content
     s2.fs.release(fh2)
-    assert s2.journal.get(ino).state == CLEAN  # type: ignore[union-attr]
+    assert s2.journal.names.get(ino).state == CLEAN  # type: ignore[union-attr]
     check_consistency(s2)
     os.close(old_fd)
     del s.fs.handles[fh]

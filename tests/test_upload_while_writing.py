@@ -39,7 +39,7 @@ async def staged_bytes(stack: Stack, ino: int, at_least: int) -> int:
     """Wait until the journal holds an early spill of at least `at_least` bytes of the file; its size."""
     with trio.fail_after(10):
         while True:
-            inode = stack.journal.get(ino)
+            inode = stack.journal.names.get(ino)
             assert inode is not None
             if inode.upload_state is not None:
                 state = UploadState.from_json(inode.upload_state)
@@ -67,7 +67,7 @@ async def test_a_file_being_written_is_staged_and_placed_at_its_key_without_a_co
     await stack.flush()
     assert stack.store_files() == {"big.pt": data}
     placed = os.stat(tmp_path / "store" / "big.pt")
-    inode = stack.journal.get(attr.ino)
+    inode = stack.journal.names.get(attr.ino)
     assert inode is not None and inode.state == CLEAN and inode.upload_state is None
     assert placed.st_mode & 0o7777 == 0o640 and placed.st_mtime_ns == inode.mtime_ns
     # Completed at its key: no copy of the whole file, nothing staged left behind, the local copy kept.
@@ -167,7 +167,7 @@ async def test_nothing_is_staged_while_writing_when_turned_off(tmp_path: Path, n
     fh, attr = stack.fs.create(ROOT_ID, b"big.pt", 0o644, os.O_WRONLY, UID, GID)
     data = await write_parts(stack, fh, range(12))
     await drain_had_its_chance(stack.drain, since=since, due=time.time(), what="stage parts of big.pt")
-    assert stack.drain.stats.spilled_bytes == 0 and stack.journal.get(attr.ino).upload_state is None  # type: ignore[union-attr]
+    assert stack.drain.stats.spilled_bytes == 0 and stack.journal.names.get(attr.ino).upload_state is None  # type: ignore[union-attr]
     stack.fs.release(fh)
     await stack.flush()
     assert stack.store_files() == {"big.pt": data}

@@ -134,7 +134,7 @@ def test_the_mount_root_belongs_to_the_user_who_made_the_journal(
     monkeypatch.setattr(os, "getgid", lambda: 5678)
     journal = Journal(tmp_path / "journal.db")
     try:
-        root = journal.get(ROOT_ID)
+        root = journal.names.get(ROOT_ID)
         assert root is not None
         assert (root.uid, root.gid) == (1234, 5678)  # before: root:root 0755, and the user could create nothing
     finally:

@@ -32,28 +32,27 @@ its MD5 (validate_content): a new version replaces the old atomically, and a rea
 are strongly consistent, so list_notes sees every note whose Put Blob has returned. Notes are not under
 `.ckptfs-tmp.uploads/`, the only directory list_leftovers and the upload cleanups list or delete in.
 
-Errors: every SDK failure is translated once (azureerrors.py). Every method makes one attempt (the SDK
-retries once); the callers retry.
+Requests: every one goes through the store's AzureWire (azurewire.py), which AzureBlobStore owns: the
+clients made from the credential chain above, the container and the prefix, the translation of every SDK
+failure (azureerrors.py, once, in the wire) and the client made anew after an expired token. This module
+owns what the requests mean: the layout above, the staged uploads and their markers, reads, listings,
+copies, metadata and notes. Every method makes one attempt (the SDK retries once); the callers retry.
 """
 
 from __future__ import annotations
 
 import builtins
 import logging
-import os
 import stat
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-import requests
-import requests.adapters
 from azure.core import MatchConditions
-from azure.core.pipeline.transport import RequestsTransport
-from azure.storage.blob import BlobBlock, BlobClient, BlobPrefix, BlobServiceClient, ContainerClient, ContentSettings
+from azure.storage.blob import BlobBlock, ContentSettings
 
-from ckptfs.backends.azureerrors import check_message, error_code_of, is_expired_credential, mapped
+from ckptfs.backends.azureerrors import check_message, error_code_of
+from ckptfs.backends.azurewire import MAX_BLOCK_SIZE, AzureWire
 from ckptfs.backends.base import (
     BUSY_STATUSES,
     DIR,
@@ -75,7 +74,6 @@ from ckptfs.backends.common import (
     CONTENT_TYPE,
     MAX_SYMLINK_TARGET,
     SYMLINK_BODY,
-    SdkCredentialReport,
     WholeCopies,
     check_key,
     encode_target,
@@ -89,7 +87,6 @@ from ckptfs.backends.common import (
 )
 from ckptfs.checksums import crc_text
 from ckptfs.errors import (
-    AuthBackendError,
     BackendError,
     NotFoundBackendError,
     ObjectChangedError,
@@ -100,15 +97,12 @@ from ckptfs.errors import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MiB = 1 << 20
-MAX_BLOCK_SIZE = 4000 * MiB  # Put Block, service version 2019-12-12 and later
 MAX_BLOCKS = 50_000  # committed blocks per blob
 META_CHECKSUM = "ckptfs_checksum"
 META_SYMLINK = "ckptfs_symlink"
 MARKER_DIR = f"{TEMP_PREFIX}uploads/"
-AZURE_RETRY_BACKOFF = 1  # seconds before the SDK's own retry, +- as much at random (ExponentialRetry)
 COPY_POLL_SECONDS = 600.0  # a pending server-side copy is abandoned (and retried by the caller) after this
 
 
@@ -119,17 +113,12 @@ def _etag(value: str | None) -> str | None:
     return value if value.startswith('"') else f'"{value}"'
 
 
-def _parse_connection_string(text: str) -> dict[str, str]:
-    pairs = (part.split("=", 1) for part in text.split(";") if "=" in part)
-    return {k.strip().lower(): v.strip() for k, v in pairs}
-
-
 # -- the store -------------------------------------------------------------------------------------------
 
 
 class AzureBlobStore(WholeCopies):
     listing_has_metadata = True  # List Blobs with include=metadata
-    left_behind = False
+    left_behind = False  # set when a cleanup fails (from any thread); the engine's sweep resets it
     limits = PartLimits(min_part_size=1 * MiB, max_part_size=MAX_BLOCK_SIZE, max_parts=MAX_BLOCKS,
                         reusable_buffers=False)
 
@@ -144,149 +133,33 @@ class AzureBlobStore(WholeCopies):
         read_timeout: float = 60.0,
         pool_size: int = 64,
     ) -> None:
-        self.container = container
-        clean = prefix.strip("/")
-        self.prefix = f"{clean}/" if clean else ""
-        self.url = f"az://{container}/{clean}" if clean else f"az://{container}"
+        self.wire = AzureWire(container, prefix, endpoint_url=endpoint_url, connect_timeout=connect_timeout,
+                              read_timeout=read_timeout, pool_size=pool_size)
+        # Plain values of the wire's, for messages, `ckptfs status` (credentials) and the tests.
+        self.container, self.prefix, self.url = self.wire.container, self.wire.prefix, self.wire.url
+        self.endpoint_url, self.credentials = self.wire.endpoint_url, self.wire.credentials
         self.owner = owner
-        self.endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.pool_size = pool_size
-        self.credential_source = ""  # which of the credential chain is used (for messages; never the secret)
-        self.credentials = SdkCredentialReport(lambda: self.credential_source)
-        self._lock = threading.Lock()
-        self._container_obj: ContainerClient | None = None
 
     def __repr__(self) -> str:
         return f"AzureBlobStore({self.url!r}, endpoint={self.endpoint_url!r})"
-
-    # -- the client, made on first use -----------------------------------------------------------------------
-
-    def _client_kwargs(self) -> dict[str, Any]:
-        session = requests.Session()
-        # The default pool holds 10 connections; parallel blocks need more (and urllib3 warns otherwise).
-        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=self.pool_size, max_retries=0)
-        session.mount("https://", adapter)
-        session.mount("http://", adapter)
-        return {
-            "transport": RequestsTransport(session=session, session_owner=False,
-                                           connection_timeout=self.connect_timeout, read_timeout=self.read_timeout),
-            "retry_total": 1,  # ckptfs retries on its own (per part in transfer.py)
-            # The SDK's one retry comes after 0-2 s, as botocore's and GCS's first do: its default is 15 s
-            # (+-3), which stalled every part that met a busy answer or a dropped connection that long.
-            "initial_backoff": AZURE_RETRY_BACKOFF,
-            "random_jitter_range": AZURE_RETRY_BACKOFF,
-            "max_single_get_size": MAX_BLOCK_SIZE,  # a ranged read is one GET
-            "connection_timeout": self.connect_timeout,
-            "read_timeout": self.read_timeout,
-        }
-
-    def _make_service(self) -> BlobServiceClient:
-        kwargs = self._client_kwargs()
-        conn = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
-        account = os.environ.get("AZURE_STORAGE_ACCOUNT")
-        if conn:
-            self.credential_source = "AZURE_STORAGE_CONNECTION_STRING"
-            if not self.endpoint_url:
-                return BlobServiceClient.from_connection_string(conn, **kwargs)
-            parts = _parse_connection_string(conn)
-            credential: Any = None
-            if parts.get("accountkey"):
-                credential = {"account_name": parts.get("accountname", ""), "account_key": parts["accountkey"]}
-            elif parts.get("sharedaccesssignature"):
-                credential = parts["sharedaccesssignature"]
-            return BlobServiceClient(self.endpoint_url, credential=credential, **kwargs)
-        if not account and not self.endpoint_url:
-            raise AuthBackendError(f"no Azure storage account for {self.url}")
-        account_url = self.endpoint_url or f"https://{account}.blob.core.windows.net"
-        key = os.environ.get("AZURE_STORAGE_KEY")
-        sas = os.environ.get("AZURE_STORAGE_SAS_TOKEN")
-        if key:
-            self.credential_source = "AZURE_STORAGE_KEY"
-            return BlobServiceClient(account_url, credential={"account_name": account or "", "account_key": key},
-                                     **kwargs)
-        if sas:
-            self.credential_source = "AZURE_STORAGE_SAS_TOKEN"
-            return BlobServiceClient(account_url, credential=sas.lstrip("?"), **kwargs)
-        try:
-            from azure.identity import DefaultAzureCredential
-        except ImportError:
-            raise AuthBackendError(
-                f"no Azure credentials for {self.url}: set AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN, or install"
-                " azure-identity (pip install 'ckptfs[azure]') for managed identity / az login"
-            ) from None
-        self.credential_source = "DefaultAzureCredential"
-        return BlobServiceClient(account_url, credential=DefaultAzureCredential(), **kwargs)
-
-    def _container(self) -> ContainerClient:
-        with self._lock:
-            if self._container_obj is None:
-                with mapped(f"connect to {self.url}"):
-                    self._container_obj = self._make_service().get_container_client(self.container)
-            return self._container_obj
-
-    def _blob(self, name: str) -> BlobClient:
-        return self._container().get_blob_client(name)
-
-    def _renewing(self, what: str, request: Callable[[], T]) -> T:
-        """`request()`, its failure a BackendError; if Azure answers that the token expired (the credential's
-        cache believed it valid: a skewed clock, a token revoked), once more with a client made anew, whose
-        new DefaultAzureCredential fetches a new token (the SDK's bearer policy would keep sending the old
-        one until 5 minutes before the expiry it was told). Every part and the commit go on; the drain never
-        sees it. Many requests that meet it at once make one new client."""
-        failed_on = self._container_obj
-        try:
-            with mapped(what):
-                return request()
-        except AuthBackendError as exc:
-            if not is_expired_credential(exc):
-                raise
-            with self._lock:
-                if self._container_obj is failed_on:
-                    log.info("Azure rejected the %s token as expired (%s); making the client anew",
-                             self.credential_source, exc)
-                    self._container_obj = None
-                    self.credentials.renewals_after_rejection += 1
-        with mapped(what):
-            return request()
-
-    # -- keys ---------------------------------------------------------------------------------------------
-
-    def _full(self, key: str) -> str:
-        return self.prefix + key
-
 
     # -- check ----------------------------------------------------------------------------------------------
 
     def check(self) -> None:
         try:
-            self._probe()
+            self.wire.probe()
         except BackendError as exc:
             message = check_message(exc, url=self.url, container=self.container, endpoint_url=self.endpoint_url,
-                                    credential_source=self.credential_source)
+                                    credential_source=self.wire.credential_source)
             raise StoreCheckError(message, exc, busy=error_code_of(exc)[1] in BUSY_STATUSES) from None
 
-    def _probe(self) -> None:
-        container = self._container()
-        with mapped(f"list {self.url}"):
-            pages = container.list_blobs(name_starts_with=self.prefix, results_per_page=1).by_page()
-            next(pages, None)
-
     # -- staged uploads: blocks on the blob itself, bracketed by this owner's marker -------------------------
-
-    def _upload_blob(self, name: str, data: bytes, metadata: dict[str, str] | None, what: str,
-                     overwrite: bool = True, **kwargs: Any) -> dict[str, Any]:
-        result: dict[str, Any] = self._renewing(what, lambda: self._blob(name).upload_blob(
-            data, length=len(data), overwrite=overwrite, metadata=metadata, validate_content=True,
-            content_settings=ContentSettings(content_type=CONTENT_TYPE), **kwargs))
-        return result
 
     def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
         check_key(key)
         metadata = metadata_of(meta, stat.S_IFREG)
         metadata[META_CHECKSUM] = checksum
-        self._upload_blob(self._full(key), data, metadata, f"upload {key}")
+        self.wire.upload_blob(self.wire.full(key), data, metadata, f"upload {key}")
 
     def _marker_name(self, upload: UploadRef) -> str:
         return f"{self.prefix}{MARKER_DIR}{upload.marker or f'{self.owner}/{upload.upload_id}'}"
@@ -296,7 +169,7 @@ class AzureBlobStore(WholeCopies):
         # Create-only (If-None-Match: *): a random id never meets an existing marker, and a retry after a
         # lost answer finds its own (409), which is as good as written.
         try:
-            self._upload_blob(self._marker_name(upload), body, None, f"start upload of {key}", overwrite=False)
+            self.wire.upload_blob(self._marker_name(upload), body, None, f"start upload of {key}", overwrite=False)
         except TransientBackendError as exc:
             if error_code_of(exc)[0] != "BlobAlreadyExists":
                 # It may have been written with every answer lost; a retry starts another: the next sweep
@@ -313,14 +186,14 @@ class AzureBlobStore(WholeCopies):
         block_id = self._block_id(upload, number)
         # validate_content: the block's MD5 travels in Content-MD5 and the service checks it.
         # bytes already (reusable_buffers=False): the SDK's Content-MD5 takes bytes or a stream only.
-        self._renewing(f"upload part {number} of {upload.key}", lambda: self._blob(self._full(upload.key)).stage_block(
-            block_id, bytes(data), length=len(data), validate_content=True))
+        self.wire.renewing(f"upload part {number} of {upload.key}", lambda: self.wire.blob(
+            self.wire.full(upload.key)).stage_block(block_id, bytes(data), length=len(data), validate_content=True))
         return UploadPart(number, block_id, crc_text(crc))
 
     def _read_marker(self, upload: UploadRef) -> dict[str, Any] | None:
         try:
-            with mapped(f"read the marker of the upload of {upload.key}"):
-                return parse_bookkeeping(self._blob(self._marker_name(upload)).download_blob().readall())
+            return parse_bookkeeping(self.wire.request(f"read the marker of the upload of {upload.key}", lambda: (
+                self.wire.blob(self._marker_name(upload)).download_blob().readall())))
         except NotFoundBackendError:
             return None
 
@@ -329,8 +202,8 @@ class AzureBlobStore(WholeCopies):
             return None
         mine = f"{upload.upload_id}-"
         try:
-            with mapped(f"list parts of {upload.key}"):
-                _committed, uncommitted = self._blob(self._full(upload.key)).get_block_list("uncommitted")
+            _committed, uncommitted = self.wire.request(f"list parts of {upload.key}", lambda: self.wire.blob(
+                self.wire.full(upload.key)).get_block_list("uncommitted"))
         except NotFoundBackendError:
             return {}
         parts: dict[int, tuple[str, int]] = {}
@@ -354,7 +227,7 @@ class AzureBlobStore(WholeCopies):
         try:
             # A retry after a lost answer commits the same ids again: they are committed blocks by then,
             # which Put Block List ('latest') accepts, so the same object results.
-            self._renewing(what, lambda: self._blob(self._full(upload.key)).commit_block_list(
+            self.wire.renewing(what, lambda: self.wire.blob(self.wire.full(upload.key)).commit_block_list(
                 blocks, metadata=metadata or None, content_settings=ContentSettings(content_type=CONTENT_TYPE)))
         except PermanentBackendError as exc:
             if error_code_of(exc)[0] != "InvalidBlockList":
@@ -366,7 +239,7 @@ class AzureBlobStore(WholeCopies):
 
     def _delete_marker(self, upload: UploadRef) -> None:
         try:
-            self._delete_name(self._marker_name(upload), "delete upload marker")
+            self.wire.delete_name(self._marker_name(upload), "delete upload marker")
         except BackendError as exc:  # harmless: the engine's next sweep finds it in list_leftovers
             log.debug("could not delete the upload marker of %s: %s", upload.key, exc)
             self.left_behind = True
@@ -374,12 +247,12 @@ class AzureBlobStore(WholeCopies):
     def abort_upload(self, upload: UploadRef) -> None:
         """Forget the upload: its marker goes. Azure has no call to drop uncommitted blocks; they go with the
         blob's next commit or Azure's garbage collection of uncommitted blocks after a week."""
-        self._delete_name(self._marker_name(upload), f"abort upload of {upload.key}")
+        self.wire.delete_name(self._marker_name(upload), f"abort upload of {upload.key}")
 
     def list_leftovers(self) -> list[UploadRef]:
         mine = f"{self.prefix}{MARKER_DIR}{self.owner}/"
         found = []
-        for name in self._list_names(mine):
+        for name in self.wire.list_names(mine):
             upload_id = name[len(mine):]
             if not upload_id or "/" in upload_id:
                 continue
@@ -391,10 +264,6 @@ class AzureBlobStore(WholeCopies):
             found.append(UploadRef(key if isinstance(key, str) else "", upload_id, ref.marker))
         return found
 
-    def _list_names(self, full_prefix: str) -> list[str]:
-        with mapped(f"list {self.url}"):
-            return [b.name for b in self._container().list_blobs(name_starts_with=full_prefix)]
-
     # -- reads ----------------------------------------------------------------------------------------------
 
     def get_range(
@@ -404,11 +273,14 @@ class AzureBlobStore(WholeCopies):
         condition: dict[str, Any] = {}
         if if_match:
             condition = {"etag": if_match, "match_condition": MatchConditions.IfNotModified}
-        blob = self._blob(self._full(key))
+        blob = self.wire.blob(self.wire.full(key))
+
+        def download() -> tuple[Any, bytes]:
+            downloader = blob.download_blob(offset=offset, length=max(length, 1), **condition)
+            return downloader, downloader.readall()
+
         try:
-            with mapped(what):
-                downloader = blob.download_blob(offset=offset, length=max(length, 1), **condition)
-                data = downloader.readall()
+            downloader, data = self.wire.request(what, download)
             props = downloader.properties
             content_range = props.content_range or ""
             total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else int(props.size)
@@ -419,8 +291,7 @@ class AzureBlobStore(WholeCopies):
             if code != "InvalidRange" and status != 416:
                 raise
             # Past the end (an empty blob has no byte 0): its properties tell size and version.
-            with mapped(what):
-                props = blob.get_blob_properties(**condition)
+            props = self.wire.request(what, lambda: blob.get_blob_properties(**condition))
             data, total = b"", int(props.size)
         data = data[:length] if length > 0 else b""
         if sink is not None:  # the SDK gathers the whole range in memory anyway (one GET up to 32 MiB)
@@ -436,8 +307,7 @@ class AzureBlobStore(WholeCopies):
 
     def _props(self, key: str, what: str) -> Any:
         try:
-            with mapped(what):
-                return self._blob(self._full(key)).get_blob_properties()
+            return self.wire.request(what, lambda: self.wire.blob(self.wire.full(key)).get_blob_properties())
         except NotFoundBackendError:
             return None
 
@@ -449,12 +319,11 @@ class AzureBlobStore(WholeCopies):
         if prefix and not prefix.endswith("/"):
             prefix += "/"
         skip = len(self.prefix)
-        with mapped(f"list {self.url}"):
-            for props in self._container().list_blobs(name_starts_with=self.prefix + prefix, include=["metadata"]):
-                key = props.name[skip:]
-                if not key or key == prefix or is_bookkeeping(key):
-                    continue
-                yield self._info(key, props)
+        for props in self.wire.iter_blobs(f"list {self.url}", self.prefix + prefix, metadata=True):
+            key = props.name[skip:]
+            if not key or key == prefix or is_bookkeeping(key):
+                continue
+            yield self._info(key, props)
 
     def list_dir(self, prefix: str = "") -> DirListing:
         full = self.prefix + prefix
@@ -462,20 +331,19 @@ class AzureBlobStore(WholeCopies):
         entries: list[ObjectInfo] = []
         subdirs: list[str] = []
         marker = False
-        with mapped(f"list {self.url}/{prefix}"):
-            for item in self._container().walk_blobs(name_starts_with=full, include=["metadata"], delimiter="/"):
-                if isinstance(item, BlobPrefix):
-                    name = item.name[len(full):][:-1]
-                    if not name.startswith(TEMP_PREFIX):
-                        subdirs.append(name)
-                    continue
-                key = item.name[skip:]
-                if key == prefix:
-                    marker = True
-                elif not key.rsplit("/", 1)[-1].startswith(TEMP_PREFIX):
-                    info = self._info(key, item)
-                    if info.kind != DIR:
-                        entries.append(info)
+        blobs, prefixes = self.wire.list_level(f"list {self.url}/{prefix}", full)
+        for common in prefixes:
+            name = common[len(full):][:-1]
+            if not name.startswith(TEMP_PREFIX):
+                subdirs.append(name)
+        for item in blobs:
+            key = item.name[skip:]
+            if key == prefix:
+                marker = True
+            elif not key.rsplit("/", 1)[-1].startswith(TEMP_PREFIX):
+                info = self._info(key, item)
+                if info.kind != DIR:
+                    entries.append(info)
         return DirListing(entries, subdirs, marker)
 
     # -- other writes -----------------------------------------------------------------------------------------
@@ -491,25 +359,29 @@ class AzureBlobStore(WholeCopies):
             metadata.update(metadata_of(meta, type_bits_of(metadata, META_SYMLINK)))
             if checksum is not None:
                 metadata[META_CHECKSUM] = checksum
-        dest = self._blob(self._full(dst_key))
-        with mapped(what):
-            # Pinned to the version read: a source replaced meanwhile fails the copy (and the caller retries).
-            answer = dest.start_copy_from_url(self._blob(self._full(src_key)).url, metadata=metadata or None,
-                                              source_etag=source.etag,
-                                              source_match_condition=MatchConditions.IfNotModified)
-            status = answer.get("copy_status")
-            deadline = time.monotonic() + COPY_POLL_SECONDS
-            delay = 0.05
-            while status == "pending":  # a large copy completes in the background: poll it
-                if time.monotonic() > deadline:
-                    dest.abort_copy(str(answer["copy_id"]))
-                    raise TransientBackendError(f"{what}: the server-side copy did not finish in"
-                                                f" {COPY_POLL_SECONDS:.0f}s")
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
-                status = dest.get_blob_properties().copy.status
+        status = self.wire.request(what, lambda: self._copy_and_wait(what, src_key, dst_key, source, metadata))
         if status not in ("success", None):
             raise TransientBackendError(f"{what}: the server-side copy ended {status}")
+
+    def _copy_and_wait(self, what: str, src_key: str, dst_key: str, source: Any, metadata: dict[str, str]) -> Any:
+        """Start the server-side copy of the version `source` (its properties) and poll it to its end; its
+        final status. Sent through the wire's `request`, which maps the SDK's failures."""
+        dest = self.wire.blob(self.wire.full(dst_key))
+        # Pinned to the version read: a source replaced meanwhile fails the copy (and the caller retries).
+        answer = dest.start_copy_from_url(self.wire.blob(self.wire.full(src_key)).url, metadata=metadata or None,
+                                          source_etag=source.etag, source_match_condition=MatchConditions.IfNotModified)
+        status = answer.get("copy_status")
+        deadline = time.monotonic() + COPY_POLL_SECONDS
+        delay = 0.05
+        while status == "pending":  # a large copy completes in the background: poll it
+            if time.monotonic() > deadline:
+                dest.abort_copy(str(answer["copy_id"]))
+                raise TransientBackendError(f"{what}: the server-side copy did not finish in"
+                                            f" {COPY_POLL_SECONDS:.0f}s")
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+            status = dest.get_blob_properties().copy.status
+        return status
 
     def set_meta(self, key: str, meta: ObjectMeta) -> None:
         """Set Blob Metadata with mtime and mode replaced and the rest (checksum, symlink target) kept,
@@ -522,25 +394,17 @@ class AzureBlobStore(WholeCopies):
         type_bits = stat.S_IFDIR if key.endswith("/") else type_bits_of(metadata, META_SYMLINK)
         metadata.update(metadata_of(meta if type_bits != stat.S_IFLNK else ObjectMeta(meta.mtime_ns, 0o777),
                                     type_bits))
-        with mapped(what):
-            self._blob(self._full(key)).set_blob_metadata(metadata, etag=props.etag,
-                                                          match_condition=MatchConditions.IfNotModified)
-
-    def _delete_name(self, name: str, what: str) -> None:
-        try:
-            with mapped(what):
-                self._blob(name).delete_blob()
-        except NotFoundBackendError:
-            pass
+        self.wire.request(what, lambda: self.wire.blob(self.wire.full(key)).set_blob_metadata(
+            metadata, etag=props.etag, match_condition=MatchConditions.IfNotModified))
 
     def delete(self, key: str) -> None:
-        self._delete_name(self._full(key), f"delete {key}")
+        self.wire.delete_name(self.wire.full(key), f"delete {key}")
 
     def put_dir(self, key: str, meta: ObjectMeta) -> None:
         if not key.endswith("/"):
             key += "/"
         check_key(key.rstrip("/"))
-        self._upload_blob(self._full(key), b"", metadata_of(meta, stat.S_IFDIR), f"create directory {key}")
+        self.wire.upload_blob(self.wire.full(key), b"", metadata_of(meta, stat.S_IFDIR), f"create directory {key}")
 
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
         check_key(key)
@@ -550,7 +414,7 @@ class AzureBlobStore(WholeCopies):
                                         f" ({len(encoded)} > {MAX_SYMLINK_TARGET} bytes encoded)")
         metadata = metadata_of(ObjectMeta(meta.mtime_ns, 0o777), stat.S_IFLNK)
         metadata[META_SYMLINK] = encoded
-        self._upload_blob(self._full(key), SYMLINK_BODY, metadata, f"create symlink {key}")
+        self.wire.upload_blob(self.wire.full(key), SYMLINK_BODY, metadata, f"create symlink {key}")
 
     # -- notes: blobs below .ckptfs-tmp.notes/, one request each ---------------------------------------------
 
@@ -559,12 +423,12 @@ class AzureBlobStore(WholeCopies):
 
     def put_note(self, name: str, data: bytes) -> None:
         # A note is small: below the SDK's max_single_put_size (64 MiB) upload_blob is one Put Blob.
-        self._upload_blob(self._note_blob_name(name), bytes(data), None, f"write note {name}")
+        self.wire.upload_blob(self._note_blob_name(name), bytes(data), None, f"write note {name}")
 
     def get_note(self, name: str) -> bytes | None:
         try:
-            with mapped(f"read note {name}"):
-                data: bytes = self._blob(self._note_blob_name(name)).download_blob().readall()
+            data: bytes = self.wire.request(f"read note {name}", lambda: self.wire.blob(
+                self._note_blob_name(name)).download_blob().readall())
         except NotFoundBackendError:
             return None
         return data
@@ -573,12 +437,11 @@ class AzureBlobStore(WholeCopies):
         """One attempt (not retried here, unlike the store's own listings): the caller retries the listing."""
         base = f"{self.prefix}{NOTES_DIR}"
         full = base + check_note_prefix(prefix)
-        with mapped(f"list notes {prefix!r}"):
-            return listed_note_names((props.name for props in self._container().list_blobs(name_starts_with=full)),
-                                     base)
+        blobs = self.wire.iter_blobs(f"list notes {prefix!r}", full)
+        return listed_note_names((props.name for props in blobs), base)
 
     def delete_note(self, name: str) -> None:
-        self._delete_name(self._note_blob_name(name), f"delete note {name}")
+        self.wire.delete_name(self._note_blob_name(name), f"delete note {name}")
 
 
 __all__ = ["AzureBlobStore"]

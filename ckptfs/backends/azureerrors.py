@@ -1,7 +1,7 @@
 """What Azure Blob Storage's answers mean, for AzureBlobStore (azure.py): the one table from error codes
 (x-ms-error-code) to the BackendError kinds (ERROR_CODES; codes not listed fall back on the HTTP status), the
 translation of every azure-core, azure-storage-blob and azure-identity failure (never quoting a SAS or a
-key), and what the mount's check tells the user of one.
+key; applied in one place, AzureWire in azurewire.py), and what the mount's check tells the user of one.
 """
 
 from __future__ import annotations

@@ -26,32 +26,26 @@ CRC32C (a new generation replaces the old atomically; a read gets one generation
 consistent, so list_notes sees every note whose upload has returned. Notes are not under `.ckptfs-tmp.parts/`,
 the only directory list_leftovers and the upload cleanups list or delete in.
 
-Errors: every SDK failure is translated once (gcserrors.py). Every method makes one attempt: the SDK's own
-retries are off for the transfer primitives and on for listings; the callers retry.
+Requests: every one goes through the store's GcsWire (gcswire.py), which GcsStore owns and shares with its
+ComposedUploads: the client, the bucket and the prefix, the CRC32C of every upload, and the translation of
+every SDK failure (gcserrors.py, once, in the wire). This module owns what the requests mean: the layout
+above, reads (with the cache of known versions), listings, copies, metadata and notes; the staged uploads
+are gcsuploads.py's. Every method makes one attempt: the SDK's own retries are off for the transfer
+primitives and on for listings; the callers retry.
 """
 
 from __future__ import annotations
 
-import base64
 import builtins
+import functools
 import logging
-import os
 import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
-import google.auth
-import google.auth.exceptions
-import google_crc32c
-import requests
-import requests.adapters
-from google.api_core.retry import Retry
-from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
-from google.cloud.storage.retry import DEFAULT_RETRY
 
 from ckptfs.backends.base import (
     BUSY_STATUSES,
@@ -71,12 +65,10 @@ from ckptfs.backends.base import (
     listed_note_names,
 )
 from ckptfs.backends.common import (
-    CONTENT_TYPE,
     MAX_SYMLINK_TARGET,
     META_CHECKSUM,
     META_SYMLINK,
     SYMLINK_BODY,
-    SdkCredentialReport,
     WholeCopies,
     check_key,
     encode_target,
@@ -86,8 +78,9 @@ from ckptfs.backends.common import (
     ns_of,
     type_bits_of,
 )
-from ckptfs.backends.gcserrors import check_message, mapped, status_of
+from ckptfs.backends.gcserrors import check_message, status_of
 from ckptfs.backends.gcsuploads import ComposedUploads
+from ckptfs.backends.gcswire import GcsWire
 from ckptfs.errors import (
     BackendError,
     NotFoundBackendError,
@@ -102,14 +95,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 GiB = 1 << 30
 MAX_PARTS = 1024  # the most components a composite object may have
-SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 VERSION_CACHE = 4096  # (key, generation) -> (size, checksum) of recently read objects
-# Listings ride out throttling with the SDK's own retry; the transfer primitives make one attempt.
-LIST_RETRY: Retry = DEFAULT_RETRY.with_timeout(60.0)
-
-
-def _crc32c_b64(data: bytes) -> str:
-    return base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
 
 
 # -- the store -------------------------------------------------------------------------------------------
@@ -117,7 +103,6 @@ def _crc32c_b64(data: bytes) -> str:
 
 class GcsStore(WholeCopies):
     listing_has_metadata = True  # objects.list returns each object's custom metadata
-    left_behind = False
     # Compose has no minimum part size; 5 MiB keeps the part count (and the emulators) reasonable.
     limits = PartLimits(min_part_size=5 * MiB, max_part_size=5 * GiB, max_parts=MAX_PARTS, reusable_buffers=False,
                         completes_anywhere=True)
@@ -133,134 +118,53 @@ class GcsStore(WholeCopies):
         read_timeout: float = 60.0,
         pool_size: int = 64,
     ) -> None:
-        self.bucket_name = bucket
-        clean = prefix.strip("/")
-        self.prefix = f"{clean}/" if clean else ""
-        self.url = f"gs://{bucket}/{clean}" if clean else f"gs://{bucket}"
-        self.owner = owner
-        self.endpoint_url = endpoint_url or None
-        self.emulator = os.environ.get("STORAGE_EMULATOR_HOST") or None
-        self.timeout = (connect_timeout, read_timeout)
-        self.pool_size = pool_size
+        self.wire = GcsWire(bucket, prefix, endpoint_url=endpoint_url, connect_timeout=connect_timeout,
+                            read_timeout=read_timeout, pool_size=pool_size)
+        # Plain values of the wire's, for messages, `ckptfs status` (credentials) and the tests.
+        self.bucket_name, self.prefix, self.url = self.wire.bucket_name, self.wire.prefix, self.wire.url
+        self.endpoint_url, self.credentials = self.wire.endpoint_url, self.wire.credentials
         self._lock = threading.Lock()
-        self._client_obj: storage.Client | None = None
-        self._bucket_obj: storage.Bucket | None = None
         self._versions: OrderedDict[tuple[str, int], tuple[int, str | None]] = OrderedDict()
-        self.uploads = ComposedUploads(self)
-        self.credentials = SdkCredentialReport(self._credential_source)
+        self.uploads = ComposedUploads(self.wire, owner)
+
+    @property
+    def owner(self) -> str:
+        """ObjectStore.owner, kept by the uploads (gcsuploads.py), which tag and find this owner's uploads by it;
+        the daemon sets it after the store is made."""
+        return self.uploads.owner
+
+    @owner.setter
+    def owner(self, value: str) -> None:
+        self.uploads.owner = value
+
+    @property
+    def left_behind(self) -> bool:
+        """Something of this owner may be left in the bucket (the uploads know: gcsuploads.py)."""
+        return self.uploads.left_behind
+
+    @left_behind.setter
+    def left_behind(self, value: bool) -> None:
+        self.uploads.left_behind = value
 
     def __repr__(self) -> str:
-        return f"GcsStore({self.url!r}, endpoint={self._endpoint()!r})"
-
-    def _endpoint(self) -> str | None:
-        return self.endpoint_url or self.emulator
-
-    # -- the client, made on first use (ADC may ask the metadata server) -----------------------------------
-
-    def _make_client(self) -> storage.Client:
-        project = os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("CLOUDSDK_CORE_PROJECT") or None
-        options: dict[str, Any] = {}
-        credentials: Any = None
-        if self.endpoint_url:
-            options["api_endpoint"] = self.endpoint_url.rstrip("/")
-            if urlsplit(self.endpoint_url).scheme == "http":  # plain http: an emulator, which takes no token
-                credentials = AnonymousCredentials()
-        if credentials is None and not (self.emulator and not self.endpoint_url):
-            credentials, found = google.auth.default(scopes=list(SCOPES))
-            project = project or found
-        if credentials is not None and project is None:
-            project = "<none>"  # object operations need no project
-        client = storage.Client(project=project, credentials=credentials,
-                                client_options=options or None)
-        self.credentials.sdk_credentials = client._credentials
-        # The default pool holds 10 connections; parallel parts need more (and urllib3 warns otherwise).
-        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=self.pool_size, max_retries=0)
-        client._http.mount("https://", adapter)
-        client._http.mount("http://", adapter)
-        return client
-
-    def _credential_source(self) -> str:
-        """"adc:<kind>" (service_account, identity_pool: workload identity federation, compute_engine: the
-        metadata server, credentials: an authorized_user ADC file, ...), or "anonymous" (an emulator)."""
-        credentials = self.credentials.sdk_credentials
-        if credentials is None:
-            return ""
-        if isinstance(credentials, AnonymousCredentials):
-            return "anonymous"
-        return "adc:" + type(credentials).__module__.rsplit(".", 1)[-1]
-
-    def _bucket(self) -> storage.Bucket:
-        with self._lock:
-            if self._bucket_obj is None:
-                with mapped(f"connect to {self.url}"):
-                    self._client_obj = self._make_client()
-                    self._bucket_obj = self._client_obj.bucket(self.bucket_name)
-            return self._bucket_obj
-
-    def _client(self) -> storage.Client:
-        self._bucket()
-        assert self._client_obj is not None
-        return self._client_obj
-
-    # -- keys ---------------------------------------------------------------------------------------------
-
-    def _full(self, key: str) -> str:
-        return self.prefix + key
+        return f"GcsStore({self.url!r}, endpoint={self.wire.endpoint()!r})"
 
     # -- check ----------------------------------------------------------------------------------------------
 
     def check(self) -> None:
         try:
-            self._probe()
+            self.wire.probe()
         except BackendError as exc:
-            message = check_message(exc, url=self.url, bucket=self.bucket_name, endpoint_url=self._endpoint())
+            message = check_message(exc, url=self.url, bucket=self.bucket_name, endpoint_url=self.wire.endpoint())
             raise StoreCheckError(message, exc, busy=status_of(exc) in BUSY_STATUSES) from None
 
-    def _probe(self) -> None:
-        bucket = self._bucket()
-        with mapped(f"list {self.url}"):
-            iterator = self._client().list_blobs(bucket, prefix=self.prefix, max_results=1, retry=None,
-                                                 timeout=self.timeout)
-            next(iter(iterator), None)
-
     # -- writes of whole objects ------------------------------------------------------------------------------
-
-    def _new_blob(self, name: str, metadata: dict[str, str] | None = None) -> storage.Blob:
-        blob = self._bucket().blob(name)
-        blob.content_type = CONTENT_TYPE
-        if metadata:
-            blob.metadata = metadata
-        return blob
-
-    def _upload_bytes(self, blob: storage.Blob, data: bytes, what: str, **kwargs: Any) -> None:
-        # The CRC32C goes into the object resource of the request: GCS rejects bytes that do not match it.
-        expected = _crc32c_b64(data)
-        blob.crc32c = expected
-        with mapped(what):
-            blob.upload_from_string(data, content_type=CONTENT_TYPE, retry=None, timeout=self.timeout, **kwargs)
-        # And the CRC32C the server computed, in its answer, must be ours (what an emulator that does not
-        # verify the request's CRC32C still lets us check).
-        if blob.crc32c and blob.crc32c != expected:
-            raise TransientBackendError(f"{what}: the server stored CRC32C {blob.crc32c}, the data has {expected}"
-                                        " (damaged on the way)")
 
     def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
         check_key(key)
         metadata = metadata_of(meta, stat.S_IFREG)
         metadata[META_CHECKSUM] = checksum
-        self._upload_bytes(self._new_blob(self._full(key), metadata), data, f"upload {key}")
-
-    def _list_names(self, full_prefix: str, **kwargs: Any) -> list[storage.Blob]:
-        with mapped(f"list {self.url}"):
-            return list(self._client().list_blobs(self._bucket(), prefix=full_prefix, retry=LIST_RETRY,
-                                                  timeout=self.timeout, **kwargs))
-
-    def _delete_name(self, name: str, what: str) -> None:
-        try:
-            with mapped(what):
-                self._bucket().blob(name).delete(retry=None, timeout=self.timeout)
-        except NotFoundBackendError:
-            pass
+        self.wire.upload_bytes(self.wire.new_blob(self.wire.full(key), metadata), data, f"upload {key}")
 
     # -- staged uploads: part objects composed into the key (gcsuploads.py) ------------------------------
 
@@ -288,10 +192,7 @@ class GcsStore(WholeCopies):
     # -- reads ----------------------------------------------------------------------------------------------
 
     def _get_blob(self, key: str, what: str, **kwargs: Any) -> storage.Blob | None:
-        with mapped(what):
-            blob: storage.Blob | None = self._bucket().get_blob(self._full(key), retry=None, timeout=self.timeout,
-                                                                **kwargs)
-        return blob
+        return self.wire.get_blob(self.wire.full(key), what, **kwargs)
 
     def _version(self, key: str, if_match: str | None) -> tuple[int, int, str | None]:
         """(generation, size, checksum) of the object, pinned to generation `if_match` if given; an object's
@@ -329,11 +230,10 @@ class GcsStore(WholeCopies):
         if end <= offset:
             return RangeRead(b"", size, str(generation), checksum)
         # Both the generation (fake-gcs-server ignores ifGenerationMatch on media reads) and the precondition.
-        blob = self._bucket().blob(self._full(key), generation=generation)
+        blob = self.wire.blob(self.wire.full(key), generation=generation)
         try:
-            with mapped(what):
-                data = blob.download_as_bytes(start=offset, end=end - 1, if_generation_match=generation,
-                                              checksum=None, raw_download=True, retry=None, timeout=self.timeout)
+            data = self.wire.download(blob, what, start=offset, end=end - 1, if_generation_match=generation,
+                                      checksum=None, raw_download=True)
         except BackendError as exc:
             # 412, or 404 for a generation no longer kept: that version is gone (replaced, or deleted).
             if status_of(exc) == 412 or (if_match and status_of(exc) == 404):
@@ -357,13 +257,11 @@ class GcsStore(WholeCopies):
         if prefix and not prefix.endswith("/"):
             prefix += "/"
         skip = len(self.prefix)
-        with mapped(f"list {self.url}"):
-            for blob in self._client().list_blobs(self._bucket(), prefix=self.prefix + prefix, retry=LIST_RETRY,
-                                                  timeout=self.timeout):
-                key = blob.name[skip:]
-                if not key or key == prefix or is_bookkeeping(key):
-                    continue
-                yield self._info(key, blob)
+        for blob in self.wire.iter_blobs(f"list {self.url}", self.prefix + prefix):
+            key = blob.name[skip:]
+            if not key or key == prefix or is_bookkeeping(key):
+                continue
+            yield self._info(key, blob)
 
     def list_dir(self, prefix: str = "") -> DirListing:
         full = self.prefix + prefix
@@ -371,21 +269,19 @@ class GcsStore(WholeCopies):
         entries: list[ObjectInfo] = []
         subdirs: list[str] = []
         marker = False
-        with mapped(f"list {self.url}/{prefix}"):
-            iterator = self._client().list_blobs(self._bucket(), prefix=full, delimiter="/", retry=LIST_RETRY,
-                                                 timeout=self.timeout)
-            for blob in iterator:
-                key = blob.name[skip:]
-                if key == prefix:
-                    marker = True
-                elif not key.rsplit("/", 1)[-1].startswith(TEMP_PREFIX):
-                    info = self._info(key, blob)
-                    if info.kind != DIR:
-                        entries.append(info)
-            for common in sorted(iterator.prefixes):
-                name = common[len(full):][:-1]
-                if not name.startswith(TEMP_PREFIX):
-                    subdirs.append(name)
+        blobs, prefixes = self.wire.list_level(f"list {self.url}/{prefix}", full)
+        for blob in blobs:
+            key = blob.name[skip:]
+            if key == prefix:
+                marker = True
+            elif not key.rsplit("/", 1)[-1].startswith(TEMP_PREFIX):
+                info = self._info(key, blob)
+                if info.kind != DIR:
+                    entries.append(info)
+        for common in prefixes:
+            name = common[len(full):][:-1]
+            if not name.startswith(TEMP_PREFIX):
+                subdirs.append(name)
         return DirListing(entries, subdirs, marker)
 
     # -- other writes -----------------------------------------------------------------------------------------
@@ -401,14 +297,14 @@ class GcsStore(WholeCopies):
             metadata.update(metadata_of(meta, type_bits_of(metadata, META_SYMLINK)))
             if checksum is not None:
                 metadata[META_CHECKSUM] = checksum
-        dest = self._new_blob(self._full(dst_key), metadata)
+        dest = self.wire.new_blob(self.wire.full(dst_key), metadata)
         token: str | None = None
-        with mapped(what):
-            while True:  # a rewrite of a large object (or across locations) takes several calls
-                token, _done, _total = dest.rewrite(source, token=token, if_source_generation_match=source.generation,
-                                                    retry=None, timeout=self.timeout)
-                if token is None:
-                    break
+        while True:  # a rewrite of a large object (or across locations) takes several calls
+            token, _done, _total = self.wire.request(what, functools.partial(
+                dest.rewrite, source, token=token, if_source_generation_match=source.generation, retry=None,
+                timeout=self.wire.timeout))
+            if token is None:
+                break
 
     def set_meta(self, key: str, meta: ObjectMeta) -> None:
         """Patch mtime and mode in place (GCS edits metadata without touching the bytes or the generation);
@@ -423,17 +319,17 @@ class GcsStore(WholeCopies):
         metadata.update(metadata_of(meta if type_bits != stat.S_IFLNK else ObjectMeta(meta.mtime_ns, 0o777),
                                     type_bits))
         blob.metadata = metadata
-        with mapped(what):
-            blob.patch(if_metageneration_match=blob.metageneration, retry=None, timeout=self.timeout)
+        self.wire.request(what, lambda: blob.patch(if_metageneration_match=blob.metageneration, retry=None,
+                                                   timeout=self.wire.timeout))
 
     def delete(self, key: str) -> None:
-        self._delete_name(self._full(key), f"delete {key}")
+        self.wire.delete_name(self.wire.full(key), f"delete {key}")
 
     def put_dir(self, key: str, meta: ObjectMeta) -> None:
         if not key.endswith("/"):
             key += "/"
         check_key(key.rstrip("/"))
-        self._upload_bytes(self._new_blob(self._full(key), metadata_of(meta, stat.S_IFDIR)), b"",
+        self.wire.upload_bytes(self.wire.new_blob(self.wire.full(key), metadata_of(meta, stat.S_IFDIR)), b"",
                            f"create directory {key}")
 
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
@@ -444,7 +340,7 @@ class GcsStore(WholeCopies):
                                         f" ({len(encoded)} > {MAX_SYMLINK_TARGET} bytes encoded)")
         metadata = metadata_of(ObjectMeta(meta.mtime_ns, 0o777), stat.S_IFLNK)
         metadata[META_SYMLINK] = encoded
-        self._upload_bytes(self._new_blob(self._full(key), metadata), SYMLINK_BODY, f"create symlink {key}")
+        self.wire.upload_bytes(self.wire.new_blob(self.wire.full(key), metadata), SYMLINK_BODY, f"create symlink {key}")
 
     # -- notes: objects below .ckptfs-tmp.notes/, one request each ------------------------------------------
 
@@ -452,27 +348,23 @@ class GcsStore(WholeCopies):
         return f"{self.prefix}{NOTES_DIR}{check_note_name(name)}"
 
     def put_note(self, name: str, data: bytes) -> None:
-        self._upload_bytes(self._new_blob(self._note_blob_name(name)), bytes(data), f"write note {name}")
+        self.wire.upload_bytes(self.wire.new_blob(self._note_blob_name(name)), bytes(data), f"write note {name}")
 
     def get_note(self, name: str) -> bytes | None:
-        blob = self._bucket().blob(self._note_blob_name(name))
         try:
-            with mapped(f"read note {name}"):
-                data: bytes = blob.download_as_bytes(retry=None, timeout=self.timeout)
+            return self.wire.download(self.wire.blob(self._note_blob_name(name)), f"read note {name}")
         except NotFoundBackendError:
             return None
-        return data
 
     def list_notes(self, prefix: str = "") -> builtins.list[str]:
         """One attempt (retry=None, unlike the store's own listings): the caller retries the whole listing."""
         base = f"{self.prefix}{NOTES_DIR}"
         full = base + check_note_prefix(prefix)
-        with mapped(f"list notes {prefix!r}"):
-            blobs = self._client().list_blobs(self._bucket(), prefix=full, retry=None, timeout=self.timeout)
-            return listed_note_names((blob.name for blob in blobs), base)
+        blobs = self.wire.iter_blobs(f"list notes {prefix!r}", full, patient=False)
+        return listed_note_names((blob.name for blob in blobs), base)
 
     def delete_note(self, name: str) -> None:
-        self._delete_name(self._note_blob_name(name), f"delete note {name}")
+        self.wire.delete_name(self._note_blob_name(name), f"delete note {name}")
 
 
 __all__ = ["GcsStore"]

@@ -1,6 +1,6 @@
 """What Google Cloud Storage's answers mean, for GcsStore (gcs.py): the one table from HTTP status to the
 BackendError kinds (STATUS_ERRORS), the translation of every google-cloud-storage, google-auth and requests
-failure, and what the mount's check tells the user of one.
+failure (applied in one place, GcsWire in gcswire.py), and what the mount's check tells the user of one.
 """
 
 from __future__ import annotations

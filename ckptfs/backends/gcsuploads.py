@@ -1,4 +1,5 @@
-"""GcsStore's staged uploads (gcs.py): part objects composed into the key.
+"""GcsStore's staged uploads (gcs.py): part objects composed into the key. Owned by GcsStore; every request
+goes through the store's GcsWire (gcswire.py), never through the store.
 
 Everything an upload writes is under `<prefix>/.ckptfs-tmp.parts/<owner>/<upload id>/`: `open` writes a
 manifest there (JSON: key and metadata; create-only, so a retried open finds its own), `put_part` writes
@@ -17,7 +18,7 @@ import logging
 import stat
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from google.cloud import storage
 
@@ -29,7 +30,8 @@ from ckptfs.backends.common import (
     new_upload,
     parse_bookkeeping,
 )
-from ckptfs.backends.gcserrors import mapped, status_of
+from ckptfs.backends.gcserrors import status_of
+from ckptfs.backends.gcswire import GcsWire
 from ckptfs.checksums import crc_text
 from ckptfs.errors import (
     BackendError,
@@ -39,9 +41,6 @@ from ckptfs.errors import (
     UploadGoneError,
 )
 
-if TYPE_CHECKING:
-    from ckptfs.backends.gcs import GcsStore
-
 log = logging.getLogger(__name__)
 
 MAX_COMPOSE_SOURCES = 32  # GCS's limit per compose request
@@ -50,29 +49,32 @@ MANIFEST = "manifest"
 
 
 class ComposedUploads:
-    """The staged uploads of one GcsStore."""
+    """The staged uploads of one GcsStore, and whether a cleanup of them failed."""
 
-    def __init__(self, store: GcsStore) -> None:
-        self._store = store
+    def __init__(self, wire: GcsWire, owner: str) -> None:
+        self._wire = wire
+        self.owner = owner
+        # ObjectStore.left_behind, which GcsStore reads and the engine's sweep resets through the store.
+        self.left_behind = False
         # put_part calls in progress per upload id: an abort waits for this process's to settle.
         self._parts_busy: dict[str, int] = {}
         self._parts_idle = threading.Condition(threading.Lock())
 
     def _upload_dir(self, upload: UploadRef) -> str:
-        return f"{self._store.prefix}{PARTS_DIR}{upload.marker or f'{self._store.owner}/{upload.upload_id}'}/"
+        return f"{self._wire.prefix}{PARTS_DIR}{upload.marker or f'{self.owner}/{upload.upload_id}'}/"
 
     def open(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
-        upload, body = new_upload(key, meta, checksum, owner=self._store.owner, checksum_key=META_CHECKSUM)
+        upload, body = new_upload(key, meta, checksum, owner=self.owner, checksum_key=META_CHECKSUM)
         # Create-only: a random id never meets an existing manifest, and a retry after a lost answer finds
         # its own manifest already there (412), which is as good as written.
         try:
-            manifest = self._store._new_blob(self._upload_dir(upload) + MANIFEST)
-            self._store._upload_bytes(manifest, body, f"start upload of {key}", if_generation_match=0)
+            manifest = self._wire.new_blob(self._upload_dir(upload) + MANIFEST)
+            self._wire.upload_bytes(manifest, body, f"start upload of {key}", if_generation_match=0)
         except TransientBackendError as exc:
             if status_of(exc) != 412:
                 # It may have been written with every answer lost; a retry starts another: the next sweep
                 # removes this one.
-                self._store.left_behind = True
+                self.left_behind = True
                 raise
         return upload
 
@@ -95,22 +97,20 @@ class ComposedUploads:
 
     def _put_part(self, upload: UploadRef, number: int, data: bytes, crc: int) -> UploadPart:
         what = f"upload part {number} of {upload.key}"
-        blob = self._store._new_blob(self._part_name(upload, number))
-        self._store._upload_bytes(blob, data, what)
+        blob = self._wire.new_blob(self._part_name(upload, number))
+        self._wire.upload_bytes(blob, data, what)
         # An abort that ran meanwhile (it removes the manifest first) must not leave this part behind.
-        manifest = self._store._bucket().blob(self._upload_dir(upload) + MANIFEST)
-        with mapped(what):
-            gone = not manifest.exists(retry=None, timeout=self._store.timeout)
+        manifest = self._wire.blob(self._upload_dir(upload) + MANIFEST)
+        gone = not self._wire.request(what, lambda: manifest.exists(retry=None, timeout=self._wire.timeout))
         if gone:
-            self._store._delete_name(blob.name, what)
+            self._wire.delete_name(blob.name, what)
             raise UploadGoneError(f"{what}: the staged upload is gone")
         return UploadPart(number, str(blob.generation), crc_text(crc))
 
     def _read_manifest(self, upload: UploadRef) -> dict[str, Any] | None:
-        blob = self._store._bucket().blob(self._upload_dir(upload) + MANIFEST)
+        blob = self._wire.blob(self._upload_dir(upload) + MANIFEST)
         try:
-            with mapped(f"read the manifest of the upload of {upload.key}"):
-                return parse_bookkeeping(blob.download_as_bytes(retry=None, timeout=self._store.timeout))
+            return parse_bookkeeping(self._wire.download(blob, f"read the manifest of the upload of {upload.key}"))
         except NotFoundBackendError:
             return None
 
@@ -119,7 +119,7 @@ class ComposedUploads:
             return None
         parts: dict[int, tuple[str, int]] = {}
         directory = self._upload_dir(upload)
-        for blob in self._store._list_names(directory + "p"):
+        for blob in self._wire.list_names(directory + "p"):
             tail = blob.name[len(directory) + 1:]
             if tail.isdigit():
                 parts[int(tail)] = (str(blob.generation), int(blob.size or 0))
@@ -142,12 +142,12 @@ class ComposedUploads:
             metadata[META_CHECKSUM] = checksum or ""
         else:
             metadata = {str(k): str(v) for k, v in (manifest.get("metadata") or {}).items()}
-        dest = self._store._new_blob(self._store._full(key), metadata)
-        sources = [self._store._bucket().blob(self._part_name(upload, p.number), generation=int(p.etag))
+        dest = self._wire.new_blob(self._wire.full(key), metadata)
+        sources = [self._wire.blob(self._part_name(upload, p.number), generation=int(p.etag))
                    for p in sorted(parts, key=lambda p: p.number)]
         try:
             if not sources:
-                self._store._upload_bytes(dest, b"", what)
+                self._wire.upload_bytes(dest, b"", what)
             else:
                 self._compose_tree(upload, sources, dest, what)
         except (NotFoundBackendError, TransientBackendError) as exc:
@@ -172,17 +172,17 @@ class ComposedUploads:
                 if len(group) == 1:
                     composed.append(group[0])
                     continue
-                middle = self._store._new_blob(f"{self._upload_dir(upload)}c{level}-{index // MAX_COMPOSE_SOURCES:05d}")
+                middle = self._wire.new_blob(f"{self._upload_dir(upload)}c{level}-{index // MAX_COMPOSE_SOURCES:05d}")
                 self._compose(middle, group, what)
-                composed.append(self._store._bucket().blob(middle.name, generation=middle.generation))
+                composed.append(self._wire.blob(middle.name, generation=middle.generation))
             sources = composed
             level += 1
         self._compose(dest, sources, what)
 
     def _compose(self, dest: storage.Blob, sources: list[storage.Blob], what: str) -> None:
-        with mapped(what):
-            dest.compose(sources, if_source_generation_match=[s.generation for s in sources], retry=None,
-                         timeout=self._store.timeout)
+        self._wire.request(what, lambda: dest.compose(
+            sources, if_source_generation_match=[s.generation for s in sources], retry=None,
+            timeout=self._wire.timeout))
 
     def _remove_upload(self, upload: UploadRef) -> None:
         """Best effort: what is left is this owner's, and the engine's next sweep removes it."""
@@ -190,37 +190,37 @@ class ComposedUploads:
             self._delete_upload_dir(upload)
         except BackendError as exc:
             log.debug("could not remove the parts of %s: %s", upload.key, exc)
-            self._store.left_behind = True
+            self.left_behind = True
 
     def _delete_upload_dir(self, upload: UploadRef) -> None:
         directory = self._upload_dir(upload)
         # The manifest first: a put_part finishing after this sees it gone and removes its own part, and
         # the parts listed next are all there are (list_leftovers still finds a crash's remains by the id).
-        self._store._delete_name(directory + MANIFEST, f"abort upload of {upload.key}")
-        for blob in self._store._list_names(directory):
-            self._store._delete_name(blob.name, f"remove a part of the upload of {upload.key}")
+        self._wire.delete_name(directory + MANIFEST, f"abort upload of {upload.key}")
+        for blob in self._wire.list_names(directory):
+            self._wire.delete_name(blob.name, f"remove a part of the upload of {upload.key}")
 
     def abort(self, upload: UploadRef) -> None:
         """Remove the upload's directory. Unlike an S3 abort, nothing stops a part still being written (by
         a thread the engine gave up on) from landing after the listing: such a part sees the manifest gone
         and removes itself, and this process's parts are waited for (up to one request's timeout), so the
         directory is empty when this returns."""
-        self._store._delete_name(self._upload_dir(upload) + MANIFEST, f"abort upload of {upload.key}")
+        self._wire.delete_name(self._upload_dir(upload) + MANIFEST, f"abort upload of {upload.key}")
         with self._parts_idle:
             self._parts_idle.wait_for(lambda: upload.upload_id not in self._parts_busy,
-                                      timeout=sum(self._store.timeout))
+                                      timeout=sum(self._wire.timeout))
         self._delete_upload_dir(upload)
 
     def leftovers(self) -> list[UploadRef]:
-        mine = f"{self._store.prefix}{PARTS_DIR}{self._store.owner}/"
+        mine = f"{self._wire.prefix}{PARTS_DIR}{self.owner}/"
         ids: dict[str, bool] = {}
-        for blob in self._store._list_names(mine):
+        for blob in self._wire.list_names(mine):
             upload_id, _, rest = blob.name[len(mine):].partition("/")
             if upload_id:
                 ids[upload_id] = ids.get(upload_id, False) or rest == MANIFEST
         found = []
         for upload_id, has_manifest in sorted(ids.items()):
-            ref = UploadRef("", upload_id, f"{self._store.owner}/{upload_id}")
+            ref = UploadRef("", upload_id, f"{self.owner}/{upload_id}")
             manifest = self._read_manifest(ref) if has_manifest else None
             key = manifest.get("key") if manifest else None
             found.append(UploadRef(key if isinstance(key, str) else "", upload_id, ref.marker))

@@ -31,8 +31,11 @@ strongly consistent (AWS since 2020, SeaweedFS and moto by construction), so lis
 whose PutObject has returned. They are apart from the markers' `.ckptfs-tmp.uploads/`, which is all that
 list_leftovers and the sweeps ever list.
 
-Errors: every SDK failure is translated once (s3errors.py). Every method makes one attempt (botocore
-retries once, standard mode); the callers retry.
+Requests: every one goes through the store's S3Wire (s3wire.py), which S3Store owns and shares with its
+UploadMarkers: the clients, the bucket and the prefix, the translation of every SDK failure (s3errors.py,
+once, in the wire) and the refresh-once of an expired credential. This module owns what the requests mean:
+the layout above, the staged uploads' primitives, reads, listings, copies and notes. Every method makes one
+attempt (botocore retries once, standard mode); the callers retry.
 """
 
 from __future__ import annotations
@@ -41,21 +44,16 @@ import base64
 import builtins
 import hashlib
 import logging
-import os
 import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import boto3
-import botocore.config
-import botocore.exceptions
 
 from ckptfs.backends.base import (
     DIR,
     FILE,
     NOTES_DIR,
-    RANGE_PIECE,
     TEMP_PREFIX,
     DirListing,
     ObjectInfo,
@@ -83,12 +81,11 @@ from ckptfs.backends.common import (
     ns_of,
     type_bits_of,
 )
-from ckptfs.backends.s3creds import RenewingCredentials, renewing_session
-from ckptfs.backends.s3errors import check_message, is_busy, is_code, is_expired_credential, mapped
+from ckptfs.backends.s3errors import check_message, is_busy, is_code
 from ckptfs.backends.s3markers import UploadMarkers
-from ckptfs.checksums import crc32, crc_of, crc_text
+from ckptfs.backends.s3wire import S3Wire, crc_b64
+from ckptfs.checksums import crc_of, crc_text
 from ckptfs.errors import (
-    AuthBackendError,
     BackendError,
     NotFoundBackendError,
     ObjectChangedError,
@@ -112,33 +109,6 @@ SYMLINK_ETAG = f'"{hashlib.md5(SYMLINK_BODY).hexdigest()}"'
 MAX_SYMLINK_TARGET = 1536  # encoded bytes; AWS allows 2 KiB of user metadata in all
 
 
-def _without_userinfo(url: str | None) -> str | None:
-    """The endpoint without a user:password part. S3 requests are signed with the credentials; botocore
-    never uses the URL's user part, but would repeat it in every error message (and so in logs and
-    `ckptfs status`). Dropped here, so the store never holds it."""
-    if not url:
-        return url
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    log.warning("the user:password part of the endpoint URL is ignored: S3 requests are signed with the"
-                " credentials from the SDK's chain")
-    return parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
-
-
-def _send_without_expect_continue(request: Any, **_: Any) -> None:
-    """botocore asks for `100 Continue` before every body it sends as a stream (every PutObject), and reads
-    that interim answer one byte per system call: about 50 calls per request, each giving up the GIL that
-    the FUSE thread and the other uploads are waiting for (in a drain of 2,000 small files, 770,000 futex
-    calls). A PutObject body is at most the multipart threshold: sending it to a server that refuses it
-    costs little, so it goes at once. Expect is not a signed header."""
-    request.headers.pop("Expect", None)
-
-
-def _crc_b64(crc: int) -> str:
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
-
-
 def _metadata(meta: ObjectMeta, type_bits: int, **extra: str) -> dict[str, str]:
     return {**metadata_of(meta, type_bits), **extra}
 
@@ -153,7 +123,6 @@ def _is_plain_md5(etag: str) -> bool:
 
 class S3Store:
     listing_has_metadata = False  # listings carry LastModified and no user metadata
-    left_behind = False
 
     def __init__(
         self,
@@ -173,130 +142,50 @@ class S3Store:
         RenewingCredentials (s3creds.py). A process that opens many stores (the tests' contract suites) may
         share one: a new session loads botocore's S3 model again, about a quarter of a CPU-second; a shared
         one keeps the credentials it resolved first, refreshed by botocore alone."""
-        self.bucket = bucket
-        clean = prefix.strip("/")
-        self.prefix = f"{clean}/" if clean else ""
-        self.url = f"s3://{bucket}/{clean}" if clean else f"s3://{bucket}"
-        self.owner = owner
+        self.wire = S3Wire(bucket, prefix, endpoint_url=endpoint_url, region=region,
+                           max_pool_connections=max_pool_connections, connect_timeout=connect_timeout,
+                           read_timeout=read_timeout, session=session)
+        # Plain values of the wire's, for messages, `ckptfs status` (credentials) and the tests.
+        self.bucket, self.prefix, self.url = self.wire.bucket, self.wire.prefix, self.wire.url
+        self.endpoint_url, self.region = self.wire.endpoint_url, self.wire.region
+        self.credentials = self.wire.credentials
         # The largest object copied in one request: CopyObject's limit (lower only in tests).
         self.limits = PartLimits(min_part_size=MIN_PART_SIZE, max_part_size=MAX_PART_SIZE, max_parts=MAX_PARTS,
                                  max_copy_size=min(copy_threshold, MAX_COPY_SIZE))
-        self.markers = UploadMarkers(self)
-        self.endpoint_url = _without_userinfo(
-            endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-        )
-        self.credentials: RenewingCredentials | None = None
-        if session is None:
-            # STS is asked in the bucket's region where known (regional STS endpoints, botocore's default).
-            sts_region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-            botocore_session, self.credentials = renewing_session(sts_region)
-            session = boto3.session.Session(botocore_session=botocore_session)
-        self._session = session
-        self.region = region or os.environ.get("AWS_REGION") or self._session.region_name or "us-east-1"
-        config = botocore.config.Config(
-            region_name=self.region,
-            # ckptfs retries on its own (a few times per part, forever in the drain); botocore once.
-            retries={"mode": "standard", "total_max_attempts": 2},
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            max_pool_connections=max_pool_connections,
-            tcp_keepalive=True,
-            s3={"addressing_style": "path" if self.endpoint_url else "auto", "payload_signing_enabled": False},
-            # We send our own CRC32 with every upload and verify downloads against our own checksum.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-        self._client = self._session.client("s3", endpoint_url=self.endpoint_url, config=config)
-        self._client.meta.events.register("before-send.s3.PutObject", _send_without_expect_continue)
-        # Listings and reads of upload markers ride out throttling with botocore's own retry, as GCS's
-        # listings do with the SDK's: a listing of many pages, or a sweep that reads every marker, made of
-        # requests that fail one time in ten would never get through whole if each made one attempt.
-        self._patient_client = self._session.client(
-            "s3", endpoint_url=self.endpoint_url,
-            config=config.merge(botocore.config.Config(retries={"mode": "standard", "total_max_attempts": 5})))
+        self.markers = UploadMarkers(self.wire, owner)
+
+    @property
+    def owner(self) -> str:
+        """ObjectStore.owner, kept by the markers (s3markers.py), which tag and find this owner's uploads by it;
+        the daemon sets it after the store is made."""
+        return self.markers.owner
+
+    @owner.setter
+    def owner(self, value: str) -> None:
+        self.markers.owner = value
+
+    @property
+    def left_behind(self) -> bool:
+        """Something of this owner may be left in the bucket (the markers know: s3markers.py)."""
+        return self.markers.left_behind
+
+    @left_behind.setter
+    def left_behind(self, value: bool) -> None:
+        self.markers.left_behind = value
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r}, endpoint={self.endpoint_url!r})"
 
-    # -- keys ---------------------------------------------------------------------------------------------
-
-    def _full(self, key: str) -> str:
-        return self.prefix + key
-
-    # -- requests: one each, its failure a BackendError ----------------------------------------------------
-
-    def _call(self, what: str, method: str, *, patient: bool = False, **kwargs: Any) -> Any:
-        """One request (botocore's own retry aside: `patient`, the listings' retry), its failure a
-        BackendError. A request whose credential the server rejects as expired is sent once more with a
-        credential fetched anew, here and not by the caller: an upload part (or a complete) that meets an
-        expired session goes on, and the drain never counts it as a failure."""
-        client = self._patient_client if patient else self._client
-        signed_with = self.credentials.in_use() if self.credentials is not None else None
-        try:
-            with mapped(what):
-                return getattr(client, method)(Bucket=self.bucket, **kwargs)
-        except AuthBackendError as exc:
-            if not self._renewed_after(exc, signed_with):
-                raise
-        with mapped(what):
-            return getattr(client, method)(Bucket=self.bucket, **kwargs)
-
-    def _renewed_after(self, exc: AuthBackendError, signed_with: str | None) -> bool:
-        """After `exc`: was it an expired credential, now fetched anew (so the request may go again)?"""
-        if self.credentials is None or not is_expired_credential(exc):
-            return False
-        with mapped(f"refresh the credential after {exc}"):
-            self.credentials.renew_after_rejection(signed_with, str(exc))
-        return True
-
-    def _pages(self, what: str, method: str, *, patient: bool = True, **kwargs: Any) -> Iterator[dict[str, Any]]:
-        """The pages of a listing, one request each (`patient`: with the listings' retry). A listing whose
-        first page meets an expired credential starts again once with a new one, as `_call` does."""
-        client = self._patient_client if patient else self._client
-        signed_with = self.credentials.in_use() if self.credentials is not None else None
-        pages = 0
-        try:
-            with mapped(what):
-                for page in client.get_paginator(method).paginate(Bucket=self.bucket, **kwargs):
-                    pages += 1
-                    yield page
-                return
-        except AuthBackendError as exc:
-            if pages or not self._renewed_after(exc, signed_with):
-                raise
-        with mapped(what):
-            yield from client.get_paginator(method).paginate(Bucket=self.bucket, **kwargs)
-
-    def _listed(self, full_prefix: str) -> Iterator[dict[str, Any]]:
-        """Every object below `full_prefix` (a full key prefix), as ListObjectsV2 lists it."""
-        for page in self._pages(f"list {self.url}", "list_objects_v2", Prefix=full_prefix):
-            yield from page.get("Contents", [])
-
-    def _get_bytes(self, what: str, full_key: str, *, patient: bool = False) -> bytes:
-        """The whole object at `full_key` (one response is one version of it); NotFoundBackendError if none."""
-        body = self._call(what, "get_object", patient=patient, Key=full_key)["Body"]
-        try:
-            with mapped(what):
-                data: bytes = body.read()
-        finally:
-            body.close()
-        return data
-
-    def _put_small(self, what: str, full_key: str, body: bytes, **kwargs: Any) -> None:
-        """One PutObject of a small body, with its CRC32 for the server to verify."""
-        self._call(what, "put_object", Key=full_key, Body=body, ContentLength=len(body),
-                   ChecksumCRC32=_crc_b64(crc32(body)), **kwargs)
-
     # -- check ----------------------------------------------------------------------------------------------
 
     def check(self) -> None:
-        if self._session.get_credentials() is None:
+        if not self.wire.has_credentials():
             raise StoreCheckError(
                 f"no AWS credentials found for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,"
                 " or AWS_PROFILE, or run with an instance/pod role"
             )
         try:
-            self._call(f"list {self.url}", "list_objects_v2", Prefix=self.prefix, MaxKeys=1)
+            self.wire.call(f"list {self.url}", "list_objects_v2", Prefix=self.prefix, MaxKeys=1)
         except BackendError as exc:
             message = check_message(exc, url=self.url, bucket=self.bucket, region=self.region,
                                     endpoint_url=self.endpoint_url)
@@ -307,21 +196,21 @@ class S3Store:
     def put_object(self, key: str, data: bytes, meta: ObjectMeta, checksum: str) -> None:
         check_key(key)
         metadata = _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: checksum})
-        self._put_small(f"upload {key}", self._full(key), data, Metadata=metadata)
+        self.wire.put_small(f"upload {key}", self.wire.full(key), data, Metadata=metadata)
 
     def open_upload(self, key: str, meta: ObjectMeta | None, checksum: str | None) -> UploadRef:
         check_upload_key(key)
         metadata = {} if meta is None else _metadata(meta, stat.S_IFREG, **{META_CHECKSUM: checksum or ""})
-        upload_id, marker = self.markers.begin(key, lambda: self._call(
-            f"start upload of {key}", "create_multipart_upload", Key=self._full(key), Metadata=metadata,
+        upload_id, marker = self.markers.begin(key, lambda: self.wire.call(
+            f"start upload of {key}", "create_multipart_upload", Key=self.wire.full(key), Metadata=metadata,
             ChecksumAlgorithm="CRC32"))
         return UploadRef(key, upload_id, marker)
 
     def put_part(self, upload: UploadRef, number: int, offset: int, data: bytes | bytearray, crc: int) -> UploadPart:
-        response = self._call(
-            f"upload part {number} of {upload.key}", "upload_part", Key=self._full(upload.key),
+        response = self.wire.call(
+            f"upload part {number} of {upload.key}", "upload_part", Key=self.wire.full(upload.key),
             UploadId=upload.upload_id, PartNumber=number, Body=data, ContentLength=len(data),
-            ChecksumCRC32=_crc_b64(crc),
+            ChecksumCRC32=crc_b64(crc),
         )
         return UploadPart(number, response["ETag"], crc_text(crc))
 
@@ -330,9 +219,9 @@ class S3Store:
         what = f"copy part {number} of {src_key} to {upload.key}"
         condition: dict[str, Any] = {"CopySourceIfMatch": if_match} if if_match else {}
         try:
-            response = self._call(
-                what, "upload_part_copy", Key=self._full(upload.key), UploadId=upload.upload_id, PartNumber=number,
-                CopySource={"Bucket": self.bucket, "Key": self._full(src_key)},
+            response = self.wire.call(
+                what, "upload_part_copy", Key=self.wire.full(upload.key), UploadId=upload.upload_id, PartNumber=number,
+                CopySource={"Bucket": self.bucket, "Key": self.wire.full(src_key)},
                 CopySourceRange=f"bytes={offset}-{offset + length - 1}", **condition,
             )
         except TransientBackendError as exc:
@@ -348,7 +237,7 @@ class S3Store:
     def list_parts(self, upload: UploadRef) -> dict[int, tuple[str, int]] | None:
         parts: dict[int, tuple[str, int]] = {}
         try:
-            for page in self._pages(f"list parts of {upload.key}", "list_parts", Key=self._full(upload.key),
+            for page in self.wire.pages(f"list parts of {upload.key}", "list_parts", Key=self.wire.full(upload.key),
                                     UploadId=upload.upload_id):
                 for part in page.get("Parts", []):
                     parts[int(part["PartNumber"])] = (part["ETag"].strip('"'), int(part["Size"]))
@@ -362,12 +251,12 @@ class S3Store:
     ) -> None:
         if key is not None or meta is not None:
             raise ValueError("this store completes an upload at the key and with the metadata it was opened with")
-        body = [{"PartNumber": p.number, "ETag": p.etag, **({"ChecksumCRC32": _crc_b64(crc_of(p.checksum))}
+        body = [{"PartNumber": p.number, "ETag": p.etag, **({"ChecksumCRC32": crc_b64(crc_of(p.checksum))}
                                                                if p.checksum else {})}
                 for p in parts]
         # NoSuchUpload (UploadGoneError): aborted, or a complete retried after its answer was lost got through
         # (the engine checks which).
-        self._call(f"complete upload of {upload.key}", "complete_multipart_upload", Key=self._full(upload.key),
+        self.wire.call(f"complete upload of {upload.key}", "complete_multipart_upload", Key=self.wire.full(upload.key),
                    UploadId=upload.upload_id, MultipartUpload={"Parts": body})
         self.markers.delete(upload.marker)
 
@@ -386,18 +275,18 @@ class S3Store:
         self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
     ) -> RangeRead:
         what = f"download {key}"
-        args: dict[str, Any] = {"Key": self._full(key), "Range": f"bytes={offset}-{offset + max(length, 1) - 1}"}
+        args: dict[str, Any] = {"Key": self.wire.full(key), "Range": f"bytes={offset}-{offset + max(length, 1) - 1}"}
         if if_match:
             args["IfMatch"] = if_match
         try:
-            response = self._call(what, "get_object", **args)
+            response = self.wire.call(what, "get_object", **args)
         except BackendError as exc:
             if is_code(exc, "PreconditionFailed"):
                 raise ObjectChangedError(f"{what}: the object was replaced during the download") from exc
             if not is_code(exc, "InvalidRange"):
                 raise
             # Past the end (an empty object has no byte 0): read what there is to learn its size and version.
-            response = self._call(what, "get_object", Key=self._full(key))
+            response = self.wire.call(what, "get_object", Key=self.wire.full(key))
             response["Body"].close()
             if if_match and response["ETag"] != if_match:
                 raise ObjectChangedError(f"{what}: the object was replaced during the download") from None
@@ -405,26 +294,12 @@ class S3Store:
                              (response.get("Metadata") or {}).get(META_CHECKSUM))
         content_range = response.get("ContentRange") or ""
         total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else int(response["ContentLength"])
-        body = response["Body"]
-        data = b""
-        try:
-            if sink is None:
-                with mapped(what):
-                    data = body.read()
-            else:
-                while True:
-                    with mapped(what):
-                        piece = body.read(RANGE_PIECE)
-                    if not piece:
-                        break
-                    sink(piece)
-        finally:
-            body.close()
+        data = self.wire.read_body(what, response["Body"], sink)
         return RangeRead(data, total, response["ETag"], (response.get("Metadata") or {}).get(META_CHECKSUM))
 
     def _head_raw(self, key: str) -> dict[str, Any] | None:
         try:
-            response: dict[str, Any] = self._call(f"head {key}", "head_object", Key=self._full(key))
+            response: dict[str, Any] = self.wire.call(f"head {key}", "head_object", Key=self.wire.full(key))
         except NotFoundBackendError:
             return None
         return response
@@ -444,7 +319,7 @@ class S3Store:
         if prefix and not prefix.endswith("/"):
             prefix += "/"
         skip = len(self.prefix)
-        for obj in self._listed(self.prefix + prefix):
+        for obj in self.wire.listed(self.prefix + prefix):
             key = obj["Key"][skip:]
             if not key or key == prefix or is_bookkeeping(key):
                 continue
@@ -468,7 +343,7 @@ class S3Store:
         entries: list[ObjectInfo] = []
         subdirs: list[str] = []
         marker = False
-        for page in self._pages(f"list {self.url}/{prefix}", "list_objects_v2", Prefix=full, Delimiter="/"):
+        for page in self.wire.pages(f"list {self.url}/{prefix}", "list_objects_v2", Prefix=full, Delimiter="/"):
             for obj in page.get("Contents", []):
                 key = obj["Key"][skip:]
                 if key == prefix:
@@ -510,8 +385,8 @@ class S3Store:
             extra = {"MetadataDirective": "REPLACE", "Metadata": metadata}
             if source.get("ContentType"):
                 extra["ContentType"] = source["ContentType"]
-        self._call(f"copy {src_key} to {dst_key}", "copy_object", Key=self._full(dst_key),
-                   CopySource={"Bucket": self.bucket, "Key": self._full(src_key)}, CopySourceIfMatch=source["ETag"],
+        self.wire.call(f"copy {src_key} to {dst_key}", "copy_object", Key=self.wire.full(dst_key),
+                   CopySource={"Bucket": self.bucket, "Key": self.wire.full(src_key)}, CopySourceIfMatch=source["ETag"],
                    **extra)
 
     def set_meta(self, key: str, meta: ObjectMeta) -> None:
@@ -530,7 +405,7 @@ class S3Store:
 
     def delete(self, key: str) -> None:
         try:
-            self._call(f"delete {key}", "delete_object", Key=self._full(key))
+            self.wire.call(f"delete {key}", "delete_object", Key=self.wire.full(key))
         except NotFoundBackendError:
             pass
 
@@ -538,7 +413,7 @@ class S3Store:
         if not key.endswith("/"):
             key += "/"
         check_key(key.rstrip("/"))
-        self._call(f"create directory {key}", "put_object", Key=self._full(key), Body=b"",
+        self.wire.call(f"create directory {key}", "put_object", Key=self.wire.full(key), Body=b"",
                    Metadata=_metadata(meta, stat.S_IFDIR))
 
     def put_symlink(self, key: str, target: str, meta: ObjectMeta) -> None:
@@ -548,7 +423,7 @@ class S3Store:
             raise PermanentBackendError(f"symlink {key}: its target is longer than S3 metadata can hold"
                                         f" ({len(encoded)} > {MAX_SYMLINK_TARGET} bytes encoded)")
         metadata = _metadata(ObjectMeta(meta.mtime_ns, 0o777), stat.S_IFLNK, **{META_SYMLINK: encoded})
-        self._put_small(f"create symlink {key}", self._full(key), SYMLINK_BODY, Metadata=metadata)
+        self.wire.put_small(f"create symlink {key}", self.wire.full(key), SYMLINK_BODY, Metadata=metadata)
 
     # -- notes: objects below .ckptfs-tmp.notes/, one request each ------------------------------------------
 
@@ -556,25 +431,25 @@ class S3Store:
         return f"{self.prefix}{NOTES_DIR}{check_note_name(name)}"
 
     def put_note(self, name: str, data: bytes) -> None:
-        self._put_small(f"write note {name}", self._note_key(name), data)
+        self.wire.put_small(f"write note {name}", self._note_key(name), data)
 
     def get_note(self, name: str) -> bytes | None:
         try:
-            return self._get_bytes(f"read note {name}", self._note_key(name))
+            return self.wire.get_bytes(f"read note {name}", self._note_key(name))
         except NotFoundBackendError:
             return None
 
     def list_notes(self, prefix: str = "") -> builtins.list[str]:
         """Page by page, one request each (the caller retries the whole listing)."""
         base = f"{self.prefix}{NOTES_DIR}"
-        keys = [obj["Key"] for page in self._pages(f"list notes {prefix!r}", "list_objects_v2", patient=False,
+        keys = [obj["Key"] for page in self.wire.pages(f"list notes {prefix!r}", "list_objects_v2", patient=False,
                                                    Prefix=base + check_note_prefix(prefix))
                 for obj in page.get("Contents", [])]
         return listed_note_names(keys, base)
 
     def delete_note(self, name: str) -> None:
         try:
-            self._call(f"delete note {name}", "delete_object", Key=self._note_key(name))
+            self.wire.call(f"delete note {name}", "delete_object", Key=self._note_key(name))
         except NotFoundBackendError:
             pass
 

@@ -1,8 +1,8 @@
 """S3 credentials that last as long as the daemon: RenewingCredentials, what S3Store's clients sign with.
 
 Owns where an S3Store's credentials come from, when they are fetched again, and what `ckptfs status` says of
-them (CredentialState). Knows nothing of the store's requests: S3Store calls `renew_after_rejection` when
-S3 answers that the credential it signed with has expired (s3errors.is_expired_credential).
+them (CredentialState). Knows nothing of the store's requests: S3Wire (s3wire.py) calls `renew_after_rejection`
+when S3 answers that the credential it signed with has expired (s3errors.is_expired_credential).
 
 botocore already refreshes web identity (IRSA) and container (EKS Pod Identity) credentials before they
 expire and re-reads their token files on each refresh (1.44). Where it falls short for a process that runs

@@ -1,6 +1,7 @@
 """What S3's answers mean, for S3Store (s3.py): the one table from S3 error codes to the BackendError kinds
 (ERROR_CODES; codes not listed fall back on the HTTP status), the translation of every boto3, botocore and
-urllib3 failure, and what the mount's check tells the user of one.
+urllib3 failure (applied in one place, S3Wire in s3wire.py), what an error says of whether the request may
+have been carried out (for s3markers.py), and what the mount's check tells the user of one.
 """
 
 from __future__ import annotations
@@ -119,6 +120,15 @@ def is_expired_credential(exc: BaseException) -> bool:
         return True
     message = str(cause.response.get("Error", {}).get("Message", "") or "").lower()
     return status in (400, 401, 403) and "expired" in message and ("token" in message or "credential" in message)
+
+
+def was_answered(exc: BackendError) -> bool:
+    """Did the server answer the request (an error), with no earlier try of it sent by the SDK? Then it
+    did nothing; else (no answer, or a retry) it may have acted."""
+    cause = exc.__cause__
+    if not isinstance(cause, botocore.exceptions.ClientError):
+        return False
+    return not (cause.response or {}).get("ResponseMetadata", {}).get("RetryAttempts", 0)
 
 
 def is_code(exc: BaseException, *codes: str) -> bool:

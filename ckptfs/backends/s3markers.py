@@ -1,4 +1,5 @@
 """Who owns an S3 multipart upload: the owner markers of S3Store (s3.py), and the leftovers they find.
+Owned by S3Store; it sends every request through the store's S3Wire (s3wire.py), never through the store.
 
 ListMultipartUploads returns no metadata, so an upload cannot carry our `owner` tag itself. Instead each
 multipart upload has a small marker object `<prefix>/.ckptfs-tmp.uploads/<owner>/<token>` (JSON: key,
@@ -21,65 +22,55 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-import botocore.exceptions
+from typing import Any
 
 from ckptfs.backends.base import TEMP_PREFIX, UploadRef
 from ckptfs.backends.common import bookkeeping_body, parse_bookkeeping
+from ckptfs.backends.s3errors import was_answered
+from ckptfs.backends.s3wire import S3Wire
 from ckptfs.errors import BackendError, NotFoundBackendError
-
-if TYPE_CHECKING:
-    from ckptfs.backends.s3 import S3Store
 
 log = logging.getLogger(__name__)
 
 MARKER_DIR = f"{TEMP_PREFIX}uploads/"
 
 
-def _answered(exc: BackendError) -> bool:
-    """Did the server answer the request (an error), with no earlier try of it sent by the SDK? Then it
-    did nothing; else (no answer, or a retry) it may have acted."""
-    cause = exc.__cause__
-    if not isinstance(cause, botocore.exceptions.ClientError):
-        return False
-    return not (cause.response or {}).get("ResponseMetadata", {}).get("RetryAttempts", 0)
-
-
 class UploadMarkers:
-    """The owner markers of one S3Store's multipart uploads."""
+    """The owner markers of one S3Store's multipart uploads, and whether a cleanup of them failed."""
 
-    def __init__(self, store: S3Store) -> None:
-        self._store = store
+    def __init__(self, wire: S3Wire, owner: str) -> None:
+        self._wire = wire
+        self.owner = owner
+        # ObjectStore.left_behind, which S3Store reads and the engine's sweep resets through the store.
+        self.left_behind = False
 
     def _key(self, marker: str) -> str:
-        return f"{self._store.prefix}{MARKER_DIR}{marker}"
+        return f"{self._wire.prefix}{MARKER_DIR}{marker}"
 
     def begin(self, key: str, create: Callable[[], dict[str, Any]]) -> tuple[str, str]:
         """`create` (the CreateMultipartUpload of `key`) bracketed by this owner's marker; returns (upload
         id, marker name)."""
-        store = self._store
-        marker = f"{store.owner}/{secrets.token_hex(8)}"
+        marker = f"{self.owner}/{secrets.token_hex(8)}"
         try:
             self.put(marker, key, None)
         except BackendError as exc:
-            if not _answered(exc):  # it may have been written: the next sweep removes it (a retry writes another)
-                store.left_behind = True
+            if not was_answered(exc):  # it may have been written: the next sweep removes it (a retry writes another)
+                self.left_behind = True
             raise
         try:
             response = create()
         except BackendError as exc:
-            if _answered(exc):
+            if was_answered(exc):
                 self.delete(marker)
             else:  # it may have made an upload: the marker stays for the next sweep to find it
-                store.left_behind = True
+                self.left_behind = True
             raise
         upload_id = str(response["UploadId"])
         if response.get("ResponseMetadata", {}).get("RetryAttempts", 0):
             # The SDK sent the create again: the first try, its answer lost, may have made an upload too. The
             # marker without id stays for the next sweep to find that one; this upload gets a marker of its own.
-            store.left_behind = True
-            marker = f"{store.owner}/{secrets.token_hex(8)}"
+            self.left_behind = True
+            marker = f"{self.owner}/{secrets.token_hex(8)}"
         try:
             self.put(marker, key, upload_id)
         except BaseException:
@@ -88,27 +79,27 @@ class UploadMarkers:
         return upload_id, marker
 
     def put(self, marker: str, key: str, upload_id: str | None) -> None:
-        body = bookkeeping_body(key=key, upload_id=upload_id, owner=self._store.owner)
-        self._store._put_small(f"write upload marker of {key}", self._key(marker), body)
+        body = bookkeeping_body(key=key, upload_id=upload_id, owner=self.owner)
+        self._wire.put_small(f"write upload marker of {key}", self._key(marker), body)
 
     def delete(self, marker: str) -> None:
         """Best effort: a marker left behind is harmless, the engine's next sweep removes it."""
         try:
-            self._store._call("delete upload marker", "delete_object", Key=self._key(marker))
+            self._wire.call("delete upload marker", "delete_object", Key=self._key(marker))
         except BackendError as exc:
             log.debug("could not delete upload marker %s: %s", marker, exc)
-            self._store.left_behind = True
+            self.left_behind = True
 
     def _read(self, full_key: str) -> dict[str, Any] | None:
         try:
-            return parse_bookkeeping(self._store._get_bytes("read upload marker", full_key, patient=True))
+            return parse_bookkeeping(self._wire.get_bytes("read upload marker", full_key, patient=True))
         except NotFoundBackendError:
             return None
 
     def abort(self, key: str, upload_id: str) -> None:
         try:
-            self._store._call(f"abort upload of {key}", "abort_multipart_upload", Key=self._store._full(key),
-                              UploadId=upload_id)
+            self._wire.call(f"abort upload of {key}", "abort_multipart_upload", Key=self._wire.full(key),
+                            UploadId=upload_id)
         except NotFoundBackendError:  # no such upload (any more): nothing to abort
             pass
 
@@ -117,19 +108,18 @@ class UploadMarkers:
             self.abort(key, upload_id)
         except BackendError as exc:  # the marker stays: the engine's next sweep aborts it
             log.info("could not abort the upload of %s: %s; it is removed later", key, exc)
-            self._store.left_behind = True
+            self.left_behind = True
             return
         self.delete(marker)
 
     def leftovers(self) -> list[UploadRef]:
         """This owner's markers, each with the upload it names (or, for a marker written before its
         CreateMultipartUpload answered, the uploads of that key that no marker of any owner claims)."""
-        store = self._store
-        mine = f"{store.prefix}{MARKER_DIR}{store.owner}/"
+        mine = f"{self._wire.prefix}{MARKER_DIR}{self.owner}/"
         found: list[UploadRef] = []
         claimed: set[str] | None = None
-        for obj in store._listed(mine):
-            marker = obj["Key"][len(store.prefix) + len(MARKER_DIR):]
+        for obj in self._wire.listed(mine):
+            marker = obj["Key"][len(self._wire.prefix) + len(MARKER_DIR):]
             info = self._read(obj["Key"])
             if info is None:
                 continue
@@ -148,14 +138,14 @@ class UploadMarkers:
         return found
 
     def _uploads_of(self, key: str) -> list[str]:
-        full = self._store._full(key)
-        return [u["UploadId"] for page in self._store._pages(f"list uploads of {key}", "list_multipart_uploads",
-                                                              Prefix=full)
+        full = self._wire.full(key)
+        return [u["UploadId"] for page in self._wire.pages(f"list uploads of {key}", "list_multipart_uploads",
+                                                             Prefix=full)
                 for u in page.get("Uploads", []) if u["Key"] == full]
 
     def _claimed_upload_ids(self) -> set[str]:
         claimed = set()
-        for obj in self._store._listed(f"{self._store.prefix}{MARKER_DIR}"):
+        for obj in self._wire.listed(f"{self._wire.prefix}{MARKER_DIR}"):
             info = self._read(obj["Key"])
             if info and info.get("upload_id"):
                 claimed.add(str(info["upload_id"]))

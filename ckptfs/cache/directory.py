@@ -9,14 +9,14 @@ Layout (all 0700 / 0600):
                            start-up: a partial file is never mistaken for a local copy.
 
 Space accounting (trio thread only: the write path updates it without a lock): `used` is the sum of
-the apparent sizes of the data files, minus ranges already freed by a spill (see drain/spills.py) and minus the
+the apparent sizes of the data files, minus ranges already freed by a spill (see drain/spill_jobs.py) and minus the
 holes that a truncate or a write past the end left (the filesystem under the cache stores nothing for
 them), plus the blocks fallocate(KEEP_SIZE) reserved past a file's end (stored, though no read sees them), plus
 `reserved`: the chunks of partial files that are present or in flight (fetch/ reserves a chunk before
 it is fetched and unreserves it when it is punched out or its file dropped or adopted into data/);
 `limit` is the budget: `cache_size`,
 lowered when the cache filesystem would otherwise keep less than `min_free` free, but never below the
-`working_room` a file being written needs to spill (drain/spills.py) while the filesystem has that much: when
+`working_room` a file being written needs to spill (drain/spill_jobs.py) while the filesystem has that much: when
 others fill it past `min_free`, writes go on, uploaded in parts as they are written, instead of waiting
 for room only others can free (what s3fs's ensure_diskfree does). Both are plain
 attributes read on every FUSE write, so the write path pays two attribute loads and a compare. The
@@ -69,7 +69,7 @@ class CacheFile:
         # Content changes begun (fs/changes.py, before their first byte): an upload that read the file in another
         # thread compares it with what it saw when it chose the file (Transfers.put_files).
         self.changes = 0
-        # A spill (drain/spills.py) uploads the start of a file still being written and punches it out:
+        # A spill (drain/spill_jobs.py) uploads the start of a file still being written and punches it out:
         self.sealed = 0  # bytes at the start that are being or have been spilled: writes there fail
         self.freed = 0  # bytes at the start already punched out: reads there fail too
         # Bytes at the start staged by a spill, sealed or not (an early spill, made while the cache had room,

@@ -142,7 +142,7 @@ class Evictor:
         self._squeeze_logged_at = -SQUEEZE_LOG_INTERVAL
         self.partials: DroppablePartials | None = None  # set by the fetcher
         # inode id -> since when (time.time()) its cache file has been seen unchanged: files a writer the
-        # kernel kept after a daemon died may still change (journal.stale_writers, set by drain/recovery.py).
+        # kernel kept after a daemon died may still change (journal.copies.stale_writers, set by drain/recovery.py).
         self.stale: dict[int, float] = {}
         self._warned_stale: set[int] = set()
         # Files a prefetch wants in the cache until they are read (fetch/prefetch.py): never evicted. An open
@@ -153,7 +153,7 @@ class Evictor:
         """Seed the LRU order with the data files' access times (from CacheDir.scan at start-up)."""
         offset = time.monotonic() - time.time()
         self.last_used = {inode_id: atime + offset for inode_id, atime in atimes.items()}
-        self.stale = self.journal.stale_writers()
+        self.stale = self.journal.copies.stale_writers()
 
     def touch(self, inode_id: int, *, opened: bool = True) -> None:
         """The file was used now (LRU). `opened`: a handle opened or closed it, which ends a prefetch's
@@ -215,7 +215,7 @@ class Evictor:
         keeps may write them without the daemon."""
         self.stale.update(dict.fromkeys(inode_ids, now))
         with contextlib.suppress(JournalFull), self.journal.transaction():
-            self.journal.set_stale_writers(self.stale)
+            self.journal.copies.set_stale_writers(self.stale)
 
     def watch_stale_writers(self, now: float) -> None:
         """One round of the watch: a watched file written since the journal's record becomes dirty (a new
@@ -224,7 +224,7 @@ class Evictor:
         before = dict(self.stale)
         try:
             for inode_id, quiet_since in before.items():
-                inode = self.journal.get(inode_id)
+                inode = self.journal.names.get(inode_id)
                 if inode is None or inode.kind != FILE or inode.path is None or inode.state == REMOTE:
                     del self.stale[inode_id]
                     continue
@@ -252,7 +252,7 @@ class Evictor:
         finally:
             if self.stale != before:
                 with contextlib.suppress(JournalFull), self.journal.transaction():
-                    self.journal.set_stale_writers(self.stale)
+                    self.journal.copies.set_stale_writers(self.stale)
 
     def _rewritten_behind(self, inode: Inode, st: os.stat_result, now: float) -> bool:
         """If the cache file changed behind the journal's record, journal a new dirty version of it."""
@@ -265,7 +265,7 @@ class Evictor:
         )
         self._warned_stale.add(inode.id)
         with self.journal.transaction():
-            self.journal.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
+            self.journal.copies.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
         self.cache.observe(inode.id, st)
         self.on_changed()
         return True
@@ -284,7 +284,7 @@ class Evictor:
         freed = 0
         if wanted <= 0:
             return 0
-        candidates = self.journal.clean_files()
+        candidates = self.journal.copies.clean_files()
         partial = set(self.partials.droppable()) if self.partials is not None else set()
         candidates.extend(partial)
         candidates.sort(key=lambda inode_id: self.last_used.get(inode_id, 0.0))
@@ -317,7 +317,7 @@ class Evictor:
             st = os.stat(self.cache.data_path(inode_id))
         except FileNotFoundError:
             return 0
-        inode = self.journal.get(inode_id)
+        inode = self.journal.names.get(inode_id)
         if inode is None or inode.state != CLEAN:
             return 0
         if not (entry is not None and (entry.sealed or entry.freed)) and self._rewritten_behind(inode, st, time.time()):
@@ -327,7 +327,7 @@ class Evictor:
         # Evicting frees room, but the journal must record it first: when the cache filesystem is too full
         # for that (others filled it), JournalFull leaves the file until something else makes room.
         with self.journal.transaction():
-            if not self.journal.mark_evicted(inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns):
+            if not self.journal.copies.mark_evicted(inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns):
                 return 0
         charge = entry.charge if entry is not None else st.st_size
         self.cache.remove_data(inode_id)

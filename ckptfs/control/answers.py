@@ -21,7 +21,7 @@ from ckptfs.drain import Drain, FlushResult
 from ckptfs.errors import CkptfsError, UsageError
 from ckptfs.fetch.lister import DirLister
 from ckptfs.nodes import HeldError, NodeRecords, PeerRecords
-from ckptfs.preempt.preempter import Preempter
+from ckptfs.notices.preempter import Preempter
 from ckptfs.retention.pruner import Pruner
 from ckptfs.transfer import Bandwidth
 
@@ -158,7 +158,7 @@ class ControlRequests:
         return {"ok": True, "limits": limits_json(*self.bandwidth.now())}
 
     async def _preempt(self, request: dict[str, Any]) -> dict[str, Any]:
-        """`ckptfs preempt`: a preemption notice with `deadline` seconds left (preempt/preempter.py); with `wait`,
+        """`ckptfs preempt`: a preemption notice with `deadline` seconds left (notices/preempter.py); with `wait`,
         answer with the report once it is written (when every complete step is durable, or at the deadline)."""
         seconds = request.get("deadline")
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < math.inf:

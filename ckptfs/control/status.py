@@ -73,7 +73,7 @@ class MountStats:
     started_at: float
     shutting_down: bool
     keep_mount: KeepMount
-    states: dict[str, dict[str, int]]  # state -> {"files": n, "bytes": n}, as Journal.state_summary
+    states: dict[str, dict[str, int]]  # state -> {"files": n, "bytes": n}, as LocalCopies.state_summary
     uploads_pending: int
     moves_pending: int
     deletes_pending: int
@@ -121,9 +121,9 @@ def gather(
     return MountStats(
         taken_at=time.time(), source=source, mountpoint=mountpoint, cache_dir=str(cache.root), pid=os.getpid(),
         started_at=started_at, shutting_down=shutting_down, keep_mount=keep_mount,
-        states=journal.state_summary(), uploads_pending=len(journal.pending_uploads()),
-        moves_pending=len(journal.misplaced()), deletes_pending=len(journal.pending_deletes()),
-        in_flight=drain.in_flight(), oldest_dirty_closed_at=journal.oldest_dirty_closed_at(),
+        states=journal.copies.state_summary(), uploads_pending=len(journal.work.pending_uploads()),
+        moves_pending=len(journal.work.misplaced()), deletes_pending=len(journal.deletes.pending_deletes()),
+        in_flight=drain.in_flight(), oldest_dirty_closed_at=journal.work.oldest_dirty_closed_at(),
         open_for_write=fs.open_writers(), nodes=nodes,
         passthrough_enabled=fs.backing is not None, passthrough_why=passthrough_why, guard_why=guard_why,
         passthrough_opens=fs.passthrough_opens, passthrough_files=fs.passthrough_files(),

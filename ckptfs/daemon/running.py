@@ -61,8 +61,8 @@ from ckptfs.mount.adapter import (
 )
 from ckptfs.mount.mountpoint import set_read_ahead, wait_until_mounted
 from ckptfs.nodes import NodeRecords, PeerRecords, node_id_of
-from ckptfs.preempt.preempter import Preempter
-from ckptfs.preempt.watchers import watch_notices
+from ckptfs.notices.preempter import Preempter
+from ckptfs.notices.watchers import watch_notices
 from ckptfs.retention.pruner import Pruner
 from ckptfs.transfer import Transfers
 

@@ -109,7 +109,7 @@ async def _run_on(
             recovered = recover(journal, cache, engine, time.time(), still_open={h.inode_id for h in restored},
                                 still_writing={h.inode_id for h in restored if h.writable})
             atimes = cache.scan()
-            for inode_id, text in journal.upload_states():
+            for inode_id, text in journal.work.upload_states():
                 state = UploadState.parse(text)
                 if state is not None and state.spilled:
                     cache.restore_spilled(inode_id, punched=state.punched, staged=state.size, sealed=not state.early)

@@ -22,7 +22,7 @@ from ckptfs.drain import Drain, FlushResult
 from ckptfs.fs import Filesystem
 from ckptfs.keepmount.systemd import Notifier
 from ckptfs.nodes import NodeRecords
-from ckptfs.preempt.preempter import Preempter
+from ckptfs.notices.preempter import Preempter
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,13 @@ One concern per module:
     ordering.py    the pure ordering rules (commit markers, busy keys, moves waiting for keys, parents first)
     retries.py     backoff after a failure, parking of jobs that keep failing unexpectedly
     uploads.py     one entry's upload, and small closed files in batches
-    spills.py      staging the start of a file still being written, and finishing it once closed
-    namespace.py   moves, metadata rewrites and deletes in the store
-    records.py     write-ahead deletes, recording what the store holds, a staged upload's journaled state
+    small_lane.py  starting the claimed batches of small files, each in a lull of the FUSE layer's requests
+    spill_jobs.py  staging the start of a file still being written, and finishing it once closed
+    namespace_jobs.py  moves, metadata rewrites and deletes in the store
+    object_records.py  write-ahead deletes, recording what the store holds, a staged upload's journaled state
+    open_uploads.py    uploads of files still open for writing (the NFS gateway mode)
+    preemption.py  the order under a preemption notice: the newest complete step first
+    recovery.py    start-up reconciliation of the journal with the cache dir and the store
     durability.py  the waiters of `ckptfs flush`: what is pending, and when it is durable
     cleanup.py     aborts of removed files' staged uploads, sweeps of the store's leftovers
     stats.py       the counters the metrics and `ckptfs status` show

@@ -75,9 +75,9 @@ class Durability:
         store, ignoring upload_delay meanwhile. Files open for writing count as pending (in gateway mode:
         until their content as it is now is in the store). The caller owns the timeout
         (trio.move_on_after); `pending(paths)` then says what is left."""
-        self.note_open_changes(self.journal.open_pending_files())
+        self.note_open_changes(self.journal.copies.open_pending_files())
         items = self._outstanding(paths)
-        deletes = {d.id: d.key for d in self.journal.pending_deletes() if in_scope(d.key, paths)}
+        deletes = {d.id: d.key for d in self.journal.deletes.pending_deletes() if in_scope(d.key, paths)}
         # Jobs that finish while we wait, so that each check looks only at what may have changed; a full
         # check now and then catches what changed without a job (an unlink, a rename).
         finished: set[tuple[str, int]] = set()
@@ -101,7 +101,7 @@ class Durability:
                     # Uploads and moves queue deletes of the copies they replace; wait for those too,
                     # so that the store shows the namespace as it was, not stale names beside it.
                     collected_old_copies = True
-                    deletes = {d.id: d.key for d in self.journal.pending_deletes() if in_scope(d.key, paths)}
+                    deletes = {d.id: d.key for d in self.journal.deletes.pending_deletes() if in_scope(d.key, paths)}
                     continue
                 with trio.move_on_at(full_check_due):
                     await self._progress.wait()
@@ -113,13 +113,13 @@ class Durability:
     def pending(self, paths: list[str] | None) -> list[str]:
         """What under `paths` is not yet durable in the store, now."""
         items = self._outstanding(paths)
-        deletes = {d.id: d.key for d in self.journal.pending_deletes() if in_scope(d.key, paths)}
+        deletes = {d.id: d.key for d in self.journal.deletes.pending_deletes() if in_scope(d.key, paths)}
         self._drop_durable(items, deletes)
         failing = {parked.inode_id: parked.error for parked in self.retries.parked.values() if parked.job != "delete"}
-        failing_inodes = list(self.journal.get_many(list(failing)).values()) if failing else []
+        failing_inodes = list(self.journal.names.get_many(list(failing)).values()) if failing else []
         paths_left = []
         for inode_id in items:
-            inode = self.journal.get(inode_id)
+            inode = self.journal.names.get(inode_id)
             if inode is None or inode.path is None:
                 continue
             error = failing.get(inode_id)
@@ -161,7 +161,8 @@ class Durability:
     def _outstanding(self, paths: list[str] | None) -> dict[int, int]:
         """inode id -> the version that must reach the store, for everything pending under `paths`."""
         items = {}
-        for inode in [*self.journal.pending_uploads(), *self.journal.misplaced(), *self.journal.meta_stale(-1)]:
+        work = self.journal.work
+        for inode in [*work.pending_uploads(), *work.misplaced(), *work.meta_stale(-1)]:
             if in_scope(inode.path or "", paths):
                 items[inode.id] = inode.version
         return items
@@ -179,12 +180,12 @@ class Durability:
             inode_ids = [ident for kind, ident in only if kind == "inode" and ident in items]
             delete_ids = [ident for kind, ident in only if kind == "delete" and ident in deletes]
         if inode_ids:
-            current = self.journal.get_many(inode_ids)
+            current = self.journal.names.get_many(inode_ids)
             for inode_id in inode_ids:
                 if durable(current.get(inode_id), items[inode_id]):
                     del items[inode_id]
         if delete_ids:
-            still_pending = self.journal.deletes_pending(delete_ids)
+            still_pending = self.journal.deletes.deletes_pending(delete_ids)
             for delete_id in delete_ids:
                 if delete_id not in still_pending:
                     del deletes[delete_id]

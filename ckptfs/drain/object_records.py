@@ -47,7 +47,7 @@ class ObjectRecords:
 
     def queue_write_ahead(self, key: str) -> int:
         """write_ahead inside the caller's transaction."""
-        delete_id = self.journal.queue_delete(key)
+        delete_id = self.journal.deletes.queue_delete(key)
         assert delete_id is not None
         return delete_id
 
@@ -61,7 +61,7 @@ class ObjectRecords:
         """A closed file whose content the store got while it was open (gateway mode), unchanged since: it
         is clean without another upload."""
         with self.journal.transaction():
-            self.journal.finish_upload(inode, key=key, version=inode.version, checksum=inode.checksum,
+            self.journal.work.finish_upload(inode, key=key, version=inode.version, checksum=inode.checksum,
                                        size=inode.size, clean=True)
         if self.markers.match(inode.name):
             self.on_marker_uploaded(inode)
@@ -75,16 +75,16 @@ class ObjectRecords:
             for item in done:
                 # One at a time, not get_many: recording one object may change another's row (release_key
                 # forgets a copy that lived at this key), and a stale row would delete what was just put.
-                current = self.journal.get(item.inode_id)
+                current = self.journal.names.get(item.inode_id)
                 if current is None or current.path is None:
                     continue  # removed while the object was committed: the write-ahead delete removes the object
-                self.journal.finish_upload(
+                self.journal.work.finish_upload(
                     current, key=item.key, version=item.version, checksum=item.checksum, size=item.size,
                     # A file still open for writing stays dirty: the daemon does not see its writes (FUSE
                     # passthrough), so only its close or a later snapshot can say it is unchanged.
                     clean=current.version == item.version and not item.still_open,
                 )
-                self.journal.delete_done(item.write_ahead)  # the inode owns the key now
+                self.journal.deletes.delete_done(item.write_ahead)  # the inode owns the key now
                 if self.markers.match(current.name):
                     markers.append(current)
         for current in markers:
@@ -94,19 +94,19 @@ class ObjectRecords:
         """Journal each step of a staged upload (the engine calls it after every part), so that a crash
         resumes from the last finished part."""
         with self.journal.transaction():
-            self.journal.save_upload_state(inode_id, state.to_json())
+            self.journal.work.save_upload_state(inode_id, state.to_json())
 
     def forget_upload_state(self, inode_id: int, aborted: UploadState) -> None:
         """Drop the journal's record of an upload just aborted (if it is still that one), so that a purge
         does not hand it to discard_upload again."""
-        inode = self.journal.get(inode_id)
+        inode = self.journal.names.get(inode_id)
         if inode is None or inode.upload_state is None:
             return
         journaled = journaled_upload_id(inode)
         if journaled is not None and journaled != aborted.upload_id:
             return  # a newer upload's (an unreadable record is dropped too)
         with self.journal.transaction():
-            self.journal.save_upload_state(inode_id, None)
+            self.journal.work.save_upload_state(inode_id, None)
 
 
 def journaled_state(inode: Inode | None) -> UploadState | None:

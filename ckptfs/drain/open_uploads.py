@@ -182,7 +182,7 @@ class OpenUploads:
         close recorded otherwise)."""
         keep = set(open_ids)
         for inode_id in [i for i in self._stored if i not in keep]:
-            inode = self.journal.get(inode_id)
+            inode = self.journal.names.get(inode_id)
             if inode is None or inode.path is None or inode.state not in ("dirty", "uploading"):
                 del self._stored[inode_id]
         for gone in [i for i in (*self._spoilt, *self._fsynced) if i not in keep and i not in self._stored]:
@@ -202,7 +202,7 @@ class OpenUploads:
             if snap is None or snap in (self._stored.get(inode_id), self._staging.get(inode_id)):
                 continue
             with self.journal.transaction():
-                self.journal.new_content_version(inode_id)
+                self.journal.work.new_content_version(inode_id)
 
     def holds_back(self, marker: Inode, open_ids: Iterable[int]) -> bool:
         """Gateway ordering of a commit marker: does a file whose last change is older than the marker's
@@ -212,11 +212,11 @@ class OpenUploads:
         mine = self.current(marker.id)
         if mine is None:
             return False
-        for inode in self.journal.get_many([i for i in open_ids if i != marker.id]).values():
+        for inode in self.journal.names.get_many([i for i in open_ids if i != marker.id]).values():
             snap = self.current(inode.id)
             if snap is not None and snap.changed_ns <= mine.changed_ns and not self.in_store(inode, snap):
                 return True
-        for inode in self.journal.closed_pending_after(marker.seq):
+        for inode in self.journal.work.closed_pending_after(marker.seq):
             if inode.id == marker.id or inode.kind != FILE:
                 continue
             snap = self.current(inode.id)

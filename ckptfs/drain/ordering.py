@@ -82,7 +82,7 @@ def target_taken(inode: Inode, owner: Inode | None) -> bool:
     """Another inode's object (`owner`, the journal's owner of the key) still sits at the key `inode` is to
     be written at, waiting to be moved away (a rename after upload, then a new file under the old name).
     Writing the key now would destroy it: wait for the move, unless that inode has local data to upload
-    again (then the write goes first; see Journal.release_key). A directory's marker holds only metadata:
+    again (then the write goes first; see DrainWork.release_key). A directory's marker holds only metadata:
     its owner writes it again."""
     return owner is not None and owner.id != inode.id and not owner.has_local_data and owner.kind != DIR
 

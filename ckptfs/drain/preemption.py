@@ -128,8 +128,8 @@ class Preemption:
         pending = self._pending_by_top()
         rows = []
         for name in self.steps_seen:
-            top = self.journal.by_path(name)
-            below = self.journal.descendants(name) if top is not None else []
+            top = self.journal.names.by_path(name)
+            below = self.journal.names.descendants(name) if top is not None else []
             markers = [i for i in below if i.kind == FILE and self.markers.match(i.name)]
             row = StepLeft(name, name in self._complete_seen and name not in self._waiting,
                            self._waiting.get(name), markers=len(markers))
@@ -154,7 +154,7 @@ class Preemption:
     # -- reading the journal -----------------------------------------------------------------------------
 
     def _pending(self) -> Iterable[Inode]:
-        return [*self.journal.pending_uploads(), *self.journal.misplaced(), *self.journal.meta_stale(-1)]
+        return [*self.journal.work.pending_uploads(), *self.journal.work.misplaced(), *self.journal.work.meta_stale(-1)]
 
     def _pending_by_top(self) -> dict[str, list[Inode]]:
         by_top: dict[str, list[Inode]] = {}
@@ -168,13 +168,13 @@ class Preemption:
     def _pending_steps(self) -> dict[str, tuple[Inode, list[Inode], list[str], list[Inode]]]:
         """Top-level directories with pending work: (the directory, its entries, the paths of its files
         open for writing, its commit markers)."""
-        open_ids = set(self.journal.open_dirty_files())
+        open_ids = set(self.journal.copies.open_dirty_files())
         steps = {}
         for name in self._pending_by_top():
-            top = self.journal.by_path(name)
+            top = self.journal.names.by_path(name)
             if top is None or top.kind != DIR:
                 continue
-            below = self.journal.descendants(name)
+            below = self.journal.names.descendants(name)
             open_paths = sorted(i.path or "" for i in below if i.id in open_ids)
             markers = [i for i in below if i.kind == FILE and self.markers.match(i.name)]
             steps[name] = (top, below, open_paths, markers)

@@ -46,21 +46,21 @@ def repair_journal(
     cache.clear_tmp()
     data_ids = cache.data_ids()
     # Files an earlier daemon's death left open for writing: the kernel may have written them since.
-    watched = journal.stale_writers()
+    watched = journal.copies.stale_writers()
     still_watched: dict[int, float] = {}
     with journal.transaction():
-        for inode in journal.all_inodes():
+        for inode in journal.names.all_inodes():
             if inode.id == ROOT_ID:
                 continue
             if inode.parent is None and inode.id not in still_open:
                 # Unlinked while open when the last daemon stopped: nothing can reach it any more.
-                journal.purge(inode.id)
+                journal.names.purge(inode.id)
                 cache.remove_data(inode.id)
                 report.purged_unlinked += 1
                 continue
             if inode.kind != FILE:
                 if inode.state == UPLOADING:
-                    journal.abort_upload(inode.id)
+                    journal.work.abort_upload(inode.id)
                 continue
             if inode.state == REMOTE:
                 if inode.id in data_ids:
@@ -74,7 +74,7 @@ def repair_journal(
                 _missing_cache_file(journal, inode, report)
                 continue
             if inode.state == UPLOADING:
-                journal.abort_upload(inode.id)
+                journal.work.abort_upload(inode.id)
             if inode.state in ("dirty", UPLOADING):
                 report.resumed_uploads += 1
             if inode.id in still_writing:
@@ -96,19 +96,19 @@ def repair_journal(
                         # Written behind the journal, which says clean: a new version, uploaded again.
                         log.warning("%s changed without the daemon (a writer the kernel kept after an earlier"
                                     " daemon died): uploading it again", inode.path)
-                        journal.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
+                        journal.copies.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
                         continue
                     if changed_behind and inode.uploaded_version >= inode.version:
                         # Uploaded while open (gateway mode), then written again: the store holds the
                         # journal's version, so what the cache file has now is a newer one (else a flush
                         # would take the file for durable while the drain still uploads it).
-                        journal.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
+                        journal.copies.rewritten_behind(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, now=now)
                         continue
                 changed = (inode.closed_at is None and inode.state != CLEAN) or changed_behind
-                journal.mark_closed(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=now)
-        known = {i.id for i in journal.all_inodes()}
+                journal.names.mark_closed(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=now)
+        known = {i.id for i in journal.names.all_inodes()}
         if still_watched or watched:
-            journal.set_stale_writers(still_watched)
+            journal.copies.set_stale_writers(still_watched)
     for orphan in data_ids - known:
         cache.remove_data(orphan)
         report.orphan_cache_files += 1
@@ -126,13 +126,13 @@ def _missing_cache_file(journal: Journal, inode: Inode, report: RecoveryReport) 
         if inode.state != CLEAN:
             log.error("cache file of %s vanished; falling back to the version in the store", inode.path)
             report.lost.append(inode.path or "?")
-        journal.serve_from_store(inode.id)
+        journal.copies.serve_from_store(inode.id)
         report.reverted.append(inode.id)
     else:
         log.error("cache file of %s vanished before it was uploaded; its content is lost", inode.path)
         report.lost.append(inode.path or "?")
-        journal.detach(inode)
-        journal.purge(inode.id)
+        journal.names.detach(inode)
+        journal.names.purge(inode.id)
         if inode.parent is not None and inode.name is not None:
             report.removed_names.append((inode.parent, inode.name))
 
@@ -147,7 +147,7 @@ def recover(
     # them) that must not keep the mount from serving what the journal holds, as it did while a throttling
     # store made the sweep's listing wait out the retries.
     keep = set()
-    for _inode_id, text in journal.upload_states():
+    for _inode_id, text in journal.work.upload_states():
         state = UploadState.parse(text)
         if state is not None:
             keep.add(state.upload_id)

@@ -106,7 +106,7 @@ class Retries:
                 if job_id not in self.parked:
                     log.error("parking the %s job of %s after %d unexpected failures: retried every %.0f s,"
                               " named by `ckptfs status`", op, entry, failures, PARKED_RETRY)
-                inode = None if job.kind == "delete" else self.journal.get(job.ident)
+                inode = None if job.kind == "delete" else self.journal.names.get(job.ident)
                 self.parked[job_id] = Parked(op, job.ident, repr(exc), time.time(), inode.seq if inode else -1)
                 self._retry_at[job_id] = trio.current_time() + PARKED_RETRY
 
@@ -145,9 +145,9 @@ class Retries:
     def entry_of(self, kind: str, ident: int) -> str | None:
         """What a job works on, for messages: the inode's path, or the key of a pending delete (None: gone)."""
         if kind == "delete":
-            delete = self.journal.get_pending_delete(ident)
+            delete = self.journal.deletes.get_pending_delete(ident)
             return None if delete is None else f"(delete) {delete.key}"
-        inode = self.journal.get(ident)
+        inode = self.journal.names.get(ident)
         return inode.path if inode is not None else None
 
     def failure_of(self, inode_id: int) -> str | None:

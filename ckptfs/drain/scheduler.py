@@ -206,9 +206,9 @@ class Drain:
         failing = [p.inode_id for p in self.retries.parked.values() if p.job != "delete"]
         if not failing:
             return []
-        failing_inodes = list(self.journal.get_many(failing).values())
+        failing_inodes = list(self.journal.names.get_many(failing).values())
         held = []
-        for inode in self.journal.pending_uploads():
+        for inode in self.journal.work.pending_uploads():
             if inode.path is not None and self.markers.match(inode.name):
                 by = ordering.held_by(inode, failing_inodes)
                 if by is not None:
@@ -338,7 +338,7 @@ class Drain:
             now_wall - self.upload_delay)
         small_cut_off = cut_off
         if cut_off != math.inf:
-            next_close = self.journal.next_close_after(cut_off)
+            next_close = self.journal.work.next_close_after(cut_off)
             if next_close is not None:
                 next_due = now + (next_close + self.upload_delay - now_wall)
             burst_ends = self._changed_at + BURST_QUIET
@@ -364,11 +364,11 @@ class Drain:
                 return True
             return False
 
-        misplaced = self.journal.misplaced(SCAN_LIMIT)
+        misplaced = self.journal.work.misplaced(SCAN_LIMIT)
         unmarked = ordering.unmarked_dirs(
-            self.journal.dirs_to_upload() + [inode for inode in misplaced if inode.kind == DIR], self.markers,
+            self.journal.work.dirs_to_upload() + [inode for inode in misplaced if inode.kind == DIR], self.markers,
             retrying=lambda inode_id: any(self.retries.due_at((kind, inode_id)) > now for kind in ("upload", "move")))
-        for inode, key in keyed(self.journal.uploads_due(cut_off, SCAN_LIMIT, small=(SMALL_FILE, small_cut_off))):
+        for inode, key in keyed(self.journal.work.uploads_due(cut_off, SCAN_LIMIT, small=(SMALL_FILE, small_cut_off))):
             if waiting(("upload", inode.id), inode) or ("spill", inode.id) in self.dispatcher.running:
                 continue
             with self._isolated("upload", inode):
@@ -379,7 +379,8 @@ class Drain:
                 small = (inode.kind == FILE and inode.size <= SMALL_FILE and inode.upload_state is None
                          and not self.markers.match(inode.name))
                 jobs.append(Job("upload", inode.id, (key,), small, inode.size))
-        open_ids = self.journal.open_dirty_files() if pressure or self.spills.early or self.open_uploads.enabled else []
+        open_files_wanted = pressure or self.spills.early or self.open_uploads.enabled
+        open_ids = self.journal.copies.open_dirty_files() if open_files_wanted else []
         if self.open_uploads.enabled:
             next_due = min(next_due, self._scan_open(open_ids, jobs, unmarked, waiting, now, now_wall))
         if pressure or self.spills.early:
@@ -400,14 +401,14 @@ class Drain:
                 if self._marker_blocked(inode) or (unmarked and below(key, unmarked)):
                     continue
                 if self._target_taken(inode, key) and not ordering.breaks_move_cycle(
-                        inode, key, self.journal.key_owner):
+                        inode, key, self.journal.work.key_owner):
                     continue
                 jobs.append(Job("move", inode.id, (inode.remote_key, key)))
-        for inode, key in keyed(self.journal.meta_stale(SCAN_LIMIT)):
+        for inode, key in keyed(self.journal.work.meta_stale(SCAN_LIMIT)):
             if waiting(("meta", inode.id), inode):
                 continue
             jobs.append(Job("meta", inode.id, (key,)))
-        for delete in self.journal.pending_deletes(SCAN_LIMIT):
+        for delete in self.journal.deletes.pending_deletes(SCAN_LIMIT):
             if waiting(("delete", delete.id)):
                 continue
             jobs.append(Job("delete", delete.id, (delete.key,)))
@@ -422,7 +423,7 @@ class Drain:
         self.preemption.replan_if_due(trio.current_time())
         running = self.dispatcher.running
         ids = {job.ident for job in jobs if job.kind != "delete"} | {i for k, i in running if k != "delete"}
-        inodes = self.journal.get_many(ids)
+        inodes = self.journal.names.get_many(ids)
 
         def rank(kind: str, ident: int) -> int | None:
             inode = inodes.get(ident)
@@ -443,7 +444,7 @@ class Drain:
         # A full cache does not hurry them: a file open for writing stays in the cache whether uploaded or not.
         urgent = bool(self.durability.waiting)
         self.open_uploads.forget_gone(open_ids)
-        for inode in self.journal.get_many(open_ids).values():
+        for inode in self.journal.names.get_many(open_ids).values():
             if (inode.key is None or waiting(("upload", inode.id))
                     or ("spill", inode.id) in self.dispatcher.running):
                 continue
@@ -462,7 +463,7 @@ class Drain:
         return next_due
 
     def _path(self, inode_id: int) -> str:
-        inode = self.journal.get(inode_id)
+        inode = self.journal.names.get(inode_id)
         return inode.path if inode is not None and inode.path is not None else ""
 
     def _marker_blocked(self, inode: Inode) -> bool:
@@ -473,15 +474,15 @@ class Drain:
         step = self.preemption.step_dir(inode) if self.preemption.active else None
         if step is not None:
             # Under a notice a step's marker waits for its own step only (preemption.py).
-            return self.waits_for_nodes(inode) or bool(self.journal.work_before_under(inode.seq, step, 1))
+            return self.waits_for_nodes(inode) or bool(self.journal.work.work_before_under(inode.seq, step, 1))
         return ordering.marker_blocked(inode, self.markers, self.waits_for_nodes,
-                                       lambda seq: bool(self.journal.work_before(seq, 1))) or (
+                                       lambda seq: bool(self.journal.work.work_before(seq, 1))) or (
             # Gateway mode: also the files whose last change is older than the marker's, open or not.
-            self.open_uploads.enabled and self.open_uploads.holds_back(inode, self.journal.open_pending_files()))
+            self.open_uploads.enabled and self.open_uploads.holds_back(inode, self.journal.copies.open_pending_files()))
 
     def _target_taken(self, inode: Inode, key: str) -> bool:
         """ordering.target_taken, with the journal's owner of `key` now."""
-        return ordering.target_taken(inode, self.journal.key_owner(key))
+        return ordering.target_taken(inode, self.journal.work.key_owner(key))
 
     def _pressed(self) -> bool:
         """A flush waits or the cache needs room: small uploads do not wait for a lull in the writer's

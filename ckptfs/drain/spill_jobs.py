@@ -97,7 +97,7 @@ class SpillJobs:
         """Upload the written start of a file still open for writing, part by part in order. While the
         cache is full, seal each part first and punch it out of the cache file once the journal has it;
         else (an early spill) leave the parts as they are."""
-        inode = self.journal.get(inode_id)
+        inode = self.journal.names.get(inode_id)
         if inode is None or inode.kind != FILE or inode.path is None:
             return
         state = await self.state_of(inode)
@@ -112,7 +112,7 @@ class SpillJobs:
             early = not self.pressure
             state = await self.engine.spills.begin(self.part_size, early=early)
             with self.journal.transaction():
-                self.journal.save_upload_state(inode_id, state.to_json())
+                self.journal.work.save_upload_state(inode_id, state.to_json())
             entry = self.cache.files.get(inode_id)
             if entry is not None:
                 entry.restart_staging()
@@ -134,7 +134,7 @@ class SpillJobs:
             # Seal the part first: a write into it from now on fails instead of going unnoticed.
             entry.seal(state.size + part)
             state = await self.engine.spills.stage(state, path, state.size + part)
-            current = self.journal.get(inode_id)
+            current = self.journal.names.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
                 await self.engine.abandon(state)  # removed meanwhile: nothing will finish this spill
                 self.records.forget_upload_state(inode_id, state)
@@ -147,7 +147,7 @@ class SpillJobs:
             # there but never read again (the parts have them).
             state = replace(state, punched=state.size)
             with self.journal.transaction():
-                self.journal.save_upload_state(inode_id, state.to_json())
+                self.journal.work.save_upload_state(inode_id, state.to_json())
             # In the trio thread, with no await between the check above and the accounting: a truncate
             # and rewrite can never slip in and lose its new bytes to the hole (fallocate is quick).
             self.cache.punch_hole(inode_id, state.size - part, part)
@@ -174,7 +174,7 @@ class SpillJobs:
             # before the file is called clean, seconds after close on a slow disk.
             staged = state.size
             state = await self.engine.spills.stage(state, path, staged + ready, sync_source=True)
-            current = self.journal.get(inode_id)
+            current = self.journal.names.get(inode_id)
             if current is None or current.path is None or self.cache.files.get(inode_id) is not entry:
                 await self.engine.abandon(state)  # removed meanwhile: nothing will finish this spill
                 self.records.forget_upload_state(inode_id, state)
@@ -183,7 +183,7 @@ class SpillJobs:
                 await self.discard(current, state, "it was truncated")
                 return
             with self.journal.transaction():
-                self.journal.save_upload_state(inode_id, state.to_json())
+                self.journal.work.save_upload_state(inode_id, state.to_json())
             entry.mark_staged(state.size)
             self.stats.spilled_bytes += ready
             if current.closed_at is not None:
@@ -193,7 +193,7 @@ class SpillJobs:
         log.info("%s: discarding the part of it uploaded while it was written (%s)", inode.path, why)
         await self.engine.abandon(state)
         with self.journal.transaction():
-            self.journal.save_upload_state(inode.id, None)
+            self.journal.work.save_upload_state(inode.id, None)
         entry = self.cache.files.get(inode.id)
         if entry is not None:
             entry.unstage()
@@ -211,7 +211,7 @@ class SpillJobs:
         inode_id, key, version = inode.id, inode.key, inode.version
         assert key is not None
         with self.journal.transaction():
-            self.journal.begin_upload(inode_id)
+            self.journal.work.begin_upload(inode_id)
         started = trio.current_time()
         path = self.cache.data_path(inode_id)
         try:
@@ -222,20 +222,20 @@ class SpillJobs:
                 state = await self.engine.spills.stage(
                     state, path, entry.size, priority=upload_priority(self.markers, inode))
                 with self.journal.transaction():
-                    self.journal.save_upload_state(inode_id, state.to_json())
-            current = self.journal.get(inode_id)
+                    self.journal.work.save_upload_state(inode_id, state.to_json())
+            current = self.journal.names.get(inode_id)
             current_key = current.key if current is not None else None
             if current is None or current.version != version or not current_key:
                 # Rewritten (O_TRUNC) or removed: state_of discards the spill next time.
                 with self.journal.transaction():
-                    self.journal.abort_upload(inode_id)
+                    self.journal.work.abort_upload(inode_id)
                 return
             meta = object_meta(current)
             write_ahead = self.records.write_ahead(current_key)
             await self.engine.spills.commit(state, current_key, meta)
         except BaseException:
             with self.journal.transaction():
-                self.journal.abort_upload(inode_id)
+                self.journal.work.abort_upload(inode_id)
             raise
         self.stats.uploaded_files += 1
         self.stats.uploaded_bytes += state.size

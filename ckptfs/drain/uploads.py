@@ -77,7 +77,7 @@ class Uploads:
         """The inode, if the upload the scan chose is still to be done now: pending, under the key it was
         chosen for, not a blocked marker, and for a file not open for writing (`still_open`: one that is).
         `rows`: the journal's rows of a batch read at once since the last await, instead of this one's."""
-        inode = self.journal.get(inode_id) if rows is None else rows.get(inode_id)
+        inode = self.journal.names.get(inode_id) if rows is None else rows.get(inode_id)
         if inode is None or inode.key is None or inode.state not in ("dirty", UPLOADING):
             return None
         if changed_since_scan(inode, (scanned_key,), (inode.key,), self.marker_blocked):
@@ -87,7 +87,7 @@ class Uploads:
         return inode
 
     async def upload(self, inode_id: int, scanned_key: str) -> None:
-        current = self.journal.get(inode_id)
+        current = self.journal.names.get(inode_id)
         if (self.open_uploads.enabled and current is not None and current.kind == FILE
                 and current.closed_at is None):
             await self._upload_open(inode_id, scanned_key)
@@ -104,7 +104,7 @@ class Uploads:
             if spill is not None:
                 await self.spills.finish(inode, spill)
                 return
-            current = self.journal.get(inode_id)
+            current = self.journal.names.get(inode_id)
             if current is None or current.version != version or current.closed_at is None:
                 return
             entry = self.cache.files.get(inode_id)
@@ -156,13 +156,13 @@ class Uploads:
         if self.open_uploads.in_store(inode, snap) or not self.open_uploads.holds(began, snap):
             return  # in the store as it is; or written just now: the scan looks again once it is idle
         with self.journal.transaction():
-            current = self.journal.get(inode_id)
+            current = self.journal.names.get(inode_id)
             if current is None or current.key != key or current.closed_at is not None:
                 return
             if current.uploaded_version >= current.version:
-                self.journal.new_content_version(inode_id)
-            self.journal.set_attrs(inode_id, size=snap.size, mtime_ns=snap.mtime_ns)
-            current = self.journal.get(inode_id)
+                self.journal.work.new_content_version(inode_id)
+            self.journal.names.set_attrs(inode_id, size=snap.size, mtime_ns=snap.mtime_ns)
+            current = self.journal.names.get(inode_id)
         assert current is not None
         self.open_uploads.staging(inode_id, snap)
         committed = False
@@ -181,7 +181,7 @@ class Uploads:
         snapshot after staging. True if committed."""
         inode_id, version = inode.id, inode.version
         with self.journal.transaction():
-            self.journal.begin_upload(inode_id)
+            self.journal.work.begin_upload(inode_id)
         started = trio.current_time()
         resume = await self._resumable_state(inode, key)
         priority = upload_priority(self.markers, inode)
@@ -198,7 +198,7 @@ class Uploads:
                 priority=priority, sync_source=True,
             )
         except BaseException as exc:
-            current = self.journal.get(inode_id)
+            current = self.journal.names.get(inode_id)
             removed = current is None or current.path is None
             # Nothing will resume the staged upload if the file was removed while we staged it (removed
             # before the journal had its state, the purge could not hand it to discard_upload), or if
@@ -208,7 +208,7 @@ class Uploads:
                     await self.engine.abandon(latest[0])
                 self.records.forget_upload_state(inode_id, latest[0])
             with self.journal.transaction():
-                self.journal.abort_upload(inode_id)
+                self.journal.work.abort_upload(inode_id)
             if removed and isinstance(exc, NotFoundBackendError):
                 return False  # its cache file went with it: nothing to upload
             raise
@@ -216,13 +216,13 @@ class Uploads:
         # still open: if its cache file is not the snapshot staged any more).
         changed = snapshot is not None and await trio.to_thread.run_sync(
             stat_snapshot, str(self.cache.data_path(inode_id))) != snapshot
-        current = self.journal.get(inode_id)
+        current = self.journal.names.get(inode_id)
         if changed or current is None or current.key != key or current.version != version:
             await self.engine.abandon(staged.state)
             if current is not None:
                 with self.journal.transaction():
-                    self.journal.abort_upload(inode_id)
-                    self.journal.save_upload_state(inode_id, None)
+                    self.journal.work.abort_upload(inode_id)
+                    self.journal.work.save_upload_state(inode_id, None)
                 log.debug("upload of %s abandoned: changed or renamed during upload", key)
             return False
         write_ahead = self.records.write_ahead(key)
@@ -230,7 +230,7 @@ class Uploads:
             await self.engine.commit_upload(staged, priority=priority)
         except BaseException:
             with self.journal.transaction():
-                self.journal.abort_upload(inode_id)
+                self.journal.work.abort_upload(inode_id)
             raise
         self.stats.uploaded_files += 1
         self.stats.uploaded_bytes += staged.size
@@ -252,7 +252,8 @@ class Uploads:
         files: list[SmallFile] = []
         rest: list[Job] = []
         size = 0
-        rows: dict[int, Inode] | None = self.journal.get_many([job.ident for job in jobs])  # one query, not one a file
+        # One query, not one a file.
+        rows: dict[int, Inode] | None = self.journal.names.get_many([job.ident for job in jobs])
         for job in jobs:
             inode = self._still_due(job.ident, job.keys[0], rows=rows)
             if inode is None:
@@ -278,14 +279,14 @@ class Uploads:
         keys = [file.key for file in files]
         with self.journal.transaction():
             for _, inode in chosen:
-                self.journal.begin_upload(inode.id)
+                self.journal.work.begin_upload(inode.id)
         write_aheads: dict[int, int] = {}
 
         def commit(read: list[int]) -> list[int]:
             """The files read that are still what was chosen, each with its write-ahead delete queued."""
             wanted = []
             with self.journal.transaction():
-                rows = self.journal.get_many([chosen[index][1].id for index in read])
+                rows = self.journal.names.get_many([chosen[index][1].id for index in read])
                 for index in read:
                     _, inode = chosen[index]
                     current = rows.get(inode.id)
@@ -301,7 +302,7 @@ class Uploads:
         except BaseException:
             with self.journal.transaction():
                 for _, inode in chosen:
-                    self.journal.abort_upload(inode.id)
+                    self.journal.work.abort_upload(inode.id)
             raise
         done: list[Uploaded] = []
         undone: list[tuple[Inode, int | None]] = []  # not put (changed, renamed, failed): back to dirty
@@ -314,7 +315,7 @@ class Uploads:
                                      write_ahead))
                 self.retries.succeeded(job)
                 continue
-            current = self.journal.get(inode.id)
+            current = self.journal.names.get(inode.id)
             if outcome is None or isinstance(outcome, SourceChangedError):
                 undone.append((inode, write_ahead))  # nothing was put: its write-ahead delete goes
                 self.retries.succeeded(job)  # changed or renamed: pending again, the next scan takes it
@@ -327,9 +328,9 @@ class Uploads:
         if undone:
             with self.journal.transaction():
                 for inode, write_ahead in undone:
-                    self.journal.abort_upload(inode.id)
+                    self.journal.work.abort_upload(inode.id)
                     if write_ahead is not None:
-                        self.journal.delete_done(write_ahead)
+                        self.journal.deletes.delete_done(write_ahead)
         self.records.record_uploads(done)
         uploaded = len(done)
         if uploaded:
@@ -356,7 +357,7 @@ class Uploads:
         if state is not None:
             await self.engine.abandon(state)
         with self.journal.transaction():
-            self.journal.save_upload_state(inode.id, None)
+            self.journal.work.save_upload_state(inode.id, None)
         return None
 
 

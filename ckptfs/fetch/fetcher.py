@@ -359,7 +359,7 @@ class Fetcher:
         Stream to the new key and say so. The copy is the same version: only the key may differ."""
         if stream.key != key:
             return True  # another chunk of this Stream followed it already
-        current = self.journal.get(stream.inode_id)
+        current = self.journal.names.get(stream.inode_id)
         if current is None or current.remote_key in (None, key):
             return False
         moved = identity_of(current)
@@ -412,7 +412,7 @@ class Fetcher:
                                                   f" {expected})"))
             self.partials.drop_stream(stream)
             return
-        current = self.journal.get(stream.inode_id)
+        current = self.journal.names.get(stream.inode_id)
         if current is None or stream.detached or identity_of(current) != stream.identity:
             return  # the namespace moved on: serve the readers, never adopt
         data_path = self.cache.data_path(stream.inode_id)
@@ -428,7 +428,7 @@ class Fetcher:
         self.cache.adopt(stream.inode_id, stream.size)
         try:
             with self.journal.transaction():
-                self.journal.finish_fetch(stream.inode_id, size=stream.size, mtime_ns=current.mtime_ns)
+                self.journal.copies.finish_fetch(stream.inode_id, size=stream.size, mtime_ns=current.mtime_ns)
         except JournalFull:
             # The journal cannot say the file is local (the cache filesystem is full): it stays remote,
             # without a cache file, and its readers keep the bytes they have open.
@@ -447,7 +447,7 @@ class Fetcher:
     async def fetch(self, inode: Inode) -> None:
         """Return once `inode` has local data (a clean cached file): every chunk fetched and the whole
         verified. For opens for writing, truncate and anything else that needs the whole content."""
-        current = self.journal.get(inode.id)
+        current = self.journal.names.get(inode.id)
         if current is None or current.state != REMOTE:
             return
         assert current.remote_key is not None
@@ -482,7 +482,7 @@ class Fetcher:
             stream.whole_waiters -= 1
             if stream.detached and stream.idle():
                 self.partials.drop_stream(stream)
-        latest = self.journal.get(inode.id)
+        latest = self.journal.names.get(inode.id)
         if latest is not None and latest.state == REMOTE and not stream.complete:
             raise FsError(errno.ESTALE, f"{current.remote_key} changed while it was fetched")
 

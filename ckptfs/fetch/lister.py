@@ -67,8 +67,8 @@ class DirLister:
         self._call = call if call is not None else trio.to_thread.run_sync
         self.refresh_interval = refresh_interval
         self.vanished = vanished if vanished is not None else _drop_entry(journal, cache)
-        journal.prune_listed_dirs()
-        self._listed: dict[int, float] = journal.listed_dirs()  # dir inode id -> time.time() of its listing
+        journal.names.prune_listed_dirs()
+        self._listed: dict[int, float] = journal.names.listed_dirs()  # dir inode id -> time.time() of its listing
         self._in_flight: dict[int, trio.Event] = {}
         # Listing ahead (run): its queue while it runs; what it listed that no request has asked for yet.
         self._ahead: trio.MemorySendChannel[int] | None = None
@@ -88,7 +88,7 @@ class DirLister:
 
     def _set_listed(self, inode_id: int, at: float) -> None:
         self._listed[inode_id] = at
-        self.journal.set_listed(inode_id, at)
+        self.journal.names.set_listed(inode_id, at)
 
     def listed_before(self, inode_id: int) -> bool:
         return inode_id in self._listed
@@ -105,7 +105,7 @@ class DirLister:
 
     def invalidate_all(self) -> None:
         self._listed.clear()
-        self.journal.clear_listed()
+        self.journal.names.clear_listed()
 
     async def refresh(self) -> None:
         """`ckptfs refresh`: every listing stale, the root listed again at once, and what the kernel keeps
@@ -113,7 +113,7 @@ class DirLister:
         along, the whole tree of them) and the root's listing and attributes. So the next access of any
         path asks the daemon, which lists its directories again, whatever the kernel held."""
         self.invalidate_all()
-        names = [c.name for c in self.journal.all_children(ROOT_ID) if c.name is not None]
+        names = [c.name for c in self.journal.names.all_children(ROOT_ID) if c.name is not None]
 
         def forget() -> None:
             for name in names:
@@ -144,7 +144,7 @@ class DirLister:
         directory costs one listing more."""
         if self._ahead is None or parent_id is None:
             return
-        following = self.journal.next_subdirectory(parent_id, after_id=inode_id)
+        following = self.journal.names.next_subdirectory(parent_id, after_id=inode_id)
         if following is None or following in self._in_flight or following in self._listed:
             return
         with contextlib.suppress(trio.WouldBlock):
@@ -161,7 +161,7 @@ class DirLister:
         if not fresh and listed is not None and 0 <= time.time() - listed < self.refresh_interval:
             if not ahead and inode_id in self._listed_ahead:
                 self._listed_ahead.discard(inode_id)
-                inode = self.journal.get(inode_id)
+                inode = self.journal.names.get(inode_id)
                 if inode is not None:
                     self._list_ahead(inode_id, inode.parent)
             return
@@ -173,7 +173,7 @@ class DirLister:
             elif not ahead and inode_id in self._listed_ahead:
                 await self.ensure(inode_id)  # a listing ahead that a request waited for: it lists the next
             return
-        inode = self.journal.get(inode_id)
+        inode = self.journal.names.get(inode_id)
         if inode is None or inode.kind != DIR or inode.path is None:
             return
         event = self._in_flight[inode_id] = trio.Event()
@@ -182,7 +182,7 @@ class DirLister:
             started = time.time()
             prefix = inode.key or ""
             stored_before = stored_versions(self.journal, inode_id)
-            deleting_before = frozenset(self.journal.pending_delete_keys_under(prefix))
+            deleting_before = frozenset(self.journal.deletes.pending_delete_keys_under(prefix))
             try:
                 listing = await self._call(self.store.list_dir, prefix)
             except BackendError as exc:
@@ -194,7 +194,7 @@ class DirLister:
                     log.warning("cannot list %s/%s: %s; showing what this node knows", self.store.url, prefix, exc)
                 return
             self.listings += 1
-            current = self.journal.get(inode_id)
+            current = self.journal.names.get(inode_id)
             if current is None or current.path is None or current.key != inode.key:
                 # Moved or removed while listed: list it again at its new place on next access (at once
                 # if the caller needs the listing, after this one is no longer in flight).
@@ -242,8 +242,8 @@ class DirLister:
 def _drop_entry(journal: Journal, cache: CacheDir) -> Callable[[Inode], None]:
     def drop(inode: Inode) -> None:
         with journal.transaction():
-            journal.detach(inode._replace(remote_key=None))
-            journal.purge(inode.id)
+            journal.names.detach(inode._replace(remote_key=None))
+            journal.names.purge(inode.id)
         if inode.kind == FILE:
             cache.remove_data(inode.id)
 
@@ -261,10 +261,10 @@ def apply_dir_listing(
     objects another node replaced are served anew, and entries whose objects someone deleted go (the
     namespace is shared: the delete wins), unless they hold local work. Imported entries belong to the
     daemon's user (object stores keep no owner). `listed_at`: the directory counts as listed at that time
-    (Namespace.set_listed), in the same transaction.
+    (Names.set_listed), in the same transaction.
 
     One transaction, and a number of journal statements that does not grow with the listing (the new
-    entries go in by two statements: Namespace.import_listed), except for subdirectories and entries that
+    entries go in by two statements: Names.import_listed), except for subdirectories and entries that
     already exist: a fresh node's first walk of a big tree is mostly this.
 
     `stored_before`: inode id -> uploaded_version of the entries the store held before the listing began
@@ -277,20 +277,20 @@ def apply_dir_listing(
     taken for a new one, it came back as a remote file (an rmdir right after `shutil.rmtree`'s unlinks then
     failed with ENOTEMPTY). Another node's new object at such a key shows at the next listing."""
     uid, gid = os.getuid(), os.getgid()
-    children = {c.name: c for c in journal.all_children(directory.id)}
+    children = {c.name: c for c in journal.names.all_children(directory.id)}
     prefix = directory.key or ""
-    deleting = journal.pending_delete_keys_under(prefix) | deleting_before
+    deleting = journal.deletes.pending_delete_keys_under(prefix) | deleting_before
     infos = listing.entries
     keys = [info.key for info in infos]
     plain = _plain_names(keys, prefix)
     names = [_listed_name(key, prefix, warned) for key in keys] if plain is None else list[str | None](plain)
     unknown = [info.key for info, name in zip(infos, names, strict=True) if name is not None and name not in children]
-    owned = journal.owned_keys(unknown, under=prefix)
+    owned = journal.work.owned_keys(unknown, under=prefix)
     present: set[str] = set()
     new: list[ListedEntry] = []
     with journal.transaction():
         if listing.marker and prefix and directory.remote_key is None and directory.state == CLEAN:
-            journal.adopt_marker(directory.id, prefix)  # the root ('' key) has no marker
+            journal.work.adopt_marker(directory.id, prefix)  # the root ('' key) has no marker
         if plain is not None and not children and not deleting and not owned:
             # A directory this node lists for the first time (a fresh node's walk is mostly these): every
             # entry is new; the same entries as below, without the tests per entry that cannot apply.
@@ -329,13 +329,13 @@ def apply_dir_listing(
                     warned.add(key)
                     log.warning("skipping store directory %r: %s is a file here", key, existing.path)
                 continue
-            if key in deleting or journal.key_owner(key) is not None or journal.keys_under(key):
+            if key in deleting or journal.work.key_owner(key) is not None or journal.deletes.keys_under(key):
                 # Renamed or removed here, and the drain has not moved or deleted all of it yet.
                 continue
             new.append(ListedEntry(name, DIR, 0, directory.mtime_ns, stat.S_IFDIR | 0o755, None))
-        journal.import_listed(directory, new, uid=uid, gid=gid, now=now)
+        journal.names.import_listed(directory, new, uid=uid, gid=gid, now=now)
         if listed_at is not None:
-            journal.set_listed(directory.id, listed_at)
+            journal.names.set_listed(directory.id, listed_at)
     for name, child in children.items():
         if (name not in present and child.state in (CLEAN, REMOTE) and _came_from_store(child)
                 and _listed_before(child, stored_before)):
@@ -359,7 +359,7 @@ _new_tuple = tuple.__new__
 
 def stored_versions(journal: Journal, directory_id: int) -> dict[int, int]:
     """What a listing of the directory about to start can judge: its entries the store holds now."""
-    return {c.id: c.uploaded_version for c in journal.all_children(directory_id)
+    return {c.id: c.uploaded_version for c in journal.names.all_children(directory_id)
             if c.remote_key is not None or c.uploaded_version > 0}
 
 
@@ -379,12 +379,12 @@ def _came_from_store(inode: Inode) -> bool:
 def _vanish(journal: Journal, inode: Inode, vanished: Callable[[Inode], None], now: float) -> None:
     if inode.kind == DIR:
         # Its contents went with it, except what holds local work here: that stays, under its marker.
-        for child in sorted(journal.descendants(inode.path or ""), key=lambda i: -(i.path or "").count("/")):
-            if child.state in (CLEAN, REMOTE) and (child.kind != DIR or not journal.has_children(child.id)):
+        for child in sorted(journal.names.descendants(inode.path or ""), key=lambda i: -(i.path or "").count("/")):
+            if child.state in (CLEAN, REMOTE) and (child.kind != DIR or not journal.names.has_children(child.id)):
                 vanished(child)
-        if journal.has_children(inode.id):
+        if journal.names.has_children(inode.id):
             with journal.transaction():
-                journal.forget_remote_copy(inode.id, now=now)
+                journal.work.forget_remote_copy(inode.id, now=now)
             return
     log.info("%s was deleted from the store by someone else; removing it here too", inode.path)
     vanished(inode)
@@ -436,6 +436,6 @@ def _refresh_clean(
         return False
     if info.size == inode.size and (info.mtime_ns == inode.mtime_ns or not exact_mtimes):
         return False
-    journal.replaced_in_store(inode.id, size=info.size, mtime_ns=info.mtime_ns, checksum=info.checksum)
+    journal.copies.replaced_in_store(inode.id, size=info.size, mtime_ns=info.mtime_ns, checksum=info.checksum)
     cache.remove_data(inode.id)
     return True

@@ -97,7 +97,7 @@ class Prefetcher:
         prefix = path.strip("/")
         released = 0
         for inode_id in list(self.evictor.kept):
-            inode = self.journal.get(inode_id)
+            inode = self.journal.names.get(inode_id)
             inside = inode is not None and inode.path is not None and (
                 not prefix or inode.path == prefix or inode.path.startswith(prefix + "/"))
             if inode is None or inode.path is None or inside:
@@ -144,14 +144,14 @@ class Prefetcher:
 
     async def _resolve(self, path: str) -> Inode:
         """The inode at mount-relative `path`, listing each directory on the way that is not listed yet."""
-        inode = self.journal.get(ROOT_ID)
+        inode = self.journal.names.get(ROOT_ID)
         assert inode is not None
         walked: list[str] = []
         for name in [part for part in path.split("/") if part]:
             if inode.kind != DIR:
                 raise UsageError(f"cannot prefetch {path}: {'/'.join(walked)} is not a directory")
             await self.ensure_listed(inode.id)
-            child = self.journal.lookup(inode.id, name)
+            child = self.journal.names.lookup(inode.id, name)
             walked.append(name)
             if child is None:
                 raise UsageError(f"cannot prefetch {path}: there is no {'/'.join(walked)} in the mount or the"
@@ -168,7 +168,7 @@ class Prefetcher:
         while directories:
             directory = directories.pop()
             await self.ensure_listed(directory.id)
-            for child in self.journal.all_children(directory.id):
+            for child in self.journal.names.all_children(directory.id):
                 if child.kind == DIR:
                     directories.append(child)
                 elif child.kind == FILE:
@@ -185,7 +185,7 @@ class Prefetcher:
             return
         ours = {inode.id for inode in files}
         evictable = 0
-        for inode_id in self.journal.clean_files():
+        for inode_id in self.journal.copies.clean_files():
             entry = self.cache.files.get(inode_id)
             if entry is None or inode_id in ours or inode_id in self.evictor.kept or self.evictor.in_use(inode_id):
                 continue

@@ -36,7 +36,7 @@ class Announcements:
         if self.announcer is None or inode_id is None:
             return
         if path is None:
-            inode = self.journal.get(inode_id)
+            inode = self.journal.names.get(inode_id)
             if inode is None or inode.path is None:
                 return
             path, directory = inode.path, inode.kind == DIR

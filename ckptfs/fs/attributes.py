@@ -70,7 +70,7 @@ class Attributes:
         if changes.gid is not None:
             columns["gid"] = changes.gid
         if (changes.uid is not None or changes.gid is not None) and changes.mode is None and inode.kind == FILE:
-            # A change of owner drops setuid and setgid (the kernel leaves that to us: see fuse_ops).
+            # A change of owner drops setuid and setgid (the kernel leaves that to us: see mount/adapter.py).
             columns["mode"] = inode.mode & ~(stat.S_ISUID | stat.S_ISGID)
         if changes.mtime_ns is not None or changes.atime_ns is not None:
             current = attr_of(self.journal, self.cache, existing(self.journal, inode_id))
@@ -88,10 +88,10 @@ class Attributes:
         if columns or changes.size is not None:
             columns["ctime_ns"] = now
             with self.journal.transaction():
-                self.journal.set_attrs(inode_id, **columns)
+                self.journal.names.set_attrs(inode_id, **columns)
                 if "mode" in columns or changes.mtime_ns is not None:
                     # Mode and mtime travel with the object: an uploaded one needs its metadata rewritten.
-                    self.journal.mark_meta_dirty(inode_id)
+                    self.journal.work.mark_meta_dirty(inode_id)
             self._notify_drain()
         return attr_of(self.journal, self.cache, existing(self.journal, inode_id))
 
@@ -107,7 +107,7 @@ class Attributes:
         if limit == float("inf"):
             return StatFs(block, space.total_bytes // block, space.free_bytes // block,
                           space.total_files, space.free_files, NAME_MAX)
-        evictable = self.journal.clean_bytes()
+        evictable = self.journal.copies.clean_bytes()
         free = max(0, int(limit) - self.cache.used + evictable)
         return StatFs(block, int(limit) // block, min(free, int(limit)) // block,
                       space.total_files, space.free_files, NAME_MAX)

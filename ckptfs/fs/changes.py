@@ -52,8 +52,8 @@ class Changes:
         if inode_id not in self._changed:
             with self.journal.transaction():
                 if emptied_remote:
-                    self.journal.finish_fetch(inode_id, size=0, mtime_ns=time.time_ns())
-                self.journal.mark_dirty(inode_id)
+                    self.journal.copies.finish_fetch(inode_id, size=0, mtime_ns=time.time_ns())
+                self.journal.names.mark_dirty(inode_id)
             self._changed.add(inode_id)
             local = self.cache.files.get(inode_id)
             if local is not None:
@@ -115,7 +115,7 @@ class Changes:
             return
         self.cache.observe(inode_id, st)
         # One statement, which commits on its own: no transaction around it.
-        recorded = self.journal.mark_closed(
+        recorded = self.journal.names.mark_closed(
             inode_id, size=st.st_size, mtime_ns=st.st_mtime_ns, changed=changed, now=time.time()
         )
         if changed and recorded:

@@ -138,7 +138,7 @@ class DataPath:
         parent, name = self._namespace.check_new_entry(parent_id, raw_name)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         with self.journal.transaction():
-            inode = self.journal.create_inode(
+            inode = self.journal.names.create_inode(
                 parent, name, FILE, stat.S_IFREG | (mode & 0o7777), uid, gid,
                 closed_at=None if writable else time.time(),
             )
@@ -242,7 +242,7 @@ class DataPath:
             return False
         with trio.move_on_after(self.evictor.dirty_wait):
             await self._wait_uploaded(inode.path)
-        current = self.journal.get(inode.id)
+        current = self.journal.names.get(inode.id)
         if current is None:
             raise FsError(errno.ENOENT, "file was removed")
         if current.state == CLEAN and self.cache.has_data(inode.id):
@@ -280,7 +280,7 @@ class DataPath:
             writers = self._open_files.count_writer(inode_id)
             if writers == 0 and not dirtied:
                 with self.journal.transaction():
-                    self.journal.mark_open_for_write(inode_id)
+                    self.journal.names.mark_open_for_write(inode_id)
         return fh
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
@@ -387,7 +387,7 @@ class DataPath:
             # As a truncate: the journal knows the new size at once (a kill -9 loses nothing either way: the
             # cache file of a dirty file is the truth at recovery).
             with self.journal.transaction():
-                self.journal.set_attrs(handle.inode_id, size=st.st_size, mtime_ns=mtime_ns)
+                self.journal.names.set_attrs(handle.inode_id, size=st.st_size, mtime_ns=mtime_ns)
 
     async def wait_for_room(self, needed: int = 0) -> None:
         """Back-pressure: wait until `needed` more bytes fit in the cache budget (FsError ENOSPC after
@@ -432,12 +432,12 @@ class DataPath:
         sync = os.fdatasync if datasync else os.fsync
         await trio.to_thread.run_sync(sync, handle.fd)
         await trio.to_thread.run_sync(self.cache.sync_data_dir)
-        inode = self.journal.get(handle.inode_id)
+        inode = self.journal.names.get(handle.inode_id)
         if inode is not None and inode.kind == FILE:
             st = os.fstat(handle.fd)
             self.cache.observe(inode.id, st)
             with self.journal.transaction():
-                self.journal.set_attrs(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns)
+                self.journal.names.set_attrs(inode.id, size=st.st_size, mtime_ns=st.st_mtime_ns)
         self.journal.sync()
         self.on_fsync(handle.inode_id)
 

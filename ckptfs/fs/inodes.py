@@ -16,14 +16,14 @@ log = logging.getLogger(__name__)
 
 
 def existing(journal: Journal, inode_id: int) -> Inode:
-    inode = journal.get(inode_id)
+    inode = journal.names.get(inode_id)
     if inode is None:
         raise FsError(errno.ENOENT, f"inode {inode_id} does not exist")
     return inode
 
 
 def directory(journal: Journal, inode_id: int) -> Inode:
-    return as_directory(journal.get(inode_id), inode_id)
+    return as_directory(journal.names.get(inode_id), inode_id)
 
 
 def as_directory(inode: Inode | None, inode_id: int) -> Inode:
@@ -43,7 +43,7 @@ def attr_of(journal: Journal, cache: CacheDir, inode: Inode) -> Attr:
     linked = inode.path is not None
     if inode.kind == FILE and inode.state != REMOTE:
         return local_attr(cache, inode.id, inode.mode, inode.uid, inode.gid, inode.ctime_ns, linked=linked)
-    subdirectories = journal.subdirectory_count(inode.id) if inode.kind == DIR and linked else 0
+    subdirectories = journal.names.subdirectory_count(inode.id) if inode.kind == DIR and linked else 0
     return journal_attr(inode.id, inode.kind, inode.mode, inode.uid, inode.gid, inode.size, inode.atime_ns,
                         inode.mtime_ns, inode.ctime_ns, inode.target, linked=linked, subdirectories=subdirectories)
 

@@ -110,11 +110,11 @@ class Listing:
         tmp dir, then one host renames it). Re-read after each await: entries may come and go meanwhile."""
         pending = [inode_id]
         while pending:
-            folder = self.journal.get(pending.pop())
+            folder = self.journal.names.get(pending.pop())
             if folder is None:
                 continue
             await self._list_fresh(folder, "renaming")
-            pending.extend(c.id for c in self.journal.all_children(folder.id) if c.kind == DIR)
+            pending.extend(c.id for c in self.journal.names.all_children(folder.id) if c.kind == DIR)
 
     async def prepare_rename(self, old_parent_id: int, raw_old: bytes, new_parent_id: int, raw_new: bytes
                              ) -> RenameEntries | None:
@@ -171,7 +171,7 @@ class Listing:
         than the rows read. A file with local data takes its size and times from its cache file, as
         getattr does; a file only in the store (all of a fresh node's walk) is its row as it is."""
         for ino, name, kind, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target, state in (
-            self.journal.entry_rows(inode_id, after_id, limit)
+            self.journal.names.entry_rows(inode_id, after_id, limit)
         ):
             if kind == FILE:
                 if state == REMOTE:
@@ -181,7 +181,7 @@ class Listing:
                 else:
                     attr = local_attr(self.cache, ino, mode, uid, gid, ctime_ns)
             else:
-                subdirectories = self.journal.subdirectory_count(ino) if kind == DIR else 0
+                subdirectories = self.journal.names.subdirectory_count(ino) if kind == DIR else 0
                 attr = journal_attr(ino, kind, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target,
                                     subdirectories=subdirectories)
             yield _new_tuple(DirEntry, (name.encode(), attr, ino))

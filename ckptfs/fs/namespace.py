@@ -90,7 +90,7 @@ class Namespace:
         "." is the inode itself, of any kind (a file handle's), ".." a directory's parent (to connect it to
         the tree). An inode that is gone, and the parent of a directory removed since, is ESTALE: the handle
         names nothing any more. An unlinked inode still held (open, or known to the kernel) is found."""
-        inode = self.journal.get(inode_id)
+        inode = self.journal.names.get(inode_id)
         if inode is None:
             raise FsError(errno.ESTALE, f"inode {inode_id} is gone")
         if raw_name == b".":
@@ -113,7 +113,7 @@ class Namespace:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
             return None  # it could not have been created
-        inode = self.journal.lookup(parent.id, name)
+        inode = self.journal.names.lookup(parent.id, name)
         if inode is None:
             child_path(parent, name)  # ENAMETOOLONG beyond the store's key limit
         return inode
@@ -127,7 +127,7 @@ class Namespace:
             name = raw_name.decode("utf-8")
         except UnicodeDecodeError:
             return directory(self.journal, parent_id), None  # it could not have been created
-        parent_row, inode = self.journal.dir_and_child(parent_id, name)
+        parent_row, inode = self.journal.names.dir_and_child(parent_id, name)
         parent = as_directory(parent_row, parent_id)
         if inode is None:
             child_path(parent, name)  # ENAMETOOLONG beyond the store's key limit
@@ -147,7 +147,7 @@ class Namespace:
         except FsError:
             directory(self.journal, parent_id)
             raise
-        parent_row, found = self.journal.dir_and_child(parent_id, name)
+        parent_row, found = self.journal.names.dir_and_child(parent_id, name)
         return as_directory(parent_row, parent_id), name, found
 
     def check_new_entry(self, parent_id: int, raw_name: bytes) -> tuple[Inode, str]:
@@ -161,13 +161,13 @@ class Namespace:
         """Someone deleted this entry's object from the shared store: it goes here too (open handles and
         the kernel's references keep the inode until they are let go, as after an unlink)."""
         with self.journal.transaction():
-            self.journal.detach(inode._replace(remote_key=None))
+            self.journal.names.detach(inode._replace(remote_key=None))
         self._references.maybe_purge(inode.id)
 
     def mkdir(self, parent_id: int, raw_name: bytes, mode: int, uid: int, gid: int) -> Attr:
         parent, name = self.check_new_entry(parent_id, raw_name)
         with self.journal.transaction():
-            inode = self.journal.create_inode(
+            inode = self.journal.names.create_inode(
                 parent, name, DIR, stat.S_IFDIR | (mode & 0o7777), uid, gid, closed_at=time.time()
             )
         self._lister.mark_listed(inode.id)
@@ -182,7 +182,7 @@ class Namespace:
         except UnicodeDecodeError:
             raise FsError(errno.EINVAL, "symlink target is not UTF-8") from None
         with self.journal.transaction():
-            inode = self.journal.create_inode(
+            inode = self.journal.names.create_inode(
                 parent, name, SYMLINK, stat.S_IFLNK | 0o777, uid, gid, target=target_text, closed_at=time.time()
             )
         self._references.remember(inode.id)
@@ -208,15 +208,15 @@ class Namespace:
         inode = self.existing_child_of(parent_id, raw_name)
         if inode.kind != DIR:
             raise FsError(errno.ENOTDIR, f"{inode.path!r} is not a directory")
-        if self.journal.has_children(inode.id):
+        if self.journal.names.has_children(inode.id):
             raise FsError(errno.ENOTEMPTY, f"{inode.path!r} is not empty")
         self._remove(inode)
 
     def _remove(self, inode: Inode) -> None:
         with self.journal.transaction():
-            self.journal.detach(inode)
+            self.journal.names.detach(inode)
             if inode.kind == DIR:
-                self.journal.forget_folder(inode.path, inode.remote_key)
+                self.journal.names.forget_folder(inode.path, inode.remote_key)
         self._references.maybe_purge(inode.id)
         self._notify_drain()
 
@@ -229,7 +229,7 @@ class Namespace:
         if new_parent_id == old_parent_id:
             new_name = decode_name(raw_new)
             new_parent = old_parent
-            target = self.journal.lookup(new_parent_id, new_name)
+            target = self.journal.names.lookup(new_parent_id, new_name)
         else:
             new_parent, new_name, target = self._dir_and_new_name(new_parent_id, raw_new)
         child_path(new_parent, new_name)
@@ -253,30 +253,30 @@ class Namespace:
             return None
         if target is not None and flags & RENAME_NOREPLACE:
             raise FsError(errno.EEXIST, f"{target.path!r} exists")
-        if source.kind == DIR and self.journal.is_ancestor(source.id, new_parent_id):
+        if source.kind == DIR and self.journal.names.is_ancestor(source.id, new_parent_id):
             raise FsError(errno.EINVAL, "cannot move a directory into itself")
         if source.kind == DIR and source.path is not None:
             # Moving a tree deeper lengthens every path in it; none may outgrow what a store key holds.
             new_path_bytes = len(child_path(new_parent, new_name).encode())
             growth = new_path_bytes - len(source.path.encode())
-            if self.journal.longest_path_under(source.path) + growth > PATH_MAX_BYTES:
+            if self.journal.names.longest_path_under(source.path) + growth > PATH_MAX_BYTES:
                 raise FsError(errno.ENAMETOOLONG, f"a path below {source.path!r} would exceed {PATH_MAX_BYTES} bytes")
         if target is not None:
             if target.kind == DIR and source.kind != DIR:
                 raise FsError(errno.EISDIR, f"{target.path!r} is a directory")
             if target.kind != DIR and source.kind == DIR:
                 raise FsError(errno.ENOTDIR, f"{target.path!r} is not a directory")
-            if target.kind == DIR and self.journal.has_children(target.id):
+            if target.kind == DIR and self.journal.names.has_children(target.id):
                 raise FsError(errno.ENOTEMPTY, f"{target.path!r} is not empty")
         # One transaction: a crash leaves either the old or the new namespace, never a mix. A file moved to
         # a free name is one statement, which is a transaction of its own.
         if target is None and source.kind != DIR:
-            self.journal.move(source, new_parent, new_name)
+            self.journal.names.move(source, new_parent, new_name)
         else:
             with self.journal.transaction():
                 if target is not None:
-                    self.journal.detach(target)
-                self.journal.move(source, new_parent, new_name)
+                    self.journal.names.detach(target)
+                self.journal.names.move(source, new_parent, new_name)
         if target is not None:
             self._references.maybe_purge(target.id)
         self._notify_drain()

@@ -65,7 +65,7 @@ class References:
                     self._counted.add(inode_id)
                 unreferenced.append(inode_id)
         if unreferenced:
-            for inode_id in self.journal.unlinked_among(unreferenced):
+            for inode_id in self.journal.names.unlinked_among(unreferenced):
                 try:
                     self.maybe_purge(inode_id)
                 except Exception:  # one inode's failure must not keep the others of the batch
@@ -77,11 +77,11 @@ class References:
             return
         if self._refs_inherited and inode_id not in self._counted:
             return
-        inode = self.journal.get(inode_id)
+        inode = self.journal.names.get(inode_id)
         if inode is None or inode.parent is not None or inode_id == ROOT_ID:
             return
         with self.journal.transaction():
-            self.journal.purge(inode_id)
+            self.journal.names.purge(inode_id)
         self._counted.discard(inode_id)
         if inode.upload_state is not None:
             self._discard_upload(inode.upload_state)

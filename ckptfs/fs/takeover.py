@@ -81,7 +81,7 @@ class Takeover:
 
     def _restore_handle(self, record: OpenHandle) -> bool:
         inode_id = record.inode_id
-        inode = self.journal.get(inode_id)
+        inode = self.journal.names.get(inode_id)
         if inode is None or inode.kind != FILE:
             log.warning("an open handle of inode %d could not be taken over: the file is gone", inode_id)
             return False
@@ -117,7 +117,7 @@ class Takeover:
         """(inode, path) of the files open for writing, for the cross-node records of a takeover."""
         writers = []
         for inode_id in self._open_files.writer_count:
-            inode = self.journal.get(inode_id)
+            inode = self.journal.names.get(inode_id)
             if inode is not None and inode.path is not None:
                 writers.append((inode_id, inode.path))
         return writers

@@ -1,6 +1,6 @@
 """The journal's SQLite connection, and the one place where SQLite's errors become the journal's: at the
 journal's boundary, once per call into it (translating(), around every public method) and once per
-transaction (JournalBase.transaction, for its BEGIN, body and COMMIT), so no sqlite3 error leaves the
+transaction (JournalCore.transaction, for its BEGIN, body and COMMIT), so no sqlite3 error leaves the
 journal while its statements run on sqlite3's connection as it is. Callers catch JournalFull (the cache
 filesystem is full: retry later) and test for JournalUnusable (the journal cannot record anything any more:
 the daemon ends); any other failure of a statement is a JournalError (a bug).
@@ -63,8 +63,8 @@ def journal_unusable(exc: BaseException) -> bool:
 
 def translating(method: Callable[P, R]) -> Callable[P, R]:
     """`method` with SQLite's errors raised as the journal's: how a call into the journal translates them,
-    once at its boundary (JournalBase wraps every public method of its classes), not at every statement
-    and every fetch inside it (each statement runs on sqlite3's own connection, in C)."""
+    once at its boundary (around every public method of a table, JournalTable, and the core's entry points),
+    not at every statement and every fetch inside it (each statement runs on sqlite3's own connection, in C)."""
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:

@@ -1,5 +1,6 @@
-"""The journal's core: opening it (schema created or migrated), transactions, durability, the sequence of
-work, the meta table, and reading inodes by id. The concerns of the Journal class build on it."""
+"""The journal's core: the one connection (opened with its schema created or migrated), its transactions,
+durability, the sequence of work, the meta table and the row cache; and JournalTable, what each of the
+journal's tables (names, work, deletes, copies) is built on: the core as a collaborator, never a base class."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from ckptfs.journal.connection import connect, from_sqlite, translate_public_methods
+from ckptfs.journal.connection import JournalConnection, connect, from_sqlite, translate_public_methods, translating
 from ckptfs.journal.rowcache import RowCache
-from ckptfs.journal.rows import INODE_COLUMNS, Inode
+from ckptfs.journal.rows import Inode
 from ckptfs.journal.schema import check_version, create_tables, migrations
 
 T = TypeVar("T")
@@ -49,13 +50,26 @@ def _inode_factory(_cursor: sqlite3.Cursor, row: tuple) -> Inode:
 _new_tuple = tuple.__new__
 
 
-class JournalBase:
-    """One connection to the journal at `path`, opened with its schema current."""
+def fetch_inode(db: sqlite3.Connection, sql: str, args: tuple = ()) -> Inode | None:
+    """The one row of `sql` (which selects INODE_COLUMNS), as an Inode."""
+    cur = db.execute(sql, args)
+    cur.row_factory = _inode_factory
+    return cur.fetchone()
 
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        translate_public_methods(cls)
 
+def fetch_inodes(db: sqlite3.Connection, sql: str, args: tuple = ()) -> list[Inode]:
+    """Every row of `sql` (which selects INODE_COLUMNS), as Inodes."""
+    cur = db.execute(sql, args)
+    cur.row_factory = _inode_factory
+    return cur.fetchall()
+
+
+class JournalCore:
+    """One connection to the journal at `path`, opened with its schema current, and what every table shares
+    on it: transactions, the sequence of work (next_seq) and the row cache. Its entry points translate
+    SQLite's errors (translating); next_seq and committed_alone run no statement."""
+
+    @translating
     def __init__(self, path: Path) -> None:
         self.path = path
         self.commits = 0  # transactions committed since open (the daemon checkpoints only after new ones)
@@ -63,7 +77,7 @@ class JournalBase:
         # Rows and directory entries read or written (rowcache.py): every mutator keeps it exact.
         self.cache = RowCache()
         fresh = not path.exists()
-        self.db = connect(path)
+        self.db: JournalConnection = connect(path)
         if fresh:
             path.chmod(0o600)
         self.db.execute("PRAGMA journal_mode = WAL")
@@ -79,12 +93,14 @@ class JournalBase:
                     migration(self.db)
         self._seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM inodes").fetchone()[0]
 
+    @translating
     def close(self) -> None:
         self.cache.clear()  # a read after close fails as the connection's would, not from memory
         if self._checkpointer is not None:
             self._checkpointer.close()
         self.db.close()
 
+    @translating
     def checkpoints_elsewhere(self) -> None:
         """From now on checkpoint() copies the WAL into the database file, called from a worker thread;
         commits no longer do (up to WAL_BACKSTOP_PAGES). A checkpoint syncs the WAL and the database file:
@@ -92,6 +108,7 @@ class JournalBase:
         every 1000 pages: every few hundred small files)."""
         self.db.execute(f"PRAGMA wal_autocheckpoint = {WAL_BACKSTOP_PAGES}")
 
+    @translating
     def checkpoint(self) -> None:
         """Copy what the WAL holds into the database file (PASSIVE: it never waits for the writer, who never
         waits for it). The one call that may, and should, run outside the trio thread: it uses a
@@ -133,6 +150,7 @@ class JournalBase:
         if not self.db.in_transaction:
             self.commits += 1
 
+    @translating
     def sync(self) -> None:
         """Make every committed transaction survive power loss (fsync the WAL): a write transaction
         committed with synchronous=FULL syncs the WAL, and with it every transaction before it."""
@@ -144,65 +162,37 @@ class JournalBase:
             self.db.execute("PRAGMA synchronous = NORMAL")
 
     def next_seq(self) -> int:
+        """The next number of the sequence of work (inodes.seq): the order in which entries became work."""
         self._seq += 1
         return self._seq
 
+    def seq_at_least(self, seq: int) -> None:
+        """Rows were given seqs up to `seq` by a statement of their own (a directory's rename): the sequence
+        goes on after them."""
+        self._seq = max(self._seq, seq)
+
     # -- meta ---------------------------------------------------------------------------------------
 
+    @translating
     def get_meta(self, key: str) -> str | None:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return row[0] if row else None
 
+    @translating
     def set_meta(self, key: str, value: str) -> None:
         self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
-    # -- reading inodes -----------------------------------------------------------------------------
 
-    def _one(self, sql: str, args: tuple = ()) -> Inode | None:
-        cur = self.db.execute(sql, args)
-        cur.row_factory = _inode_factory
-        return cur.fetchone()
+class JournalTable:
+    """What one table of the journal (its rows and the calls on them) is built on: the shared core, and its
+    connection and row cache at hand. Every public method of a table translates SQLite's errors once, at
+    the call (connection.translating); a table calls another only through that one's public methods."""
 
-    def _all(self, sql: str, args: tuple = ()) -> list[Inode]:
-        cur = self.db.execute(sql, args)
-        cur.row_factory = _inode_factory
-        return cur.fetchall()
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        translate_public_methods(cls)
 
-    def get(self, inode_id: int) -> Inode | None:
-        inode = self.cache.rows.get(inode_id)
-        if inode is None:
-            inode = self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
-            if inode is not None:
-                self.cache.keep(inode)
-        return inode
-
-    def stale_cache_entries(self) -> list[str]:
-        """What the cache holds that the journal's tables do not (nothing, unless a mutator forgot to keep
-        it exact): for tests, which check it after every step."""
-        stale = []
-        for inode_id, cached in list(self.cache.rows.items()):
-            row = self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
-            if row != cached:
-                stale.append(f"row {inode_id}: cached {cached}, journal {row}")
-        for (parent, name), entry in list(self.cache.entries.items()):
-            found = self.db.execute("SELECT id FROM inodes WHERE parent = ? AND name = ?", (parent, name)).fetchone()
-            if entry is None and found is not None:
-                stale.append(f"entry {name!r} of {parent}: cached as missing, journal {found[0]}")
-        for directory in list(self.cache.complete):
-            names = {row[0] for row in self.db.execute("SELECT name FROM inodes WHERE parent = ?", (directory,))}
-            known = {name for (parent, name), entry in self.cache.entries.items()
-                     if parent == directory and entry is not None}
-            if not names <= known:
-                stale.append(f"directory {directory} cached as complete lacks {sorted(names - known)}")
-        return stale
-
-    def get_many(self, inode_ids: Collection[int]) -> dict[int, Inode]:
-        """The inodes among `inode_ids` that exist, by id: one query per _IDS_PER_QUERY ids, not one each."""
-        found: dict[int, Inode] = {}
-        for chunk, marks in id_groups(inode_ids):
-            for inode in self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id IN ({marks})", chunk):
-                found[inode.id] = inode
-        return found
-
-
-translate_public_methods(JournalBase)
+    def __init__(self, core: JournalCore) -> None:
+        self.core = core
+        self.db = core.db
+        self.cache = core.cache

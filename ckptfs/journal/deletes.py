@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
-from ckptfs.journal.core import JournalBase, id_groups, prefix_range
+from ckptfs.journal.core import JournalTable, id_groups, prefix_range
 from ckptfs.journal.rows import PendingDelete
 
 
-class PendingDeletes(JournalBase):
-    """Store keys waiting to be deleted."""
+class PendingDeletes(JournalTable):
+    """Store keys waiting to be deleted (journal.deletes); the names and the drain's work queue them."""
 
     def queue_delete(self, key: str | None) -> int | None:
         """Queue the deletion of `key` from the store; its id, or None for no key."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from ckptfs.journal.core import JournalBase
+from ckptfs.journal.core import JournalTable
 from ckptfs.journal.rows import Inode
 
 # meta key: the files a writer may still change behind the daemon (see stale_writers).
@@ -20,8 +20,8 @@ def rewritten(inode: Inode, st: os.stat_result) -> bool:
     return st.st_size != inode.size or st.st_mtime_ns != inode.mtime_ns
 
 
-class LocalCopies(JournalBase):
-    """Whether a file's bytes are in the cache dir (clean) or only in the store (remote)."""
+class LocalCopies(JournalTable):
+    """Whether a file's bytes are in the cache dir (clean) or only in the store (remote): journal.copies."""
 
     def finish_fetch(self, inode_id: int, *, size: int, mtime_ns: int) -> None:
         self.db.execute(
@@ -51,7 +51,7 @@ class LocalCopies(JournalBase):
         self.db.execute(
             "UPDATE inodes SET version = version + 1, state = 'dirty', size = ?, mtime_ns = ?, closed_at = ?,"
             " seq = ?, mode = mode & ~3072 WHERE id = ? AND kind = 'file'",
-            (size, mtime_ns, now, self.next_seq(), inode_id),
+            (size, mtime_ns, now, self.core.next_seq(), inode_id),
         )
         self.cache.drop(inode_id)
 
@@ -59,7 +59,7 @@ class LocalCopies(JournalBase):
         """Files that were open for writing when a daemon died without a takeover, which the kernel may
         still write through the handles it kept: inode id -> since when (time.time()) the cache file has
         been seen unchanged. Kept by drain/recovery.py and the evictor, which watch them."""
-        text = self.get_meta(STALE_WRITERS)
+        text = self.core.get_meta(STALE_WRITERS)
         if not text:
             return {}
         try:
@@ -68,7 +68,7 @@ class LocalCopies(JournalBase):
             return {}
 
     def set_stale_writers(self, watched: dict[int, float]) -> None:
-        self.set_meta(STALE_WRITERS, json.dumps({str(k): v for k, v in sorted(watched.items())}))
+        self.core.set_meta(STALE_WRITERS, json.dumps({str(k): v for k, v in sorted(watched.items())}))
 
     # -- eviction (called by cache/evictor.py) ----------------------------------------------------------------
 

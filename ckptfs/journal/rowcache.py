@@ -6,10 +6,10 @@ Coherent by construction, not by expiry: the journal's own mutators are the only
 table (one process holds the cache dir; in it every call is made from the trio thread, see the package's
 docstring), and each of them, once its statement has run, either updates what it changed here to the
 exact values it wrote or drops it (a statement whose effect depends on the row, such as `version + 1`).
-A rollback drops everything (Journal.transaction): the rows read or written inside it may never have
+A rollback drops everything (JournalCore.transaction): the rows read or written inside it may never have
 been. What is dropped is read again from SQLite at its next use.
 
-An entry's id is checked against its row at each use (Tree.lookup): an entry can therefore never
+An entry's id is checked against its row at each use (Names.lookup): an entry can therefore never
 answer with a row that moved away or was unlinked. A negative entry cannot be checked that way; every
 statement that gives a directory a name (create_inode, import_remote, import_listed, move) drops or
 replaces the name's entry.

@@ -56,12 +56,12 @@ class Inode(NamedTuple):
         return self.kind == FILE and self.state != REMOTE
 
 
-# (id, name, kind, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target, state): Tree.entry_rows.
+# (id, name, kind, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target, state): Names.entry_rows.
 EntryRow = tuple[int, str, str, int, int, int, int, "int | None", int, int, "str | None", str]
 
 
 class ListedEntry(NamedTuple):
-    """An entry a store listing shows and the journal does not have yet (Tree.import_listed)."""
+    """An entry a store listing shows and the journal does not have yet (Names.import_listed)."""
 
     name: str
     kind: str

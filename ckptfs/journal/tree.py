@@ -1,6 +1,7 @@
-"""The namespace: looking entries up and walking the tree, the changes the fs package makes inside transaction()
-(create, attributes, open and close for writing, unlink, rename), the entries recovery imports from the
-store, and when each directory was last listed from the store (lister.DirLister)."""
+"""The names (journal.names): inodes by id, looking entries up and walking the tree, the changes the fs
+package makes inside transaction() (create, attributes, open and close for writing, unlink, rename), the
+entries recovery imports from the store, and when each directory was last listed from the store
+(lister.DirLister)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from collections.abc import Collection
 from itertools import chain
 
-from ckptfs.journal.core import id_groups, prefix_range
+from ckptfs.journal.core import JournalCore, JournalTable, fetch_inode, fetch_inodes, id_groups, prefix_range
 from ckptfs.journal.deletes import PendingDeletes
 from ckptfs.journal.rows import CLEAN, DIR, DIRTY, FILE, INODE_COLUMNS, REMOTE, ROOT_ID, EntryRow, Inode, ListedEntry
 
@@ -36,8 +37,53 @@ def _insert_listed_many(rows: int) -> str:
     return _LISTED_COLUMNS + ", ".join([_LISTED_ROW] * rows)
 
 
-class Tree(PendingDeletes):
-    """The tree of entries and its changes; an entry removed or moved queues its store keys' deletes."""
+class Names(JournalTable):
+    """The tree of entries and its changes; an entry removed or moved queues its store keys' deletes (in
+    `deletes`)."""
+
+    def __init__(self, core: JournalCore, deletes: PendingDeletes) -> None:
+        super().__init__(core)
+        self.deletes = deletes
+
+    # -- inodes by id -------------------------------------------------------------------------------
+
+    def get(self, inode_id: int) -> Inode | None:
+        inode = self.cache.rows.get(inode_id)
+        if inode is None:
+            inode = fetch_inode(self.db, f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+            if inode is not None:
+                self.cache.keep(inode)
+        return inode
+
+    def get_many(self, inode_ids: Collection[int]) -> dict[int, Inode]:
+        """The inodes among `inode_ids` that exist, by id: one query per group of ids (id_groups), not one each."""
+        found: dict[int, Inode] = {}
+        for chunk, marks in id_groups(inode_ids):
+            for inode in fetch_inodes(self.db, f"SELECT {INODE_COLUMNS} FROM inodes WHERE id IN ({marks})", chunk):
+                found[inode.id] = inode
+        return found
+
+    def stale_cache_entries(self) -> list[str]:
+        """What the row cache holds that the inodes table does not (nothing, unless a mutator forgot to keep
+        it exact): for tests, which check it after every step."""
+        stale = []
+        for inode_id, cached in list(self.cache.rows.items()):
+            row = fetch_inode(self.db, f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?", (inode_id,))
+            if row != cached:
+                stale.append(f"row {inode_id}: cached {cached}, journal {row}")
+        for (parent, name), entry in list(self.cache.entries.items()):
+            found = self.db.execute("SELECT id FROM inodes WHERE parent = ? AND name = ?", (parent, name)).fetchone()
+            if entry is None and found is not None:
+                stale.append(f"entry {name!r} of {parent}: cached as missing, journal {found[0]}")
+        for directory in list(self.cache.complete):
+            names = {row[0] for row in self.db.execute("SELECT name FROM inodes WHERE parent = ?", (directory,))}
+            known = {name for (parent, name), entry in self.cache.entries.items()
+                     if parent == directory and entry is not None}
+            if not names <= known:
+                stale.append(f"directory {directory} cached as complete lacks {sorted(names - known)}")
+        return stale
+
+    # -- lookups and walks --------------------------------------------------------------------------
 
     def lookup(self, parent: int, name: str) -> Inode | None:
         cache = self.cache
@@ -52,7 +98,9 @@ class Tree(PendingDeletes):
             cache.distrust_entry(parent, name)
         elif parent in cache.complete:
             return None
-        inode = self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ? AND name = ?", (parent, name))
+        inode = fetch_inode(
+            self.db, f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ? AND name = ?", (parent, name)
+        )
         if inode is None:
             cache.keep_entry(parent, name, None)
         else:
@@ -69,7 +117,8 @@ class Tree(PendingDeletes):
         if parent_row is not None:
             return parent_row, self.lookup(parent, name)
         child = None
-        for inode in self._all(
+        for inode in fetch_inodes(
+            self.db,
             f"SELECT {INODE_COLUMNS} FROM inodes WHERE id = ?1"
             f" UNION ALL SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ?1 AND name = ?2",
             (parent, name),
@@ -84,10 +133,11 @@ class Tree(PendingDeletes):
         return parent_row, child
 
     def by_path(self, path: str) -> Inode | None:
-        return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE path = ?", (path,))
+        return fetch_inode(self.db, f"SELECT {INODE_COLUMNS} FROM inodes WHERE path = ?", (path,))
 
     def children(self, parent: int, after_id: int = 0, limit: int = 1000) -> list[Inode]:
-        return self._all(
+        return fetch_inodes(
+            self.db,
             f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
             (parent, after_id, limit),
         )
@@ -102,11 +152,13 @@ class Tree(PendingDeletes):
         ).fetchall()
 
     def all_children(self, parent: int) -> list[Inode]:
-        return self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ?", (parent,))
+        return fetch_inodes(self.db, f"SELECT {INODE_COLUMNS} FROM inodes WHERE parent = ?", (parent,))
 
     def descendants(self, path: str) -> list[Inode]:
         """Every linked inode below the directory `path`."""
-        return self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE path >= ? AND path < ?", prefix_range(path + "/"))
+        return fetch_inodes(
+            self.db, f"SELECT {INODE_COLUMNS} FROM inodes WHERE path >= ? AND path < ?", prefix_range(path + "/")
+        )
 
     def unlinked_among(self, inode_ids: Collection[int]) -> list[int]:
         """The inodes among `inode_ids` that are unlinked (kept by open handles or kernel references)."""
@@ -131,7 +183,7 @@ class Tree(PendingDeletes):
         return self.db.execute("SELECT 1 FROM inodes WHERE parent = ? LIMIT 1", (parent,)).fetchone() is not None
 
     def all_inodes(self) -> list[Inode]:
-        return self._all(f"SELECT {INODE_COLUMNS} FROM inodes")
+        return fetch_inodes(self.db, f"SELECT {INODE_COLUMNS} FROM inodes")
 
     def is_ancestor(self, ancestor: int, inode_id: int) -> bool:
         """True if `ancestor` is `inode_id` or one of its parent directories."""
@@ -168,7 +220,7 @@ class Tree(PendingDeletes):
     ) -> Inode:
         now = now_ns if now_ns is not None else time.time_ns()
         path = f"{parent.path}/{name}" if parent.path else name
-        seq = self.next_seq()
+        seq = self.core.next_seq()
         cur = self.db.execute(
             "INSERT INTO inodes (parent, name, path, kind, mode, uid, gid, mtime_ns, ctime_ns, target, state,"
             " closed_at, seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'dirty', ?, ?)",
@@ -245,7 +297,7 @@ class Tree(PendingDeletes):
 
     def mark_dirty(self, inode_id: int) -> None:
         """The content is about to change: new version, dirty, not closed (a writer holds it). Setuid and
-        setgid go, as a write drops them (the daemon asks the kernel to leave that to it: see fuse_ops)."""
+        setgid go, as a write drops them (the daemon asks the kernel to leave that to it: see mount/adapter.py)."""
         self.db.execute(
             "UPDATE inodes SET version = version + 1, state = 'dirty', closed_at = NULL, mode = mode & ~3072"
             " WHERE id = ?",
@@ -262,7 +314,7 @@ class Tree(PendingDeletes):
         file with local data has a close to record: False (nothing changed) for any other inode, which the
         caller need not read first. One statement: called outside transaction() it commits on its own."""
         if changed:
-            seq = self.next_seq()
+            seq = self.core.next_seq()
             cur = self.db.execute(
                 "UPDATE inodes SET size = ?, mtime_ns = ?, closed_at = ?, seq = ? WHERE id = ? AND kind = 'file'"
                 " AND state != 'remote'",
@@ -276,13 +328,13 @@ class Tree(PendingDeletes):
             )
             if cur.rowcount > 0:
                 self.cache.update(inode_id, closed_at=now)
-        self.committed_alone()
+        self.core.committed_alone()
         return cur.rowcount > 0
 
     def detach(self, inode: Inode) -> None:
         """Remove the entry of `inode` from the namespace; its store copy (if any) is queued for deletion.
         The row stays (parent NULL) while handles are open; call purge() when the last one goes."""
-        self.queue_delete(inode.remote_key)
+        self.deletes.queue_delete(inode.remote_key)
         self.db.execute(
             "UPDATE inodes SET parent = NULL, name = NULL, path = NULL, remote_key = NULL,"
             " uploaded_version = 0 WHERE id = ?",
@@ -299,7 +351,7 @@ class Tree(PendingDeletes):
         lists an emptied folder until its own key is deleted, marker or not). Deleting `path/` once the
         objects below are gone (see Drain._delete_verdict) removes it; a missing key is no error."""
         if path and remote_key != path + "/":
-            self.queue_delete(path + "/")
+            self.deletes.queue_delete(path + "/")
 
     def purge(self, inode_id: int) -> None:
         self.db.execute("DELETE FROM inodes WHERE id = ? AND parent IS NULL AND id != ?", (inode_id, ROOT_ID))
@@ -325,7 +377,7 @@ class Tree(PendingDeletes):
             self.forget_folder(path, remote_key)
         self.db.execute(
             "UPDATE inodes SET parent = ?, name = ?, path = ?, ctime_ns = ?, seq = ? WHERE id = ?",
-            (new_parent.id, new_name, new_path, now, self.next_seq(), inode.id),
+            (new_parent.id, new_name, new_path, now, self.core.next_seq(), inode.id),
         )
         # The subtree becomes work after everything before the rename, in the order its entries
         # became work before it: a commit marker inside still follows its siblings.
@@ -335,12 +387,12 @@ class Tree(PendingDeletes):
         lo, hi = prefix_range(prefix)
         self.db.execute(
             "UPDATE inodes SET path = ? || substr(path, ?), seq = seq + ? WHERE path >= ? AND path < ?",
-            (new_path + "/", len(prefix) + 1, self.next_seq(), lo, hi),
+            (new_path + "/", len(prefix) + 1, self.core.next_seq(), lo, hi),
         )
         # Only the subtree's seqs changed: the journal-wide maximum is the old one or among them.
         lo, hi = prefix_range(new_path + "/")
         moved_max = self.db.execute("SELECT MAX(seq) FROM inodes WHERE path >= ? AND path < ?", (lo, hi))
-        self._seq = max(self._seq, moved_max.fetchone()[0] or 0)
+        self.core.seq_at_least(moved_max.fetchone()[0] or 0)
         if inode.parent != new_parent.id:
             self.touch_dir(inode.parent, now)
         self.touch_dir(new_parent.id, now)
@@ -351,7 +403,7 @@ class Tree(PendingDeletes):
     def _move_entry(self, inode: Inode, new_parent: Inode, new_name: str, new_path: str, now: int) -> None:
         """move() of a file or a symlink: its row and the times of its old and new directory in one UPDATE
         (a rename of a small file was BEGIN, three UPDATEs and COMMIT)."""
-        seq = self.next_seq()
+        seq = self.core.next_seq()
         old_parent = inode.parent
         self.db.execute(
             "UPDATE inodes SET parent = CASE id WHEN ?1 THEN ?2 ELSE parent END,"
@@ -366,7 +418,7 @@ class Tree(PendingDeletes):
         cache.update(old_parent, mtime_ns=now, ctime_ns=now)  # type: ignore[arg-type]
         cache.drop_entry(old_parent, inode.name)
         cache.keep_entry(new_parent.id, new_name, inode.id)
-        self.committed_alone()
+        self.core.committed_alone()
 
     # -- lazy listing: when each directory was last listed from the store (lister.DirLister) ----------
 

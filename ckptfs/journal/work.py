@@ -7,13 +7,18 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
-from ckptfs.journal.core import id_groups, prefix_range
+from ckptfs.journal.core import JournalCore, JournalTable, fetch_inode, fetch_inodes, id_groups, prefix_range
 from ckptfs.journal.deletes import PendingDeletes
 from ckptfs.journal.rows import INODE_COLUMNS, Inode
 
 
-class DrainWork(PendingDeletes):
-    """What the drain has to do, and what it did; a copy replaced under another key queues its delete."""
+class DrainWork(JournalTable):
+    """What the drain has to do, and what it did (journal.work); a copy replaced under another key queues
+    its delete (in `deletes`)."""
+
+    def __init__(self, core: JournalCore, deletes: PendingDeletes) -> None:
+        super().__init__(core)
+        self.deletes = deletes
 
     def uploads_due(
         self, closed_before: float, limit: int, *, small: tuple[int, float] | None = None
@@ -22,7 +27,8 @@ class DrainWork(PendingDeletes):
         `closed_before` (the upload_delay cut-off), oldest work first; `small` (size, cut-off): files of at
         most that size only if closed before that cut-off too."""
         max_small, small_closed_before = small if small is not None else (0, closed_before)
-        return self._all(
+        return fetch_inodes(
+            self.db,
             f"SELECT {INODE_COLUMNS} FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
             " AND (kind != 'file' OR (closed_at <= ? AND (size > ? OR closed_at <= ?))) ORDER BY seq LIMIT ?",
             (closed_before, max_small, small_closed_before, limit),
@@ -40,7 +46,8 @@ class DrainWork(PendingDeletes):
     def work_before(self, seq: int, limit: int, after: tuple[int, int] = (-1, -1)) -> list[Inode]:
         """Pending uploads of closed files, dirs and symlinks, and pending moves, that became work before
         `seq` (what a commit marker with that seq waits for); a page of them after `after` (seq, id)."""
-        return self._all(
+        return fetch_inodes(
+            self.db,
             f"SELECT {INODE_COLUMNS} FROM inodes WHERE seq < ? AND (seq, id) > (?, ?) AND path IS NOT NULL"
             " AND id != 1 AND ("
             " (state IN ('dirty', 'uploading') AND (kind != 'file' OR closed_at IS NOT NULL))"
@@ -54,7 +61,8 @@ class DrainWork(PendingDeletes):
         """work_before, of the work below the directory path `directory` only (a preemption: a step's
         marker waits for its own step's files, not for older steps'; drain/preemption.py)."""
         low, high = prefix_range(directory + "/")
-        return self._all(
+        return fetch_inodes(
+            self.db,
             f"SELECT {INODE_COLUMNS} FROM inodes WHERE seq < ? AND path >= ? AND path < ? AND id != 1 AND ("
             " (state IN ('dirty', 'uploading') AND (kind != 'file' OR closed_at IS NOT NULL))"
             " OR (state IN ('clean', 'remote') AND remote_key IS NOT NULL"
@@ -66,7 +74,8 @@ class DrainWork(PendingDeletes):
     def closed_pending_after(self, seq: int, limit: int = 1000) -> list[Inode]:
         """Closed files not yet uploaded that became work after `seq` (gateway mode: a marker's check of
         files the server closed after the marker was written)."""
-        return self._all(
+        return fetch_inodes(
+            self.db,
             f"SELECT {INODE_COLUMNS} FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
             " AND kind = 'file' AND closed_at IS NOT NULL AND seq > ? ORDER BY seq LIMIT ?",
             (seq, limit),
@@ -82,7 +91,8 @@ class DrainWork(PendingDeletes):
 
     def pending_uploads(self, limit: int = -1) -> list[Inode]:
         """Linked inodes whose content or marker the store lacks (dirty or mid-upload), oldest work first."""
-        return self._all(
+        return fetch_inodes(
+            self.db,
             f"SELECT {INODE_COLUMNS} FROM inodes WHERE state IN ('dirty', 'uploading') AND path IS NOT NULL"
             " ORDER BY seq LIMIT ?",
             (limit,),
@@ -97,7 +107,8 @@ class DrainWork(PendingDeletes):
 
     def misplaced(self, limit: int = -1) -> list[Inode]:
         """Inodes whose store copy sits under an old name (renamed after upload), not dirty."""
-        return self._all(
+        return fetch_inodes(
+            self.db,
             # INDEXED BY: left to itself, the planner walks inodes_remote_key, every uploaded inode.
             f"SELECT {INODE_COLUMNS} FROM inodes INDEXED BY inodes_misplaced WHERE remote_key IS NOT NULL AND id != 1"
             " AND remote_key IS NOT (CASE kind WHEN 'dir' THEN path || '/' ELSE path END)"
@@ -107,14 +118,16 @@ class DrainWork(PendingDeletes):
 
     def dirs_to_upload(self) -> list[Inode]:
         """Linked directories whose marker was never uploaded (or is being uploaded)."""
-        return self._all(
+        return fetch_inodes(
+            self.db,
             f"SELECT {INODE_COLUMNS} FROM inodes WHERE state IN ('dirty', 'uploading') AND kind = 'dir'"
             " AND path IS NOT NULL"
         )
 
     def meta_stale(self, limit: int) -> list[Inode]:
         """Inodes in their right place in the store whose object metadata is out of date."""
-        return self._all(
+        return fetch_inodes(
+            self.db,
             f"SELECT {INODE_COLUMNS} FROM inodes INDEXED BY inodes_meta_stale WHERE meta_dirty = 1"
             # An unlinked inode (path NULL, remote_key cleared by detach) matches the key test below too:
             # it has no object left to update.
@@ -133,7 +146,7 @@ class DrainWork(PendingDeletes):
 
     def key_owner(self, key: str) -> Inode | None:
         """The inode whose store copy is at `key`, if any."""
-        return self._one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE remote_key = ?", (key,))
+        return fetch_inode(self.db, f"SELECT {INODE_COLUMNS} FROM inodes WHERE remote_key = ?", (key,))
 
     def owned_keys(self, keys: Collection[str], *, under: str = "") -> set[str]:
         """The keys among `keys` whose store copy an inode holds (key_owner for many keys: one query per
@@ -154,7 +167,8 @@ class DrainWork(PendingDeletes):
         """A linked inode that belongs at `key` but is not there yet (it will overwrite it)."""
         path = key[:-1] if key.endswith("/") else key
         kind_test = "kind = 'dir'" if key.endswith("/") else "kind != 'dir'"
-        return self._one(
+        return fetch_inode(
+            self.db,
             f"SELECT {INODE_COLUMNS} FROM inodes WHERE path = ? AND {kind_test} AND remote_key IS NOT ?", (path, key)
         )
 
@@ -166,7 +180,10 @@ class DrainWork(PendingDeletes):
     def release_key(self, key: str, keeper: int) -> None:
         """An object was just written at `key` for inode `keeper`: any other inode whose copy lived there
         has lost it (the drain lets that happen only to inodes with local data, which upload again)."""
-        for other in self._all(f"SELECT {INODE_COLUMNS} FROM inodes WHERE remote_key = ? AND id != ?", (key, keeper)):
+        others = fetch_inodes(
+            self.db, f"SELECT {INODE_COLUMNS} FROM inodes WHERE remote_key = ? AND id != ?", (key, keeper)
+        )
+        for other in others:
             self.forget_remote_copy(other.id, now=time.time())
 
     def forget_remote_copy(self, inode_id: int, *, now: float) -> None:
@@ -204,7 +221,7 @@ class DrainWork(PendingDeletes):
         """The store now holds `version` of `inode` at `key`. A copy under another key is queued for
         deletion. `clean` is False when the content changed meanwhile (it stays dirty)."""
         if inode.remote_key is not None and inode.remote_key != key:
-            self.queue_delete(inode.remote_key)
+            self.deletes.queue_delete(inode.remote_key)
         self.release_key(key, inode.id)
         self.db.execute(
             "UPDATE inodes SET remote_key = ?, uploaded_version = ?, checksum = ?, size = ?, upload_state = NULL,"
@@ -215,7 +232,7 @@ class DrainWork(PendingDeletes):
 
     def finish_move(self, inode: Inode, old_key: str, new_key: str) -> None:
         """The store has a copy at `new_key` now; the one at `old_key` is queued for deletion."""
-        self.queue_delete(old_key)
+        self.deletes.queue_delete(old_key)
         self.release_key(new_key, inode.id)
         self.db.execute("UPDATE inodes SET remote_key = ? WHERE id = ?", (new_key, inode.id))
         self.cache.drop(inode.id)

@@ -239,7 +239,7 @@ class FuseOperations(pyfuse3.Operations):
     # Ask the kernel for FUSE passthrough at INIT (a pyfuse3 built with it reads this; the stock one
     # ignores it). The daemon turns it off with `passthrough = "off"`.
     enable_passthrough = True
-    # FUSE_CAP_HANDLE_KILLPRIV_V2 (same builds): we drop setuid/setgid ourselves (journal.mark_dirty, fs
+    # FUSE_CAP_HANDLE_KILLPRIV_V2 (same builds): we drop setuid/setgid ourselves (journal.names.mark_dirty, fs
     # setattr of the owner), and the kernel stops asking for security.capability before every write: one
     # request per write(2) on the daemon's path, and the one request a passthrough write still made.
     handle_killpriv_v2 = True

@@ -159,7 +159,7 @@ class NodeRecords:
     def _body(self, record: _Record, names: Iterable[str]) -> bytes:
         """What an operator on another node sees: who, since when, which checkpoints, a few of the files."""
         covered = list(itertools.islice(self._covered.get(record.gen, ()), 4 * FILES_NAMED))
-        files = sorted(i.path for i in self.journal.get_many(covered).values()
+        files = sorted(i.path for i in self.journal.names.get_many(covered).values()
                        if i.path is not None and i.kind == FILE)[:FILES_NAMED]
         record.files_named = len(files)
         return json.dumps({
@@ -268,7 +268,7 @@ class NodeRecords:
             while entries:
                 batch = list(itertools.islice(entries, size))
                 size = min(size * 4, CHECK_BATCH)
-                current = self.journal.get_many(batch)
+                current = self.journal.names.get_many(batch)
                 pending = False
                 for inode_id in batch:
                     if _pending(current.get(inode_id), inode_id in self._writers):
@@ -283,7 +283,7 @@ class NodeRecords:
 
     def _anything_pending(self) -> bool:
         """What a record of an earlier run covers: the daemon before the restart knew, this one does not."""
-        return bool(self._writers) or self.journal.has_closed_pending() or bool(self.journal.misplaced(1))
+        return bool(self._writers) or self.journal.work.has_closed_pending() or bool(self.journal.work.misplaced(1))
 
     def _done(self, *, final: bool = False) -> list[_Record]:
         """Records whose work is all durable, marked retiring (no cover joins them from now). Synchronous:

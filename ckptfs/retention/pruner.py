@@ -41,7 +41,7 @@ class Pruner:
         self.peers = peers
         self.faults = faults
         self._wanted = trio.Event()
-        # True while a preemption notice lasts: retention's deletes wait (the daemon wires it; preempt/preempter.py).
+        # True while a preemption notice lasts: retention's deletes wait (the daemon wires it; notices/preempter.py).
         self.held: Callable[[], bool] = lambda: False
         # Retention deletes behind the kernel's back (no FUSE request): what it held of a deleted checkpoint
         # goes with these (fuse_ops.forget_kernel_entry_now and forget_kernel_data), called in a worker thread.
@@ -77,7 +77,7 @@ class Pruner:
         """Delete all but the newest `keep_last` top-level checkpoints (see retention/rules.py) through the
         namespace, so that the drain removes them from the store too."""
         await self.lister.ensure(ROOT_ID)
-        top = [c for c in self.journal.all_children(ROOT_ID) if c.name and not c.name.startswith(".")]
+        top = [c for c in self.journal.names.all_children(ROOT_ID) if c.name and not c.name.startswith(".")]
         pointers = [c for c in top if c.kind == FILE and (self.is_commit_marker(c.name) or c.name == "latest")]
         texts = {}
         for pointer in pointers:
@@ -109,7 +109,7 @@ class Pruner:
         self.forget_kernel_data(ROOT_ID)
 
     def _complete(self, inode: Inode) -> bool:
-        for entry in [inode, *self.journal.descendants(inode.path or "")]:
+        for entry in [inode, *self.journal.names.descendants(inode.path or "")]:
             if entry.state in ("dirty", "uploading") or (entry.kind == FILE and entry.closed_at is None):
                 return False
         return True
@@ -124,12 +124,12 @@ class Pruner:
     async def _remove_tree(self, name: str) -> None:
         """rm -r of a top-level entry, through the fs (its store listing is read first: objects nobody
         here has listed must be deleted too)."""
-        entry = self.journal.lookup(ROOT_ID, name)
+        entry = self.journal.names.lookup(ROOT_ID, name)
         if entry is None:
             return
         if entry.kind == DIR:
             await self._list_subtree(entry.id)
-            for child in sorted(self.journal.descendants(entry.path or ""),
+            for child in sorted(self.journal.names.descendants(entry.path or ""),
                                 key=lambda i: -(i.path or "").count("/")):
                 parent = child.parent
                 if parent is None or child.name is None:
@@ -144,6 +144,6 @@ class Pruner:
 
     async def _list_subtree(self, inode_id: int) -> None:
         await self.lister.ensure(inode_id, required=True, fresh=True)
-        for child in self.journal.all_children(inode_id):
+        for child in self.journal.names.all_children(inode_id):
             if child.kind == DIR:
                 await self._list_subtree(child.id)

@@ -10,10 +10,9 @@ Modules: engine.py (`Transfers`: uploads of closed files, small files, downloads
 (`Transfers.staging`: the store calls every upload is made of, retried, under the caps and the memory
 budget, which the engine, its spills and its copies share), bandwidth.py (`Transfers.bandwidth`: the caps,
 where each transfer takes its tokens, and why there), spills.py (`Transfers.spills`), copies.py
-(`Transfers.copies`), pool.py (the worker pool of one transfer),
-values.py (what callers hand it and get back). Beside it: transfer/memory.py (the budget), transfer/leftovers.py (what
-interrupted uploads leave in the store, and the sweeps), checksums.py (CRC32 math), transfer/local_io.py (reading
-and writing the local files).
+(`Transfers.copies`), pool.py (the worker pool of one transfer), contracts.py (what callers hand it and
+get back), memory.py (the budget), leftovers.py (what interrupted uploads leave in the store, and the
+sweeps), local_io.py (reading and writing the local files). Beside it: ckptfs/checksums.py (CRC32 math).
 
 Stores (backends/) implement only primitives: one attempt each, in a worker thread. This module never
 knows inodes or paths of the mount and never touches the journal: callers persist the UploadState it

@@ -1,6 +1,6 @@
 """Server-side copies on the engine's plumbing: in one request where the store can, else part by part into
 a staged upload (stores that copy at most so much at once: S3's 5 GiB), and metadata rewrites that are
-copies onto the object itself on such stores. Renames of uploaded files (drain/namespace.py) and spills
+copies onto the object itself on such stores. Renames of uploaded files (drain/namespace_jobs.py) and spills
 committed on stores that cannot complete an upload at another key use them. The store copies the bytes
 itself: none pass through this node, so copies take no tokens of the bandwidth caps (bandwidth.py)."""
 

@@ -1,7 +1,7 @@
 """Spills: the start of a file still being written, staged in the store at a hidden key (SPILL_PREFIX)
 part by part while the writer goes on, then committed at the file's key once it is closed: completed there
 where the store can, else completed at the hidden key, copied and deleted. The drain decides when
-(drain/spills.py); this is how, on the engine's plumbing."""
+(drain/spill_jobs.py); this is how, on the engine's plumbing."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A preemption notice carried out (issue 44): `ckptfs preempt`, ckptfs.preempt(), SIGTERM with
-preempt_on_sigterm, and the cloud notices' watchers (preempt/watchers.py) all come here.
+preempt_on_sigterm, and the cloud notices' watchers (notices/watchers.py) all come here.
 
 On a notice: the drain takes the order of drain/preemption.py (the newest complete step first, its
 shards then its markers, then the next; deletes and steps still being written wait), retention waits, and

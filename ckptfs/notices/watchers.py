@@ -1,5 +1,5 @@
 """The clouds' preemption notices, watched (`preemption_notice = aws|gcp|azure`): each poll asks the
-instance metadata endpoint whether this node is about to go, and a notice starts a preemption (preempt/preempter.py)
+instance metadata endpoint whether this node is about to go, and a notice starts a preemption (notices/preempter.py)
 with the time it leaves.
 
 - aws: IMDSv2 (a session token, then) `latest/meta-data/spot/instance-action`: 404 until a notice, then
@@ -26,7 +26,7 @@ from datetime import datetime
 import trio
 
 from ckptfs.config import Config
-from ckptfs.preempt.preempter import Preempter
+from ckptfs.notices.preempter import Preempter
 
 log = logging.getLogger(__name__)
 
