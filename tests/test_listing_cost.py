@@ -217,8 +217,7 @@ async def test_the_kernel_forgetting_a_walked_tree_is_one_query_per_batch(
     big = stack.fs.lookup(ROOT_ID, b"big")
     await stack.fs.ensure_listed(big.ino)
     walked = list(stack.fs.readdir(stack.fs.opendir(big.ino), 0))
-    for entry in walked:
-        stack.fs.remember(entry.attr.ino)  # what readdirplus does for each entry it reports
+    stack.fs.remember_many([entry.attr.ino for entry in walked])  # what readdirplus does for the entries it reports
     victim = stack.write_file("victim", b"gone soon")
     stack.fs.unlink(ROOT_ID, b"victim")  # the kernel still holds the reference of its create
     counts = counted(stack)
