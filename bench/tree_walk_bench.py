@@ -241,6 +241,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     p.add_argument("--before", type=Path, help="a checkout of another ckptfs version to run side by side")
     args = p.parse_args()
+    args.json = args.json.resolve()  # before the chdir below: a relative path names a place in the caller's directory
 
     root = Path(tempfile.mkdtemp(prefix="ckptfs-walk-bench.", dir=args.dir))
     os.chdir(root)

@@ -206,6 +206,30 @@ async def test_a_full_cache_filesystem_skips_a_listing_ahead_and_the_next_still_
     check_consistency(stack)
 
 
+async def test_readdir_pages_through_entries_whose_ids_interleave_with_another_directorys(tmp_path: Path) -> None:
+    """readdir reads a directory's rows by id in pages (Tree.entry_rows: the ids from the (parent, name)
+    index, then their rows): with ids shared out between two directories, names out of id order, and pages
+    of 3, each entry comes once, in id order, from wherever the kernel asks it to go on."""
+    stack = make_stack(tmp_path)
+    a = stack.fs.mkdir(ROOT_ID, b"a", 0o755, os.getuid(), os.getgid()).ino
+    b = stack.fs.mkdir(ROOT_ID, b"b", 0o755, os.getuid(), os.getgid()).ino
+    made: dict[int, list[int]] = {a: [], b: []}
+    for n in range(10):
+        for folder, name in ((a, f"a/{9 - n}"), (b, f"b/{n}")):
+            made[folder].append(stack.write_file(name, b"x"))
+    for folder, ids in made.items():
+        assert ids == sorted(ids) and ids[-1] - ids[0] > len(ids)  # interleaved with the other's
+        paged, after = [], 0
+        while page := list(stack.fs.readdir(folder, after, 3)):
+            assert len(page) <= 3
+            paged.extend(entry.attr.ino for entry in page)
+            after = page[-1].next_id
+        assert paged == ids
+        assert [entry.attr.ino for entry in stack.fs.readdir(folder, ids[4], 1000)] == ids[5:]
+        assert [stack.fs.getattr(ino) for ino in ids] == [e.attr for e in stack.fs.readdir(folder, 0, 1000)]
+    check_consistency(stack)
+
+
 async def test_the_kernel_forgetting_a_walked_tree_is_one_query_per_batch(
     tmp_path: Path, counted: Callable[[Stack], Counts]
 ) -> None:
@@ -217,8 +241,7 @@ async def test_the_kernel_forgetting_a_walked_tree_is_one_query_per_batch(
     big = stack.fs.lookup(ROOT_ID, b"big")
     await stack.fs.ensure_listed(big.ino)
     walked = list(stack.fs.readdir(stack.fs.opendir(big.ino), 0))
-    for entry in walked:
-        stack.fs.remember(entry.attr.ino)  # what readdirplus does for each entry it reports
+    stack.fs.remember_many([entry.attr.ino for entry in walked])  # what readdirplus does for the entries it reports
     victim = stack.write_file("victim", b"gone soon")
     stack.fs.unlink(ROOT_ID, b"victim")  # the kernel still holds the reference of its create
     counts = counted(stack)

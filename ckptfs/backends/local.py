@@ -422,8 +422,9 @@ class LocalStore(WholeCopies, LocalNotes):
         except OSError as exc:
             raise translate_os_error(exc, prefix) from exc
         entries, subdirs = [], []
-        is_file, is_dir = stat.S_ISREG, stat.S_ISDIR
-        # The plain file's ObjectInfo made here, not by _info: a big directory is mostly these.
+        is_file, is_dir, new_info = stat.S_ISREG, stat.S_ISDIR, tuple.__new__
+        # The plain file's ObjectInfo made here, not by _info, and as a plain tuple (ObjectInfo() would fill in
+        # its defaults in Python): a big directory is mostly these.
         for entry in scanned:
             name = entry.name
             if name.startswith(TEMP_PREFIX):
@@ -431,7 +432,8 @@ class LocalStore(WholeCopies, LocalNotes):
             st = entry.stat(follow_symlinks=False)
             mode = st.st_mode
             if is_file(mode):
-                entries.append(ObjectInfo(prefix + name, FILE, st.st_size, st.st_mtime_ns, mode & 0o7777))
+                entries.append(new_info(ObjectInfo, (prefix + name, FILE, st.st_size, st.st_mtime_ns, mode & 0o7777,
+                                                     None, None, None)))
             elif is_dir(mode):
                 subdirs.append(name)
             elif stat.S_ISLNK(mode):

@@ -218,9 +218,9 @@ class Filesystem:
 
     # -- references.py --------------------------------------------------------------------------------------
 
-    def remember(self, inode_id: int) -> None:
-        """The kernel now holds a reference to this inode (readdirplus reported it)."""
-        self._references.remember(inode_id)
+    def remember_many(self, inode_ids: Sequence[int]) -> None:
+        """The kernel now holds a reference to each of these inodes (a readdirplus reply reported them)."""
+        self._references.remember_many(inode_ids)
 
     def forget(self, inode_id: int, count: int) -> None:
         self._references.forget(inode_id, count)

@@ -47,6 +47,13 @@ class References:
         reported it)."""
         self._lookup_count[inode_id] = self._lookup_count.get(inode_id, 0) + 1
 
+    def remember_many(self, inode_ids: Iterable[int]) -> None:
+        """The kernel now holds a reference to each of these inodes (the entries of one readdirplus reply)."""
+        counts = self._lookup_count
+        known = counts.get
+        for inode_id in inode_ids:
+            counts[inode_id] = known(inode_id, 0) + 1
+
     def forget(self, inode_id: int, count: int) -> None:
         self.forget_many([(inode_id, count)])
 

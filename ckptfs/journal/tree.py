@@ -144,10 +144,12 @@ class Names(JournalTable):
 
     def entry_rows(self, parent: int, after_id: int, limit: int) -> list[EntryRow]:
         """What readdir answers of a directory's entries, in `children`'s order: plain rows of the few
-        columns it needs, not an Inode of every column each (a walk reads every entry of the tree)."""
+        columns it needs, not an Inode of every column each (a walk reads every entry of the tree). The ids
+        first, from the (parent, name) index alone, then their rows by id in id order: sorting whole rows
+        (SQLite's plan for the plain query) made a directory's read a third dearer."""
         return self.db.execute(
             "SELECT id, name, kind, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target, state FROM inodes"
-            " WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
+            " WHERE id IN (SELECT id FROM inodes WHERE parent = ?1 AND id > ?2 ORDER BY id LIMIT ?3) ORDER BY id",
             (parent, after_id, limit),
         ).fetchall()
 

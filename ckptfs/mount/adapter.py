@@ -103,16 +103,9 @@ def _entry_template(generation: int, entry_timeout: float) -> pyfuse3.EntryAttri
 
 
 def _fill(entry: pyfuse3.EntryAttributes, attr: Attr) -> None:
-    entry.st_ino = attr.ino
-    entry.st_mode = attr.mode
-    entry.st_nlink = attr.nlink
-    entry.st_uid = attr.uid
-    entry.st_gid = attr.gid
-    entry.st_size = attr.size
-    entry.st_blocks = attr.blocks
-    entry.st_atime_ns = attr.atime_ns
-    entry.st_mtime_ns = attr.mtime_ns
-    entry.st_ctime_ns = attr.ctime_ns
+    # One unpacking of the tuple, not ten attribute reads: readdirplus fills this once per entry.
+    (entry.st_ino, entry.st_mode, entry.st_nlink, entry.st_uid, entry.st_gid, entry.st_size, entry.st_blocks,
+     entry.st_atime_ns, entry.st_mtime_ns, entry.st_ctime_ns) = attr
 
 
 def _negative_entry() -> pyfuse3.EntryAttributes:
@@ -440,21 +433,26 @@ class FuseOperations(pyfuse3.Operations):
         # One EntryAttributes for the whole reply, refilled per entry: readdir_reply copies it into the
         # reply buffer (a walk of a big tree sends every entry through here). The entries are read lazily,
         # so those that no longer fit in the kernel's buffer cost a journal row, not their attributes.
-        reply, remember = pyfuse3.readdir_reply, self.fs.remember
+        reply = pyfuse3.readdir_reply
         # A directory's handle is its inode (Filesystem.opendir).
         entry = _entry_template(self.generation, self._kept_for(fh))
         after = start_id
-        while True:
-            sent = 0
-            for name, attr, next_id in self.fs.readdir(fh, after, READDIR_BATCH):
-                _fill(entry, attr)
-                if not reply(token, name, entry, next_id):
+        # The inodes the kernel took a reference to, counted at once when the reply is done.
+        sent: list[int] = []
+        sent_one = sent.append
+        try:
+            while True:
+                before = len(sent)
+                for name, attr, next_id in self.fs.readdir(fh, after, READDIR_BATCH):
+                    _fill(entry, attr)
+                    if not reply(token, name, entry, next_id):
+                        return
+                    sent_one(attr.ino)
+                    after = next_id
+                if len(sent) - before < READDIR_BATCH:
                     return
-                remember(attr.ino)
-                after = next_id
-                sent += 1
-            if sent < READDIR_BATCH:
-                return
+        finally:
+            self.fs.remember_many(sent)
 
     async def releasedir(self, fh: FileHandleT) -> None:
         return None
