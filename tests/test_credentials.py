@@ -16,11 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ import pytest
 from conftest import Mount
 from emulators import S3Server, free_ports, moto_s3, s3_bucket, seaweedfs_s3  # noqa: F401
 from faultproxy import FaultProxy, Rule
+from localhttp import LocalHttpServer, QuietHandler
 from stsproxy import StsProxy
 
 from ckptfs.backends.base import ObjectMeta
@@ -216,35 +215,24 @@ class _ContainerEndpoint:
         self.tokens: list[str] = []
         endpoint = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 token = self.headers.get("Authorization") or ""
                 endpoint.tokens.append(token)
                 if token != endpoint.token_file.read_text():
-                    self.send_response(401)
-                    self.end_headers()
+                    self.answer(401)
                     return
                 n = len(endpoint.tokens)
                 expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + endpoint.lifetime))
                 body = json.dumps({"AccessKeyId": f"ASIAPOD{n:08d}", "SecretAccessKey": f"secret{n}",
                                    "Token": f"session{n}", "Expiration": expires}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.answer(200, body, "application/json")
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/credentials"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+        self._server = LocalHttpServer(Handler)
+        self.url = self._server.url + "/v1/credentials"
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close()
 
 
 def test_pod_identity_refreshes_and_rereads_its_token_file(moto_s3: S3Server, moto_bucket: str, tmp_path: Path,
