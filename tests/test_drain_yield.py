@@ -1,4 +1,4 @@
-"""The drain yields to a writer (drain/lane.py): while FUSE requests arrive back to back, a batch of
+"""The drain yields to a writer (drain/small_lane.py): while FUSE requests arrive back to back, a batch of
 small uploads waits for a lull, at most YIELD_LIMIT, and one that gave up waiting is small; a flush and
 cache pressure never wait for it. The FUSE layer's side is one timestamp (metrics.OpStats.last_at)."""
 
@@ -13,7 +13,7 @@ from fsharness import Stack, check_consistency, make_stack
 from waiting import until
 
 from ckptfs.control.metrics import OpStats
-from ckptfs.drain import SMALL_BATCH, SMALL_FILE, lane
+from ckptfs.drain import SMALL_BATCH, SMALL_FILE, small_lane
 from ckptfs.drain.ordering import Job
 
 
@@ -38,7 +38,7 @@ async def test_small_uploads_wait_while_requests_stream_in_then_go_once_they_sto
 ) -> None:
     """Failed before: with upload_delay and small_file_wait 0 the small file went at once, beside the
     writer's requests. A large file does not wait."""
-    monkeypatch.setattr(lane, "YIELD_LIMIT", 60.0)
+    monkeypatch.setattr(small_lane, "YIELD_LIMIT", 60.0)
     stack = make_stack(tmp_path)
     streaming(stack)
     await nursery.start(stack.drain.run)
@@ -58,7 +58,7 @@ async def test_small_uploads_wait_while_requests_stream_in_then_go_once_they_sto
 async def test_a_flush_does_not_wait_for_a_lull(
     tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(lane, "YIELD_LIMIT", 3600.0)
+    monkeypatch.setattr(small_lane, "YIELD_LIMIT", 3600.0)
     stack = make_stack(tmp_path)
     streaming(stack)
     await nursery.start(stack.drain.run)
@@ -78,7 +78,7 @@ async def test_cache_pressure_does_not_wait_for_a_lull(
 ) -> None:
     """The evictor needs clean files to make room: the drain must not yield then (a write waiting for room
     would wait for a lull it prevents)."""
-    monkeypatch.setattr(lane, "YIELD_LIMIT", 3600.0)
+    monkeypatch.setattr(small_lane, "YIELD_LIMIT", 3600.0)
     stack = make_stack(tmp_path)
     streaming(stack)
     await nursery.start(stack.drain.run)
@@ -95,17 +95,17 @@ async def test_a_steady_writer_still_gets_its_files_uploaded_in_small_batches(
 ) -> None:
     """Requests that never pause: every YIELD_LIMIT a batch gives up waiting and goes, of at most
     YIELDED_BATCH files (before: all of them in one batch at once)."""
-    monkeypatch.setattr(lane, "YIELD_LIMIT", 0.2)
+    monkeypatch.setattr(small_lane, "YIELD_LIMIT", 0.2)
     stack = make_stack(tmp_path)
     streaming(stack)
     await nursery.start(stack.drain.run)
-    names = {f"f{i:02d}" for i in range(3 * lane.YIELDED_BATCH)}
+    names = {f"f{i:02d}" for i in range(3 * small_lane.YIELDED_BATCH)}
     for name in sorted(names):
         stack.write_file(name, name.encode())
     await wait_for_store(stack, names)
     batches = stack.drain.engine.batches  # type: ignore[attr-defined]
     assert sorted(key for batch in batches for key in batch) == sorted(names)
-    assert len(batches) >= 3 and max(len(batch) for batch in batches) <= lane.YIELDED_BATCH
+    assert len(batches) >= 3 and max(len(batch) for batch in batches) <= small_lane.YIELDED_BATCH
     check_consistency(stack)
 
 
@@ -114,8 +114,8 @@ async def test_batches_started_in_a_lull_are_spaced_by_it(
 ) -> None:
     """Once the requests stop, batches are full again, but start FOREGROUND_LULL apart rather than all in
     the same instant (a writer that resumes meets one batch, not every upload slot's)."""
-    monkeypatch.setattr(lane, "YIELD_LIMIT", 3600.0)
-    monkeypatch.setattr(lane, "FOREGROUND_LULL", 0.3)
+    monkeypatch.setattr(small_lane, "YIELD_LIMIT", 3600.0)
+    monkeypatch.setattr(small_lane, "FOREGROUND_LULL", 0.3)
     stack = make_stack(tmp_path)
     started: list[float] = []
     upload_small = stack.drain.uploads.upload_small
