@@ -17,16 +17,15 @@ carries one request.
 
 from __future__ import annotations
 
-import http.client
 import re
 import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "expect", "te", "upgrade", "transfer-encoding"}
+from localhttp import LocalHttpServer, QuietHandler, forward
+
 SIGNED_KEY = re.compile(r"Credential=([^/,\s]+)/")
 
 
@@ -57,32 +56,14 @@ class StsProxy:
         self.s3_requests = 0
         self._rejected: set[str] = set()
         self._lock = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                proxy._handle(self)
-
-            do_PUT = do_POST = do_HEAD = do_DELETE = do_GET
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="stsproxy", daemon=True)
+        self._server = LocalHttpServer(_ProxyHandler, owner=self, name="stsproxy")
+        self.endpoint = self._server.url
 
     def __enter__(self) -> StsProxy:
-        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=10)
+        self._server.close()
 
     def reject_key(self, access_key: str) -> None:
         with self._lock:
@@ -98,9 +79,8 @@ class StsProxy:
                 return True
             return any(i.access_key == access_key and time.time() >= i.expires_at for i in self.issued)
 
-    def _handle(self, handler: BaseHTTPRequestHandler) -> None:
-        length = int(handler.headers.get("Content-Length") or 0)
-        body = handler.rfile.read(length) if length else b""
+    def handle(self, handler: QuietHandler) -> None:
+        body = handler.request_body()
         form = parse_qs(body.decode("latin-1")) if handler.command == "POST" and body else {}
         sts = form.get("Action") == ["AssumeRoleWithWebIdentity"]
         if not sts:
@@ -110,34 +90,12 @@ class StsProxy:
             if signed and self._expired(signed.group(1)):
                 with self._lock:
                     self.expired_rejections += 1
-                answer = expired_token_body(handler.path.split("?", 1)[0])
-                handler.send_response(400)
-                handler.send_header("Content-Type", "application/xml")
-                handler.send_header("Content-Length", str(len(answer)))
-                handler.send_header("Connection", "close")
-                handler.end_headers()
-                if handler.command != "HEAD":
-                    handler.wfile.write(answer)
-                handler.close_connection = True
+                handler.answer(400, expired_token_body(handler.path.split("?", 1)[0]), "application/xml", close=True)
                 return
-        connection = http.client.HTTPConnection(*self.upstream, timeout=120)
-        headers = {k: v for k, v in handler.headers.items() if k.lower() not in HOP_BY_HOP}
-        connection.request(handler.command, handler.path, body=body, headers=headers)
-        response = connection.getresponse()
-        data = response.read()
-        if sts and response.status == 200:
+        status, headers, data = forward(handler, self.upstream, body)
+        if sts and status == 200:
             data = self._shorten(data, form["WebIdentityToken"][0])
-        handler.send_response(response.status)
-        for name, value in response.getheaders():
-            if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
-                handler.send_header(name, value)
-        handler.send_header("Content-Length", str(len(data)))
-        handler.send_header("Connection", "close")
-        handler.end_headers()
-        if handler.command != "HEAD":
-            handler.wfile.write(data)
-        handler.close_connection = True
-        connection.close()
+        handler.answer(status, data, headers=headers, close=True)
 
     def _shorten(self, answer: bytes, token: str) -> bytes:
         """moto's answer with the session cut to session_seconds, and what it issued recorded."""
@@ -156,6 +114,15 @@ class StsProxy:
         with self._lock:
             self.issued.append(issued)
         return text.encode()
+
+
+class _ProxyHandler(QuietHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.server.owner.handle(self)  # type: ignore[attr-defined]
+
+    do_PUT = do_POST = do_HEAD = do_DELETE = do_GET
 
 
 __all__ = ["Issued", "StsProxy"]

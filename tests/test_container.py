@@ -26,7 +26,11 @@ import pytest
 from hostmounts import mounts_at, run, unmount_all_under
 
 REPO = Path(__file__).resolve().parent.parent
-LABEL = "ckptfs-test-container"
+# The containers of this process's tests: the module's teardown removes these, not those of another xdist
+# worker that is still in one of this module's tests (with one label for all, a worker that finished the
+# module removed the container of another's running test: its mount ended, "Transport endpoint is not
+# connected"), nor another checkout's.
+LABEL = f"ckptfs-test-container={os.getpid()}"
 START_TARGET = 10.0  # seconds from `podman run` to a live mount on the host (issue 43)
 
 

@@ -5,9 +5,9 @@ answering ExpiredToken once per part; moto's STS and S3 behind tests/stsproxy.py
 seconds and makes its S3 reject expired keys; a container credentials endpoint (EKS Pod Identity) served here.
 
 Time compression: moto's sessions last an hour and its S3 never checks them, so stsproxy rewrites every
-AssumeRoleWithWebIdentity answer's Expiration to 20 s from now (IRSA's hour, 180 times faster) and answers
+AssumeRoleWithWebIdentity answer's Expiration to 12 s from now (IRSA's hour, 300 times faster) and answers
 ExpiredToken to any S3 request signed with a key past it. ckptfs's refresh window scales with the lifetime
-(half of it, at most 15 minutes), so a run of 75 s spans four sessions with a fetch every 10 s and no request
+(half of it, at most 15 minutes), so a run of 45 s spans four sessions with a fetch every 6 s and no request
 ever signed with an expired key; botocore's own provider, with its fixed 15-minute window, would call STS
 once per request (measured: 218 calls for 218 PutObjects)."""
 
@@ -16,11 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ import pytest
 from conftest import Mount
 from emulators import S3Server, free_ports, moto_s3, s3_bucket, seaweedfs_s3  # noqa: F401
 from faultproxy import FaultProxy, Rule
+from localhttp import LocalHttpServer, QuietHandler
 from stsproxy import StsProxy
 
 from ckptfs.backends.base import ObjectMeta
@@ -38,6 +37,9 @@ from ckptfs.checksums import crc32
 
 MiB = 1 << 20
 ROLE_ARN = "arn:aws:iam::123456789012:role/ckptfs-test"
+# The long web-identity run: sessions of SESSION_SECONDS (an hour compressed), RUN_SECONDS of writing (four of them).
+SESSION_SECONDS = 12
+RUN_SECONDS = 45
 STATIC_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
 
 
@@ -147,13 +149,13 @@ def test_web_identity_session_revoked_is_fetched_again(moto_s3: S3Server, moto_b
 
 def test_web_identity_drain_spans_sessions_with_token_rewritten(moto_s3: S3Server, moto_bucket: str,
                                                                   tmp_path: Path, mount_factory: Any) -> None:
-    """The time-compressed long run: 20 s sessions whose expiry S3 enforces, files written and drained for
-    75 s (four sessions), the token file rewritten half way. Every file lands, no upload attempt fails,
+    """The time-compressed long run: 12 s sessions whose expiry S3 enforces, files written and drained for
+    45 s (four sessions), the token file rewritten half way. Every file lands, no upload attempt fails,
     and the STS requests after the rewrite carry the new token."""
     token_file = tmp_path / "token"
     token_file.write_text("token-1")
     (metrics_port,) = free_ports(1)
-    with StsProxy(moto_s3.endpoint, session_seconds=20) as proxy:
+    with StsProxy(moto_s3.endpoint, session_seconds=SESSION_SECONDS) as proxy:
         m: Mount = mount_factory("m", start=False, source=f"s3://{moto_bucket}/run", upload_delay=0.0,
                                  extra_args=("--endpoint-url", proxy.endpoint, "--part-size", "5M",
                                              "--metrics-addr", f"127.0.0.1:{metrics_port}"))
@@ -163,8 +165,8 @@ def test_web_identity_drain_spans_sessions_with_token_rewritten(moto_s3: S3Serve
         started = time.monotonic()
         rewritten_at = None
         n = 0
-        while time.monotonic() - started < 75:
-            if rewritten_at is None and time.monotonic() - started > 37:
+        while time.monotonic() - started < RUN_SECONDS:
+            if rewritten_at is None and time.monotonic() - started > RUN_SECONDS / 2:
                 token_file.write_text("token-2")  # kubelet rotates the projected token: same path, new content
                 rewritten_at = time.time()
             data = os.urandom(12 * MiB if n % 10 == 0 else 256 * 1024)
@@ -187,14 +189,14 @@ def test_web_identity_drain_spans_sessions_with_token_rewritten(moto_s3: S3Serve
     assert credentials["source"] == "web-identity" and credentials["refreshes"] >= 3, credentials
     assert "credential web-identity" in human and "expires" in human, human
     # Fetched ahead of every expiry (half the session), never per request, and never too late.
-    assert len(proxy.issued) <= elapsed / 10 + 3, (len(proxy.issued), proxy.s3_requests, elapsed)
+    assert len(proxy.issued) <= elapsed / (SESSION_SECONDS / 2) + 3, (len(proxy.issued), proxy.s3_requests, elapsed)
     assert proxy.expired_rejections == 0 and credentials["renewals_after_rejection"] == 0
     before = [i.token for i in proxy.issued if i.at < rewritten_at]
     after = [i.token for i in proxy.issued if i.at > rewritten_at]
     assert before and set(before) == {"token-1"}
     assert after and set(after) == {"token-2"}, "every refresh after the rewrite sent the new token"
     # The proxy does enforce expiry: the first session, long past, is refused.
-    with StsProxy(moto_s3.endpoint, session_seconds=20) as check:
+    with StsProxy(moto_s3.endpoint, session_seconds=SESSION_SECONDS) as check:
         check.issued.append(first)
         stale = boto3.client("s3", endpoint_url=check.endpoint, region_name="us-east-1",
                              aws_access_key_id=first.access_key, aws_secret_access_key=first.secret_key,
@@ -216,45 +218,34 @@ class _ContainerEndpoint:
         self.tokens: list[str] = []
         endpoint = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 token = self.headers.get("Authorization") or ""
                 endpoint.tokens.append(token)
                 if token != endpoint.token_file.read_text():
-                    self.send_response(401)
-                    self.end_headers()
+                    self.answer(401)
                     return
                 n = len(endpoint.tokens)
                 expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + endpoint.lifetime))
                 body = json.dumps({"AccessKeyId": f"ASIAPOD{n:08d}", "SecretAccessKey": f"secret{n}",
                                    "Token": f"session{n}", "Expiration": expires}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.answer(200, body, "application/json")
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/credentials"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+        self._server = LocalHttpServer(Handler)
+        self.url = self._server.url + "/v1/credentials"
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close()
 
 
 def test_pod_identity_refreshes_and_rereads_its_token_file(moto_s3: S3Server, moto_bucket: str, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """EKS Pod Identity (AWS_CONTAINER_CREDENTIALS_FULL_URI + AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE) with
-    12 s credentials: a store used for 30 s fetches new ones before each expiry, and after the token file
+    8 s credentials: a store used for 20 s fetches new ones before each expiry, and after the token file
     is rewritten the endpoint only ever sees the new token."""
     token_file = tmp_path / "pod-token"
     token_file.write_text("pod-token-1")
-    endpoint = _ContainerEndpoint(token_file, lifetime=12)
+    endpoint = _ContainerEndpoint(token_file, lifetime=8)
     try:
         for name in STATIC_KEYS:
             monkeypatch.delenv(name, raising=False)
@@ -264,8 +255,8 @@ def test_pod_identity_refreshes_and_rereads_its_token_file(moto_s3: S3Server, mo
         started = time.monotonic()
         rewritten_after = None
         n = 0
-        while time.monotonic() - started < 30:
-            if rewritten_after is None and time.monotonic() - started > 14:
+        while time.monotonic() - started < 20:
+            if rewritten_after is None and time.monotonic() - started > 10:
                 token_file.write_text("pod-token-2")
                 rewritten_after = len(endpoint.tokens)
             store.put_object(f"p{n}", b"x", ObjectMeta(0, 0o644), "")
@@ -276,8 +267,8 @@ def test_pod_identity_refreshes_and_rereads_its_token_file(moto_s3: S3Server, mo
         elapsed = time.monotonic() - started
     finally:
         endpoint.close()
-    # One fetch per half lifetime (6 s), not one per request (n of them).
-    assert len(endpoint.tokens) <= elapsed / 6 + 3 < n, (len(endpoint.tokens), n)
+    # One fetch per half lifetime (4 s), not one per request (n of them).
+    assert len(endpoint.tokens) <= elapsed / 4 + 3 < n, (len(endpoint.tokens), n)
     assert state.source == "container" and state.refreshes >= 3, state
     assert state.expires_at is not None and state.expires_at > time.time()
     assert rewritten_after is not None and endpoint.tokens[rewritten_after:], "fetched after the rewrite"

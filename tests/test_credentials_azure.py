@@ -15,14 +15,13 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from emulators import AZURITE_ACCOUNT, AZURITE_KEY, azurite_main, free_ports, stop_process
+from localhttp import LocalHttpServer, QuietHandler
 from tlscert import self_signed
 
 from ckptfs.backends.base import ObjectMeta
@@ -44,14 +43,10 @@ class IdentityEndpoint:
         self.issued = 0
         endpoint = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 if self.headers.get("X-IDENTITY-HEADER") != secret:
-                    self.send_response(401)
-                    self.end_headers()
+                    self.answer(401)
                     return
                 endpoint.issued += 1
                 now = int(time.time())
@@ -60,19 +55,13 @@ class IdentityEndpoint:
                 token = f"{_b64({'alg': 'HS256', 'typ': 'JWT'})}.{_b64(claims)}.c2lnbmF0dXJl"
                 body = json.dumps({"access_token": token, "expires_on": str(now + 3600),
                                    "resource": "https://storage.azure.com", "token_type": "Bearer"}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.answer(200, body, "application/json")
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/msi/token"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server = LocalHttpServer(Handler)
+        self.url = self._server.url + "/msi/token"
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close()
 
 
 @pytest.fixture

@@ -8,18 +8,16 @@ source and expiry (GcsStore.credentials)."""
 from __future__ import annotations
 
 import datetime
-import http.client
 import json
 import os
 import ssl
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from emulators import GcsServer, fake_gcs  # noqa: F401
+from localhttp import LocalHttpServer, QuietHandler, forward
 from tlscert import self_signed
 
 from ckptfs.backends.base import ObjectMeta
@@ -27,23 +25,6 @@ from ckptfs.backends.gcs import GcsStore
 from ckptfs.checksums import crc32
 
 MiB = 1 << 20
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "expect", "te", "upgrade", "transfer-encoding"}
-
-
-class _Served:
-    def __init__(self, handler: type[BaseHTTPRequestHandler], context: ssl.SSLContext | None = None) -> None:
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.daemon_threads = True
-        if context is not None:
-            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
-        scheme = "https" if context is not None else "http"
-        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class TokenEndpoint:
@@ -58,24 +39,17 @@ class TokenEndpoint:
         self.lifetime = lifetime
         endpoint = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
-                form = parse_qs(self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode())
+                form = parse_qs(self.request_body().decode())
                 endpoint.subject_tokens.append(form.get("subject_token", [""])[0])
                 token = f"access-{len(endpoint.issued) + 1}"
                 endpoint.issued.append(token)
                 body = json.dumps({"access_token": token, "expires_in": endpoint.lifetime, "token_type": "Bearer",
                                    "issued_token_type": "urn:ietf:params:oauth:token-type:access_token"}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.answer(200, body, "application/json")
 
-        self._served = _Served(Handler)
+        self._served = LocalHttpServer(Handler)
         self.url = self._served.url + "/token"
 
     def close(self) -> None:
@@ -92,47 +66,28 @@ class BearerProxy:
         self.unauthorized = 0
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
 
             def do_GET(self) -> None:
                 proxy.handle(self, tokens)
 
             do_PUT = do_POST = do_HEAD = do_DELETE = do_PATCH = do_GET
 
-        self._served = _Served(Handler, context)
+        self._served = LocalHttpServer(Handler, tls=context)
         self.url = self._served.url
 
-    def handle(self, handler: BaseHTTPRequestHandler, tokens: TokenEndpoint) -> None:
-        body = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+    def handle(self, handler: QuietHandler, tokens: TokenEndpoint) -> None:
+        body = handler.request_body()
         token = (handler.headers.get("Authorization") or "").removeprefix("Bearer ")
         if token not in tokens.issued or token in tokens.revoked:
             self.unauthorized += 1
             answer = json.dumps({"error": {"code": 401, "status": "UNAUTHENTICATED",
                                            "message": "Request had invalid authentication credentials."}}).encode()
-            handler.send_response(401)
-            handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(len(answer)))
-            handler.end_headers()
-            handler.wfile.write(answer)
+            handler.answer(401, answer, "application/json")
             return
-        connection = http.client.HTTPConnection(*self.upstream, timeout=60)
-        headers = {k: v for k, v in handler.headers.items() if k.lower() not in HOP_BY_HOP}
-        connection.request(handler.command, handler.path, body=body, headers=headers)
-        response = connection.getresponse()
-        data = response.read()
-        handler.send_response(response.status)
-        for name, value in response.getheaders():
-            if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
-                handler.send_header(name, value)
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        if handler.command != "HEAD":
-            handler.wfile.write(data)
-        connection.close()
+        status, headers, data = forward(handler, self.upstream, body, timeout=60)
+        handler.answer(status, data, headers=headers)
 
     def close(self) -> None:
         self._served.close()

@@ -9,11 +9,11 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from conftest import Mount
+from localhttp import LocalHttpServer, QuietHandler
 
 from ckptfs.cli import EXIT_NOT_DURABLE
 from ckptfs.notices.preempter import REPORT_NAME
@@ -88,66 +88,53 @@ def test_sigterm_with_preempt_on_sigterm_is_a_notice_and_the_stop_keeps_to_its_d
     assert m.store_files()["step_100/.metadata"] == b"step_100 done"
 
 
-class FakeMetadata(ThreadingHTTPServer):
+class FakeMetadata:
     """The instance metadata endpoints of the three clouds, with no notice until `notice` is set."""
 
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _MetadataHandler)
         self.notice = threading.Event()
         self.asked: list[str] = []
+        self._server = LocalHttpServer(_MetadataHandler, owner=self, name="metadata")
+        self.url = self._server.url
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+    def close(self) -> None:
+        self._server.close()
 
 
-class _MetadataHandler(BaseHTTPRequestHandler):
-    server: FakeMetadata
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _answer(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
+class _MetadataHandler(QuietHandler):
     def do_PUT(self) -> None:
         if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
-            self._answer(200, b"a-token")
+            self.answer(200, b"a-token")
         else:
-            self._answer(404, b"")
+            self.answer(404)
 
     def do_GET(self) -> None:
-        self.server.asked.append(self.path)
-        notice = self.server.notice.is_set()
+        metadata: FakeMetadata = self.server.owner  # type: ignore[attr-defined]
+        metadata.asked.append(self.path)
+        notice = metadata.notice.is_set()
         if self.path == "/latest/meta-data/spot/instance-action":
             if self.headers.get("X-aws-ec2-metadata-token") != "a-token":
-                self._answer(401, b"")
+                self.answer(401)
             elif notice:
                 at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
-                self._answer(200, json.dumps({"action": "terminate", "time": at}).encode())
+                self.answer(200, json.dumps({"action": "terminate", "time": at}).encode())
             else:
-                self._answer(404, b"")
+                self.answer(404)
         elif self.path == "/computeMetadata/v1/instance/preempted" and self.headers.get("Metadata-Flavor") == "Google":
-            self._answer(200, b"TRUE" if notice else b"FALSE")
+            self.answer(200, b"TRUE" if notice else b"FALSE")
         elif self.path.startswith("/metadata/scheduledevents") and self.headers.get("Metadata") == "true":
             events = [{"EventId": "e1", "EventType": "Preempt", "NotBefore": time.strftime(
                 "%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 30))}] if notice else []
-            self._answer(200, json.dumps({"DocumentIncarnation": 1, "Events": events}).encode())
+            self.answer(200, json.dumps({"DocumentIncarnation": 1, "Events": events}).encode())
         else:
-            self._answer(404, b"")
+            self.answer(404)
 
 
 @pytest.fixture
 def metadata() -> Iterator[FakeMetadata]:
     server = FakeMetadata()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     yield server
-    server.shutdown()
-    server.server_close()
+    server.close()
 
 
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
