@@ -3,7 +3,7 @@
 Inner layers raise these; each is translated exactly once at the edge that owns the translation:
 `FsError` becomes a `pyfuse3.FUSEError` in mount/adapter.py, `BackendError` decides retry-or-report in the drain
 and is mapped to an errno by `BACKEND_ERRNO` where a FUSE request waits on the store (a fetch), and
-`CkptfsError` becomes one line on stderr and an exit code in cli.py.
+`CkptfsError` becomes one line on stderr and an exit code in cli/__init__.py.
 """
 
 from __future__ import annotations

@@ -332,7 +332,7 @@ class Evictor:
         charge = entry.charge if entry is not None else st.st_size
         self.cache.remove_data(inode_id)
         # Its attributes now come from the journal (st_blocks from the size): the kernel's go
-        # (fuse_ops.forget_kernel_attrs, which takes no lock a request holds: safe in the trio thread).
+        # (mount/adapter.py forget_kernel_attrs, which takes no lock a request holds: safe in the trio thread).
         self.forget_kernel_attrs(inode_id)
         self.last_used.pop(inode_id, None)
         self.stats.evicted_files += 1

@@ -3,7 +3,7 @@ socket), the Prometheus metrics (metrics.METRICS names them) and systemd's one-l
 
 `gather` reads every statistic once, in the trio thread (journal queries must not run elsewhere), into a
 `MountStats`; `status_json`, `metrics_snapshot` and `status_line` only reshape it, so the three views
-cannot disagree. The status JSON keys and the metric names are an interface (docs/METRICS.md, cli.py,
+cannot disagree. The status JSON keys and the metric names are an interface (docs/METRICS.md, cli/show.py,
 tests): change them only together with those.
 """
 

@@ -79,7 +79,8 @@ class DirLister:
         self.forget_kernel_data: Callable[[int], None] = lambda inode_id: None
         # Queues the invalidation (pyfuse3.invalidate_entry_async): safe inside a request handler.
         self.forget_kernel_entry: Callable[[int, str], None] = lambda parent_id, name: None
-        # Returns once the kernel dropped the name: called in a worker thread (fuse_ops.forget_kernel_entry_now).
+        # Returns once the kernel dropped the name: called in a worker thread (forget_kernel_entry_now of
+        # mount/adapter.py).
         self.forget_kernel_entry_now: Callable[[int, str], None] = lambda parent_id, name: None
 
     def mark_listed(self, inode_id: int) -> None:
@@ -95,7 +96,7 @@ class DirLister:
 
     def fresh_for(self, inode_id: int) -> float:
         """Seconds until the directory's listing is stale (0 if it is, or was never listed): the kernel
-        keeps the directory's names that long (fuse_ops), so a name is looked up, and its directory
+        keeps the directory's names that long (mount/adapter.py), so a name is looked up, and its directory
         listed again, when it would be without the kernel's cache."""
         listed = self._listed.get(inode_id)
         if listed is None:

@@ -1,4 +1,4 @@
-"""Filesystem: the POSIX semantics of the mount as one object, which mount/adapter.py and daemon.py call. It
+"""Filesystem: the POSIX semantics of the mount as one object, which mount/adapter.py and the daemon call. It
 owns no state of its own: it wires the modules of this package, each the owner of one concern, and hands
 every request to its owner (write and read without a hop of their own: they are the hot path)."""
 

@@ -4,8 +4,9 @@ before left (its open handles, the requests it had not answered), and letting go
 after a clean stop, abort after a journal failure, hand over for `ckptfs restart`, keep for the next
 daemon otherwise.
 
-The FUSE session itself stays in daemon.py (the only module besides mount/adapter.py that imports pyfuse3): this
-module gets the few session calls it needs as a `FuseConnection` (the pyfuse3 module is one).
+The FUSE session itself stays in the daemon (daemon/running.py and startup.py, with mount/adapter.py the only
+modules that import pyfuse3): this module gets the few session calls it needs as a `FuseConnection` (the
+pyfuse3 module is one).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class Pruner:
         # True while a preemption notice lasts: retention's deletes wait (the daemon wires it; notices/preempter.py).
         self.held: Callable[[], bool] = lambda: False
         # Retention deletes behind the kernel's back (no FUSE request): what it held of a deleted checkpoint
-        # goes with these (fuse_ops.forget_kernel_entry_now and forget_kernel_data), called in a worker thread.
+        # goes with these (mount/adapter.py: forget_kernel_entry_now and forget_kernel_data), called in a worker thread.
         self.forget_kernel_entry_now: Callable[[int, str], None] = lambda parent_id, name: None
         self.forget_kernel_data: Callable[[int], None] = lambda inode_id: None
 
