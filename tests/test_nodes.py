@@ -79,14 +79,14 @@ async def test_a_marker_waits_for_the_files_another_node_closed_before_it(
     assert b.pending_records(), "the record is in the store before open() returns"
     # The barrier; then node A writes its shard and the marker.
     await a.close_file("step_1/shard_a", b"a" * 1000)
+    since = time.time()
     await a.close_file("step_1/.metadata", b"meta")
     await until(lambda: "step_1/shard_a" in a.stack.store_files())
+    await drain_had_its_chance(a.stack.drain, since=since, what="upload the marker before node B's shard")
     # The marker's listing of the other nodes' records runs in a worker thread: until it is done the marker
-    # waits with no node named (CI met that once). Once it names node B, the drain gets its chance.
+    # waits with no node named yet (CI met that once).
     await until(lambda: [w for w in a.peers.waiting_markers() if w["nodes"]],
                 what="the marker's listing of the other nodes' records")
-    since = time.time()
-    await drain_had_its_chance(a.stack.drain, since=since, what="upload the marker before node B's shard")
     assert "step_1/.metadata" not in a.stack.store_files()
     [waiting] = a.peers.waiting_markers()
     assert waiting["path"] == "step_1/.metadata" and waiting["nodes"] == ["node-b"]
