@@ -137,8 +137,10 @@ print(digest.hexdigest())
 
 
 def test_torch_save_of_256mib_through_a_64mib_cache_into_a_throttled_bucket(
-    mount_factory: Any, proxy: FaultProxy, bucket: str, seaweedfs_s3: S3Server
+    proxy: FaultProxy, mount_factory: Any, bucket: str, seaweedfs_s3: S3Server
 ) -> None:
+    # (the proxy is requested before the mounts, so that they are unmounted before it stops: a daemon whose
+    # store went away logs its background sweep's failure, which the mount's teardown reports)
     mount: Mount = mount_factory(
         source=f"s3://{bucket}/{PREFIX}",
         extra_args=("--endpoint-url", proxy.endpoint, "--cache-size", "64M", "--min-free", "0", "--part-size", "8M"),

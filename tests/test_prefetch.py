@@ -188,6 +188,8 @@ def test_a_hundred_ranks_opening_one_checkpoint_list_each_directory_once(
                    for _, line, _ in list(proxy.log) if line.startswith("GET ")]
         listings = collections.Counter(query["prefix"][0] for query in queries
                                        if query.get("list-type") == ["2"] and query.get("delimiter") == ["/"])
+        prefetched = node.status()["prefetch"]["files_prefetched"]
+        node.umount()  # before the proxy stops: a daemon whose store went away logs its sweeps' failures
     assert set(listings) >= {"run-1/step_1000/", "run-1/step_1000/model/", "run-1/step_1000/optim/"}, listings
     assert max(listings.values()) <= 1, listings
-    assert node.status()["prefetch"]["files_prefetched"] >= len(keys)
+    assert prefetched >= len(keys)
