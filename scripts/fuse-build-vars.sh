@@ -2,7 +2,7 @@
 # scripts/build-wheels.sh, which packs it: both must name the same build and find the same wheel.
 prefix=/opt/ckptfs-fuse
 pyfuse3_version=3.5.0
-local_label=ckptfs7      # bump when scripts/pyfuse3-passthrough.patch changes
+local_label=ckptfs8      # bump when scripts/pyfuse3-passthrough.patch changes
 version=$pyfuse3_version+$local_label
 patch_file=$PWD/scripts/pyfuse3-passthrough.patch
 patch_sha=$(sha256sum <"$patch_file" | cut -c1-12)

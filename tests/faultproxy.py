@@ -9,6 +9,8 @@ not signed by SigV4). A mutable list of `Rule`s decides, per request, whether to
   - "error":         answer `status` with S3 error `code` (e.g. 403 AccessDenied)
   - "reset":         reset the connection (SO_LINGER 0) after reading the request, before forwarding
   - "reset_mid":     forward the headers and half the body, then reset both connections
+  - "cut_answer":    forward the request, relay the answer's headers and half its body (by its
+                     Content-Length), then close the client's connection (a download cut off mid-way)
   - "lost_response": forward the whole request, let the server answer, then reset the client's
                      connection instead of relaying the answer (the request took effect; the client
                      does not know)
@@ -42,7 +44,7 @@ MAX_HEAD = 64 * 1024
 IO_TIMEOUT = 120.0
 ACCEPT_POLL = 0.1
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "expect", "te", "upgrade"}
-ACTIONS = {"slowdown", "internal", "error", "reset", "reset_mid", "lost_response", "stall"}
+ACTIONS = {"slowdown", "internal", "error", "reset", "reset_mid", "cut_answer", "lost_response", "stall"}
 ANSWERS = {"slowdown", "internal", "error"}
 
 
@@ -203,6 +205,7 @@ class FaultProxy:
         self.log: deque[tuple[float, str, str]] = deque(maxlen=100_000)  # (time, request line, action)
         self.injected: Counter[str] = Counter()
         self.requests = 0
+        self.connections = 0  # accepted from clients, since start
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -278,6 +281,7 @@ class FaultProxy:
             client.settimeout(IO_TIMEOUT)
             thread = threading.Thread(target=self._serve, args=(client,), name="faultproxy-conn", daemon=True)
             with self._lock:
+                self.connections += 1
                 self._active.add(client)
                 self._threads.add(thread)
             thread.start()
@@ -347,6 +351,11 @@ class FaultProxy:
                         answer._fill()
                         answer.buf.clear()
                 _abort(client)
+                return
+            if action == "cut_answer":
+                half = int(_header(response_headers, "content-length") or 0) // 2
+                client.sendall(_build_head(status_line, response_headers) + answer.exact(half))
+                _close_gracefully(client)
                 return
             client.sendall(_build_head(status_line, response_headers) + answer.rest())
             while True:

@@ -14,6 +14,7 @@ import trio
 from conftest import file_store_objects
 
 from ckptfs.backends.base import (
+    RANGE_PIECE,
     TEMP_PREFIX,
     DirListing,
     ObjectInfo,
@@ -156,6 +157,7 @@ class RecordingStore:
 
     def get_range(
         self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
+        piece_size: int = RANGE_PIECE,
     ) -> RangeRead:
         self._maybe_fail()
         with self._lock:
@@ -163,7 +165,7 @@ class RecordingStore:
         gate = self.range_gate
         if gate is not None and offset not in self.open_offsets:
             gate.wait(30)
-        return self.inner.get_range(key, offset, length, if_match=if_match, sink=sink)
+        return self.inner.get_range(key, offset, length, if_match=if_match, sink=sink, piece_size=piece_size)
 
     def copy(self, src_key: str, dst_key: str, meta: ObjectMeta | None = None, checksum: str | None = None) -> None:
         self._maybe_fail()

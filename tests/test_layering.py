@@ -44,9 +44,11 @@ ALLOWED: dict[str, set[str]] = {
 PYFUSE3_MODULES = {"mount/adapter.py", "daemon/running.py", "daemon/startup.py"}
 CLOUD_SDKS = {"boto3", "botocore", "google", "azure", "s3transfer"}
 # Underscore names that are public API: a NamedTuple's methods, and the few private names of the standard
-# library and of google-cloud-storage that have no public spelling.
+# library and of the SDKs (google-cloud-storage; botocore and urllib3 under a ranged GET) that have no public
+# spelling.
 PUBLIC_UNDERSCORE = {"_replace", "_fields", "_asdict", "_make", "_exit", "_Environ"}
-THIRD_PARTY_PRIVATE = {("backends/gcswire.py", "_credentials"), ("backends/gcswire.py", "_http")}
+THIRD_PARTY_PRIVATE = {("backends/gcswire.py", "_credentials"), ("backends/gcswire.py", "_http"),
+                       ("backends/s3wire.py", "_raw_stream"), ("backends/s3wire.py", "_fp")}
 
 
 def _modules() -> list[Path]:

@@ -24,8 +24,9 @@ from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
 from faultproxy import FaultProxy, Rule
 from waiting import mount_drain_had_its_chance, wait_until
 
+from ckptfs.backends.base import RANGE_PIECE
 from ckptfs.backends.s3 import S3Store
-from ckptfs.errors import BackendError
+from ckptfs.errors import BackendError, TransientBackendError
 
 MiB = 1 << 20
 PREFIX = "run-1/"
@@ -213,6 +214,51 @@ def test_proxy_frames_chunked_requests() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _sockets_to(port: int) -> set[int]:
+    """The inodes of this process's TCP sockets connected to 127.0.0.1:port."""
+    inodes = set()
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == port and fields[3] == "01":  # ESTABLISHED
+            inodes.add(int(fields[9]))
+    mine = {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+    return {inode for inode in inodes if f"socket:[{inode}]" in mine}
+
+
+def test_ranged_gets_into_a_sink_reuse_their_connection_and_a_cut_body_is_transient(
+    seaweedfs_s3: S3Server, proxy: FaultProxy, bucket: str
+) -> None:
+    """The S3 store reads a range's body straight into a buffer it reuses (s3wire.py): the connection goes
+    back to botocore's pool once the body is read to its end (the next range uses it), and a body cut off
+    mid-way is a transient failure the engine retries, not an http.client error it does not know."""
+    data = os.urandom(4 * RANGE_PIECE + 123)
+    seaweedfs_s3.client().put_object(Bucket=bucket, Key="r/big", Body=data)
+    got = bytearray()
+
+    def sink(piece: bytes | memoryview) -> None:
+        got.extend(piece)
+
+    direct = S3Store(bucket, "r", endpoint_url=seaweedfs_s3.endpoint)
+    port = int(seaweedfs_s3.endpoint.rsplit(":", 1)[1].rstrip("/"))
+    used = []
+    for _ in range(3):
+        got.clear()
+        direct.get_range("big", 0, len(data), sink=sink)
+        assert got == data
+        used.append(_sockets_to(port))
+    assert len(used[0]) == 1 and used[0] == used[1] == used[2], used
+
+    proxied = S3Store(bucket, "r", endpoint_url=proxy.endpoint)
+    rule = proxy.add_rule(Rule("cut_answer", match=r"^GET \S*/r/big ", count=1))
+    with pytest.raises(TransientBackendError):
+        proxied.get_range("big", 0, len(data), sink=sink)
+    assert rule.fired == 1
+    got.clear()
+    proxied.get_range("big", 0, len(data), sink=sink)
+    assert got == data
 
 
 # -- the drain under faults ---------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from ckptfs.backends.base import (
     BUSY_STATUSES,
     DIR,
     NOTES_DIR,
+    RANGE_PIECE,
     TEMP_PREFIX,
     DirListing,
     ObjectInfo,
@@ -268,6 +269,7 @@ class AzureBlobStore(WholeCopies):
 
     def get_range(
         self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
+        piece_size: int = RANGE_PIECE,
     ) -> RangeRead:
         what = f"download {key}"
         condition: dict[str, Any] = {}

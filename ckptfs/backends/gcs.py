@@ -51,6 +51,7 @@ from ckptfs.backends.base import (
     BUSY_STATUSES,
     DIR,
     NOTES_DIR,
+    RANGE_PIECE,
     TEMP_PREFIX,
     DirListing,
     ObjectInfo,
@@ -223,6 +224,7 @@ class GcsStore(WholeCopies):
 
     def get_range(
         self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
+        piece_size: int = RANGE_PIECE,
     ) -> RangeRead:
         what = f"download {key}"
         generation, size, checksum = self._version(key, if_match)

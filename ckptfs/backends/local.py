@@ -39,18 +39,13 @@ from ckptfs.backends.base import (
     RangeSink,
     UploadPart,
     UploadRef,
+    piece_buffer,
     pread_exact,
 )
 from ckptfs.backends.common import WholeCopies
 from ckptfs.backends.localnotes import STALE_TEMP_SECONDS, LocalNotes, create_file, fsync_dir, translate_os_error
 from ckptfs.checksums import crc32, crc_text
-from ckptfs.errors import (
-    CkptfsError,
-    NotFoundBackendError,
-    ObjectChangedError,
-    TransientBackendError,
-    UploadGoneError,
-)
+from ckptfs.errors import CkptfsError, NotFoundBackendError, ObjectChangedError, TransientBackendError, UploadGoneError
 
 COPY_CHUNK = 8 << 20
 STAGING_DIR = f"{TEMP_PREFIX}staging"
@@ -275,6 +270,7 @@ class LocalStore(WholeCopies, LocalNotes):
 
     def get_range(
         self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
+        piece_size: int = RANGE_PIECE,
     ) -> RangeRead:
         try:
             fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -292,7 +288,7 @@ class LocalStore(WholeCopies, LocalNotes):
             except OSError as exc:
                 raise translate_os_error(exc, key) from exc
             if sink is not None:
-                _stream(fd, offset, min(length, max(0, st.st_size - offset)), sink, key)
+                _stream(fd, offset, min(length, max(0, st.st_size - offset)), sink, key, piece_size)
         finally:
             os.close(fd)
         return RangeRead(data, st.st_size, etag, None)
@@ -473,19 +469,20 @@ class LocalStore(WholeCopies, LocalNotes):
                     stack.append(entry.path)
 
 
-def _stream(fd: int, offset: int, length: int, sink: RangeSink, key: str) -> None:
-    """Pass [offset, offset + length) of fd to sink in RANGE_PIECE pieces. The sink's own OSError (a full
+def _stream(fd: int, offset: int, length: int, sink: RangeSink, key: str, piece_size: int) -> None:
+    """Pass [offset, offset + length) of fd to sink in pieces of `piece_size`. The sink's own OSError (a full
     cache disk) must not look like the store's, so only the reads are translated."""
+    view = piece_buffer(piece_size)
     end = offset + length
     while offset < end:
         try:
-            piece = os.pread(fd, min(RANGE_PIECE, end - offset), offset)
+            got = os.preadv(fd, [view[: min(piece_size, end - offset)]], offset)
         except OSError as exc:
             raise translate_os_error(exc, key) from exc
-        if not piece:
+        if not got:
             break
-        sink(piece)
-        offset += len(piece)
+        sink(view[:got])
+        offset += got
 
 
 def _key_of(name: str) -> str:

@@ -54,6 +54,7 @@ from ckptfs.backends.base import (
     DIR,
     FILE,
     NOTES_DIR,
+    RANGE_PIECE,
     TEMP_PREFIX,
     DirListing,
     ObjectInfo,
@@ -273,6 +274,7 @@ class S3Store:
 
     def get_range(
         self, key: str, offset: int, length: int, *, if_match: str | None = None, sink: RangeSink | None = None,
+        piece_size: int = RANGE_PIECE,
     ) -> RangeRead:
         what = f"download {key}"
         args: dict[str, Any] = {"Key": self.wire.full(key), "Range": f"bytes={offset}-{offset + max(length, 1) - 1}"}
@@ -294,7 +296,7 @@ class S3Store:
                              (response.get("Metadata") or {}).get(META_CHECKSUM))
         content_range = response.get("ContentRange") or ""
         total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else int(response["ContentLength"])
-        data = self.wire.read_body(what, response["Body"], sink)
+        data = self.wire.read_body(what, response["Body"], sink, piece_size)
         return RangeRead(data, total, response["ETag"], (response.get("Metadata") or {}).get(META_CHECKSUM))
 
     def _head_raw(self, key: str) -> dict[str, Any] | None:

@@ -6,6 +6,8 @@ have been carried out (for s3markers.py), and what the mount's check tells the u
 
 from __future__ import annotations
 
+import http.client
+
 import botocore.exceptions
 import urllib3.exceptions
 
@@ -82,7 +84,8 @@ def translate_error(exc: BaseException, what: str) -> BackendError:
     if isinstance(exc, (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError,
                         botocore.exceptions.IncompleteReadError, botocore.exceptions.ResponseStreamingError,
                         botocore.exceptions.ChecksumError, botocore.exceptions.FlexibleChecksumError,
-                        urllib3.exceptions.HTTPError, OSError)):
+                        urllib3.exceptions.HTTPError, http.client.HTTPException, OSError)):
+        # (http.client's: a body read straight from the response, s3wire.py, that ended early)
         return TransientBackendError(f"{what}: {exc}")
     if isinstance(exc, botocore.exceptions.BotoCoreError):  # configuration and parameter problems
         return PermanentBackendError(f"{what}: {exc}")
@@ -90,7 +93,7 @@ def translate_error(exc: BaseException, what: str) -> BackendError:
 
 
 _SDK_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, urllib3.exceptions.HTTPError,
-               OSError)
+               http.client.HTTPException, OSError)
 mapped = ErrorMap(_SDK_ERRORS, translate_error)
 
 

@@ -11,6 +11,7 @@ nothing of ckptfs's layout (markers, notes, metadata): that is the store's.
 from __future__ import annotations
 
 import base64
+import http.client
 import logging
 import os
 from collections.abc import Iterator
@@ -19,12 +20,13 @@ from urllib.parse import urlsplit
 
 import boto3
 import botocore.config
+import urllib3
 
-from ckptfs.backends.base import RANGE_PIECE, RangeSink
+from ckptfs.backends.base import RANGE_PIECE, RangeSink, piece_buffer
 from ckptfs.backends.s3creds import RenewingCredentials, renewing_session
 from ckptfs.backends.s3errors import is_expired_credential, mapped
 from ckptfs.checksums import crc32
-from ckptfs.errors import AuthBackendError
+from ckptfs.errors import AuthBackendError, TransientBackendError
 
 log = logging.getLogger(__name__)
 
@@ -168,18 +170,22 @@ class S3Wire:
         for page in self.pages(f"list {self.url}", "list_objects_v2", Prefix=full_prefix):
             yield from page.get("Contents", [])
 
-    def read_body(self, what: str, body: Any, sink: RangeSink | None = None) -> bytes:
+    def read_body(self, what: str, body: Any, sink: RangeSink | None = None, piece_size: int = RANGE_PIECE) -> bytes:
         """The bytes of a GetObject answer's body, then the body closed: all of them, or (`sink`) handed to
-        `sink` piece by piece and b"" returned."""
+        `sink` in pieces of `piece_size` and b"" returned."""
         data = b""
         try:
             if sink is None:
                 with mapped(what):
                     data = body.read()
+            elif (layers := _http_layers(body)) is not None:
+                pooled, response = layers
+                _read_into_sink(what, response, sink, piece_size)
+                pooled.release_conn()  # read to its end: the connection goes back to the pool
             else:
                 while True:
                     with mapped(what):
-                        piece = body.read(RANGE_PIECE)
+                        piece = body.read(piece_size)
                     if not piece:
                         break
                     sink(piece)
@@ -195,3 +201,34 @@ class S3Wire:
         """One PutObject of a small body, with its CRC32 for the server to verify."""
         self.call(what, "put_object", Key=full_key, Body=body, ContentLength=len(body),
                   ChecksumCRC32=crc_b64(crc32(body)), **kwargs)
+
+
+def _http_layers(body: Any) -> tuple[urllib3.HTTPResponse, http.client.HTTPResponse] | None:
+    """urllib3's response under botocore's StreamingBody, and the http.client response under it, which
+    reads straight into a buffer; None where that layering is not there (another botocore or urllib3), and
+    the caller reads through botocore. botocore asks urllib3 not to decode the body, so these are the same
+    bytes botocore's read() returns; the caller checks their count. (Two private attributes of the SDK's,
+    allowed by name in tests/test_layering.py.)"""
+    try:
+        pooled, response = body._raw_stream, body._raw_stream._fp
+    except AttributeError:
+        return None
+    if isinstance(pooled, urllib3.HTTPResponse) and isinstance(response, http.client.HTTPResponse):
+        return pooled, response
+    return None
+
+
+def _read_into_sink(what: str, response: http.client.HTTPResponse, sink: RangeSink, piece_size: int) -> None:
+    view = piece_buffer(piece_size)
+    declared = response.getheader("Content-Length")
+    total = 0
+    while True:
+        with mapped(what):
+            got = response.readinto(view)
+        if not got:
+            break
+        total += got
+        sink(view[:got])
+    # (http.client's read() raises IncompleteRead for a body cut short, its readinto() returns 0)
+    if declared is not None and total != int(declared):
+        raise TransientBackendError(f"{what}: the answer ended after {total} of its {declared} bytes")

@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from ckptfs.backends.base import RANGE_PIECE, WHOLE_FETCH_PIECE
 from ckptfs.cache.directory import CacheDir
 from ckptfs.cache.evictor import HIGH_WATER, Evictor
 from ckptfs.checksums import combine_crcs, crc_text
@@ -298,11 +299,13 @@ class Fetcher:
             if not reserved:
                 self.cache.reserve(length)
                 reserved = length
+            # Small pieces while the whole file is wanted, larger for a reader's chunks (backends/base.py).
+            piece_size = WHOLE_FETCH_PIECE if stream.whole_waiters else RANGE_PIECE
             for _ in range(MOVES_FOLLOWED):
                 key = stream.key
                 try:
                     got = await self.engine.fetch_range(key, stream.fd, offset, length, if_match=stream.etag,
-                                                        priority=priority)
+                                                        priority=priority, piece_size=piece_size)
                     break
                 except (NotFoundBackendError, ObjectChangedError):
                     if not self._follow_move(stream, key):

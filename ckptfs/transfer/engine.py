@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import trio
 
 from ckptfs.backends.base import (
+    RANGE_PIECE,
     ObjectMeta,
     ObjectStore,
     UploadState,
@@ -357,10 +358,10 @@ class Transfers:
 
     async def fetch_range(
         self, key: str, fd: int, offset: int, length: int, *, if_match: str | None = None,
-        priority: Priority = Priority.READ,
+        priority: Priority = Priority.READ, piece_size: int = RANGE_PIECE,
     ) -> FetchedRange:
         """One ranged GET of the object, written to fd at the same offset, under the download cap and the
-        memory budget."""
+        memory budget, in pieces of `piece_size` (see RANGE_PIECE)."""
         # Under a cap, a slot of the window first (bandwidth.py): ranges slowed to the cap must not hold
         # every part thread and the memory budget; the bytes themselves are paced as they arrive.
         async with self.bandwidth.down.window(priority, self.download_part_size):
@@ -368,7 +369,7 @@ class Transfers:
             self._stats.parts_down += 1
             try:
                 # Not abandoned: it writes into the caller's descriptor, which must outlive the thread.
-                fetched = await self.staging.retry(self._get_and_write, key, fd, offset, length, if_match,
+                fetched = await self.staging.retry(self._get_and_write, key, fd, offset, length, if_match, piece_size,
                                             limiter=self.staging.part_threads, abandon=False, gated=False)
             finally:
                 self._stats.parts_down -= 1
@@ -376,11 +377,14 @@ class Transfers:
         self._moved(0, fetched.length)
         return fetched
 
-    def _get_and_write(self, key: str, fd: int, offset: int, length: int, if_match: str | None) -> FetchedRange:
+    def _get_and_write(
+        self, key: str, fd: int, offset: int, length: int, if_match: str | None, piece_size: int,
+    ) -> FetchedRange:
         # Streamed: each piece is checksummed and written while it is still in the CPU's cache, and the
-        # range is never one fresh buffer of its own (see RANGE_PIECE).
+        # range is never one buffer of its own (see RANGE_PIECE).
         writer = RangeWriter(fd, offset)
-        answer = self.store.get_range(key, offset, length, if_match=if_match, sink=self.staging.paced(writer))
+        answer = self.store.get_range(key, offset, length, if_match=if_match, sink=self.staging.paced(writer),
+                                      piece_size=piece_size)
         expected = min(length, max(0, answer.size - offset))
         if writer.written != expected:
             raise TransientBackendError(f"download {key}: got {writer.written} of {expected} bytes")

@@ -108,7 +108,7 @@ def fdatasync_path(path: str, key: str) -> None:
         raise source_error(exc, key) from exc
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)
     done = 0
     while done < len(view):
@@ -127,7 +127,7 @@ class RangeWriter:
         self.written = 0
         self.crc = 0
 
-    def __call__(self, piece: bytes) -> None:
+    def __call__(self, piece: bytes | memoryview) -> None:
         if self.fd >= 0:
             _pwrite_all(self.fd, piece, self.offset + self.written)
         self.crc = crc32(piece, self.crc)

@@ -221,7 +221,7 @@ class StagedUploads:
         waiting (trio.from_thread.check_cancelled raises trio.Cancelled through the store call)."""
         down = self.bandwidth.down
 
-        def paced(piece: bytes) -> None:
+        def paced(piece: bytes | memoryview) -> None:
             down.take_blocking(len(piece), _check_cancelled)
             sink(piece)
 
