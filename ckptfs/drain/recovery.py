@@ -150,7 +150,7 @@ def recover(
     for _inode_id, text in journal.work.upload_states():
         state = UploadState.parse(text)
         if state is not None:
-            keep.add(state.upload_id)
+            keep.add(state.ref)
     engine.leftovers.hold_until_swept(keep)
     # The store's namespace is read lazily, a directory at a time, as the mount looks into it (DirLister).
     return report

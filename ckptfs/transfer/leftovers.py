@@ -66,8 +66,8 @@ class Leftovers:
     def __init__(self, store: ObjectStore, call: StoreCall) -> None:
         self.store = store
         self._call = call
-        # The staged uploads this process still works on (upload ids), which a sweep spares.
-        self._live: set[str] = set()
+        # The staged uploads this process still works on (upload id -> key), which a sweep spares.
+        self._live: dict[str, str] = {}
         # Store calls running, which a sweep's listing waits out; set while a sweep lists, fired when done.
         self._calls_running = 0
         self._calls_idle: trio.Event | None = None
@@ -86,11 +86,11 @@ class Leftovers:
 
     def opened(self, ref: UploadRef) -> None:
         """A staged upload this process opened (or resumes): no sweep removes it until finished()."""
-        self._live.add(ref.upload_id)
+        self._live[ref.upload_id] = ref.key
 
     def finished(self, ref: UploadRef) -> None:
         """This process is done with a staged upload: completed, or aborted."""
-        self._live.discard(ref.upload_id)
+        self._live.pop(ref.upload_id, None)
 
     def cleanup_failed(self) -> None:
         """A best-effort cleanup failed: something of ours may be left in the store for a sweep."""
@@ -118,13 +118,13 @@ class Leftovers:
         sweep would find something?"""
         return self._failed or self.store.left_behind
 
-    def hold_until_swept(self, keep: Iterable[str] = ()) -> None:
-        """At start-up (recovery): the staged uploads the journal resumes (`keep`, upload ids) are this
+    def hold_until_swept(self, keep: Iterable[UploadRef] = ()) -> None:
+        """At start-up (recovery): the staged uploads the journal resumes (`keep`) are this
         process's from now on, and every other leftover of this owner in the store is to go. Until
         sweep_at_start() has listed them, no store call that may leave something starts (as if a sweep were
         listing already), so that nothing this run stages is taken for the last run's. The mount serves
         meanwhile: under throttling the listing alone can take half a minute."""
-        self._live.update(keep)
+        self._live.update((ref.upload_id, ref.key) for ref in keep)
         self._failed = True  # `due`: a flush waits for this sweep
         self._listing = trio.Event()
         self._start_swept = trio.Event()
@@ -173,16 +173,20 @@ class Leftovers:
                 if self._calls_running:
                     return None
                 refs = await self._call(self.store.list_leftovers, gated=False)
-                live = set(self._live)
+                live = dict(self._live)
             finally:
                 self._listing = None
                 listed.set()
             removed = 0
+            live_keys = set(live.values())
             for ref in refs:
                 if ref.upload_id and ref.upload_id in live:
                     continue
                 await self._call(self.store.abort_upload, ref)
-                if is_spill(ref.key):
+                # A spill's hidden key is its own, but a create sent twice leaves a second ref of that key (a
+                # marker without an upload id, s3markers.py): while the spill is live, the object there is
+                # its staged bytes (completed there, to be copied), whose start the cache has freed.
+                if is_spill(ref.key) and ref.key not in live_keys:
                     await self._call(self.store.delete, ref.key)
                 removed += 1
                 log.info("removed an interrupted upload of %s", ref.key or "(unknown key)")
