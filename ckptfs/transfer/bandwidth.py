@@ -9,9 +9,9 @@ Where the tokens are taken, and why there (the engine calls these; writes throug
   stores' SDKs send a part as one request from bytes in memory (boto3, google-cloud-storage and
   azure-storage-blob all take the part as bytes), which nothing outside them can pace, so a part goes at
   the link's speed once its bytes are earned: the rate over seconds is the cap, a burst is one part.
-- Downloads (the fetcher's chunks, streams, restores) take tokens as the bytes arrive, one piece (about
-  RANGE_PIECE, 64 KiB) at a time, in the worker thread: the sink that writes a piece into the cache file
-  waits for its tokens first, so the next piece is not read from the socket before its turn and TCP slows
+- Downloads (the fetcher's chunks, streams, restores) take tokens as the bytes arrive, one piece (1 MiB,
+  64 KiB in a whole-file fetch) at a time, in the worker thread: the sink that writes a piece into the cache
+  file waits for its tokens first, so the next piece is not read from the socket before its turn and TCP slows
   the sender down; a 16 MiB range does not burst. (gs:// and az:// SDKs gather a whole range before handing
   it over: there a range arrives at once and the pacing holds back the next.) So that slowed ranges do not
   hold every part thread and the memory budget, a download under a cap first waits for a slot of a window
