@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from conftest import Mount
 from emulators import S3Server, s3_bucket, seaweedfs_s3  # noqa: F401
 from faultproxy import FaultProxy, Rule
@@ -707,3 +708,28 @@ def test_an_upload_marker_whose_write_lost_its_answer_is_swept_at_the_flush(
     for ref in store.list_leftovers():
         store.abort_upload(ref)
     assert [key for key in _keys(seaweedfs_s3, bucket) if ".ckptfs-tmp." in key] == []
+
+
+async def test_a_marker_whose_delete_fails_during_the_flush_sweep_is_swept_again_before_it_ends(
+    seaweedfs_s3: S3Server, proxy: FaultProxy, bucket: str
+) -> None:
+    """The sweep at the end of a flush aborted a killed run's upload, but the delete of its owner marker met a
+    503 (best effort, one request): the sweep counted the upload removed and the flush ended with the marker
+    in the store (crash harness, SeaweedFS with faults, seed 822 round 3). Now a sweep during which a cleanup
+    failed is asked again within the flush's bound."""
+    from store_targets import engine
+
+    owner = "o"
+    S3Store(bucket, PREFIX.rstrip("/"), endpoint_url=seaweedfs_s3.endpoint, owner=owner).open_upload(
+        "lost.bin", None, None)  # what a kill -9 right after opening an upload leaves
+    # Both tries of the SDK's one request: the marker's delete fails once, as the wire sees it.
+    refused = Rule("error", match=r"^DELETE \S+ckptfs-tmp\.uploads/", code="SlowDown", count=2)
+    proxy.set_rules(refused)
+    transfers = engine(S3Store(bucket, PREFIX.rstrip("/"), endpoint_url=proxy.endpoint, owner=owner))
+    transfers.leftovers.hold_until_swept()  # as recovery does: a sweep is due
+    with trio.fail_after(60):
+        await transfers.leftovers.sweep_in_background(refused_retry_until=trio.current_time() + 30)
+    assert refused.fired == 2
+    assert _multipart_uploads(seaweedfs_s3, bucket) == []
+    assert [key for key in _keys(seaweedfs_s3, bucket) if ".ckptfs-tmp." in key] == []
+    assert not transfers.leftovers.due

@@ -206,18 +206,28 @@ class Leftovers:
         return self._next_at
 
     async def _sweep_asking_again(self, until: float) -> int | None:
-        """sweep(patience=SWEEP_PATIENCE), asked again after a refusal (REFUSED_RETRY_FIRST later, doubling)
-        while the next try starts before the trio time `until`; the last refusal is raised."""
+        """sweep(patience=SWEEP_PATIENCE), asked again REFUSED_RETRY_FIRST later (doubling) while the next
+        try starts before the trio time `until`: after a refusal (the last one is raised), and after a sweep
+        during which a cleanup failed again (an S3 owner marker whose delete met a 503: the store's
+        `left_behind`), so that a flush does not end with it in the store. Returns how many went in all."""
         pause = REFUSED_RETRY_FIRST
+        removed = 0
         while True:
             try:
-                return await self.sweep(patience=SWEEP_PATIENCE)
+                swept = await self.sweep(patience=SWEEP_PATIENCE)
             except BackendError as exc:
                 if trio.current_time() + pause >= until:
                     raise
                 log.debug("sweep of leftovers refused (%s); trying again in %.0f s", exc, pause)
-                await trio.sleep(pause)
-                pause = min(pause * 2, REFUSED_RETRY_CAP)
+            else:
+                if swept is None:
+                    return removed or None
+                removed += swept
+                if not self.due or trio.current_time() + pause >= until:
+                    return removed
+                log.debug("a cleanup failed during the sweep of leftovers; sweeping again in %.0f s", pause)
+            await trio.sleep(pause)
+            pause = min(pause * 2, REFUSED_RETRY_CAP)
 
     async def sweep_in_background(self, *, refused_retry_until: float = -math.inf) -> None:
         """A sweep of the leftovers a failed cleanup left, for the drain: once next_sweep_at() has come, and
