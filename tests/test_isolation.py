@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 from fsharness import Stack, check_consistency, make_stack
+from waiting import until
 
 from ckptfs.drain import PARK_AFTER, Drain, retries, scheduler
 from ckptfs.drain.ordering import Job
@@ -75,6 +76,31 @@ async def test_a_bug_met_by_one_entry_parks_it_and_the_rest_is_uploaded(
     with pytest.raises(FsError) as raised:
         stack.fs.getxattr(odd, ERROR_XATTR)
     assert raised.value.errno == errno.ENODATA
+    check_consistency(stack)
+
+
+async def test_an_entry_whose_job_could_not_be_chosen_is_retried_without_another_wake_up(
+    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug met while choosing one entry's job set that entry's retry time, but the scan did not count it in
+    when it said when to look again: with nothing else written, the drain slept until the next change of the
+    mount, and the file stayed dirty (a flush would have woken it)."""
+    calls: list[int] = []
+    original = Drain._target_taken
+
+    def target_taken(self: Drain, inode: Inode, key: str) -> bool:
+        if inode.name == "odd" and not calls:
+            calls.append(inode.id)
+            raise Bug("odd entry, once")
+        return original(self, inode, key)
+
+    monkeypatch.setattr(Drain, "_target_taken", target_taken)
+    stack = make_stack(tmp_path)
+    await nursery.start(stack.drain.run)
+    stack.write_file("odd", b"odd bytes")
+    # No notify(), no flush: only the drain's own schedule.
+    await until(lambda: stack.store_files() == {"odd": b"odd bytes"}, what="the odd file uploaded", seconds=10)
+    assert len(calls) == 1
     check_consistency(stack)
 
 

@@ -88,6 +88,8 @@ class Drain:
         self._new_work = trio.Event()
         self._urgent = trio.Event()  # notify(), not mount_changed(): scan without the burst's coalescing
         self._changed_at = -math.inf  # trio time of the mount's last namespace change (mount_changed)
+        # The earliest retry of an entry whose job could not be chosen in this scan (_isolated): its scan's due.
+        self._choice_retry_at = math.inf
         # Whether a closed commit marker must still wait for other nodes (nodes.PeerRecords.blocks); the
         # drain is notified when that may have changed.
         self.waits_for_nodes: Callable[[Inode], bool] = lambda inode: False
@@ -323,6 +325,8 @@ class Drain:
             if journal_unusable(exc):
                 raise
             self.retries.failed_unexpectedly(Job(kind, inode.id, ()), exc, entry=inode.path)
+            # Nothing else may wake the drain for it: the scan that chose this round is due again then.
+            self._choice_retry_at = min(self._choice_retry_at, self.retries.due_at((kind, inode.id)))
 
     # -- choosing jobs -----------------------------------------------------------------------------------
 
@@ -333,6 +337,7 @@ class Drain:
         now = trio.current_time()
         next_due = math.inf
         jobs: list[Job] = []
+        self._choice_retry_at = math.inf
         pressure = self.spills.pressure
         cut_off = math.inf if pressure or self.durability.waiting or self.preemption.active else (
             now_wall - self.upload_delay)
@@ -415,7 +420,7 @@ class Drain:
         if self.preemption.active:
             jobs = self._preempt_order(jobs)
             next_due = min(next_due, now + REPLAN_INTERVAL)  # a step may become complete
-        return jobs, next_due
+        return jobs, min(next_due, self._choice_retry_at)
 
     def _preempt_order(self, jobs: list[Job]) -> list[Job]:
         """Under a notice: the jobs of a scan that may start, in the order of preemption.choose; running
