@@ -171,3 +171,36 @@ async def test_nothing_is_staged_while_writing_when_turned_off(tmp_path: Path, n
     stack.fs.release(fh)
     await stack.flush()
     assert stack.store_files() == {"big.pt": data}
+
+
+async def test_a_file_removed_while_its_spill_is_being_finished_ends_quietly(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """The file was unlinked and purged during the awaits before its spill's finish (crash harness, seed
+    4502 round 12): the finish met its missing cache file and the drain logged an unexpected error and
+    retried. Now the job ends: the purge queued the staged upload's abort, and there is nothing to upload."""
+    stack = make_stack(tmp_path, upload_while_writing=True)
+    small_parts(stack)
+    await nursery.start(stack.drain.run)
+    fh, attr = stack.fs.create(ROOT_ID, b"big.pt", 0o640, os.O_WRONLY, UID, GID)
+    await write_parts(stack, fh, range(8))
+    await staged_bytes(stack, attr.ino, 2 * PART)
+    spills = stack.drain.spills
+    early_spill_holds = spills.early_spill_holds
+    removed: list[int] = []
+
+    async def removed_meanwhile(inode, state):  # type: ignore[no-untyped-def]
+        holds = await early_spill_holds(inode, state)
+        if not removed:  # the application removes the file while the drain awaits
+            stack.fs.unlink(ROOT_ID, b"big.pt")
+            stack.fs.forget(inode.id, 1)
+            removed.append(inode.id)
+        return holds
+
+    spills.early_spill_holds = removed_meanwhile  # type: ignore[method-assign]
+    stack.fs.release(fh)
+    await stack.flush()
+    assert removed == [attr.ino]
+    assert stack.drain.faults.counts.get("drain", 0) == 0, stack.drain.faults.last
+    assert stack.store_files() == {} and not leftovers(stack)
+    check_consistency(stack)

@@ -98,11 +98,18 @@ class Uploads:
         key, version = inode.key, inode.version
         assert key is not None  # _still_due checked
         if inode.kind == FILE:
-            spill = await self.spills.state_of(inode)
-            if spill is not None and spill.early and not await self.spills.early_spill_holds(inode, spill):
-                spill = None
-            if spill is not None:
-                await self.spills.finish(inode, spill)
+            try:
+                spill = await self.spills.state_of(inode)
+                if spill is not None and spill.early and not await self.spills.early_spill_holds(inode, spill):
+                    spill = None
+                if spill is not None:
+                    await self.spills.finish(inode, spill)
+                    return
+            except FileNotFoundError:
+                if self.journal.names.get(inode_id) is not None:
+                    raise
+                # Unlinked and purged during the awaits above: its spill's abort is queued (references.py).
+                log.debug("%s was removed while its spill was being finished", inode.path)
                 return
             current = self.journal.names.get(inode_id)
             if current is None or current.version != version or current.closed_at is None:
