@@ -79,6 +79,31 @@ def test_expired_token_once_per_part_every_part_lands(seaweedfs_s3: S3Server, we
     assert hashlib.sha256(whole).digest() == hashlib.sha256(b"".join(parts)).digest()
 
 
+def test_expired_token_on_a_later_page_of_a_listing_goes_on_from_that_page(seaweedfs_s3: S3Server,
+                                                                          weed_bucket: str) -> None:
+    """A listing of thousands of keys may outlive its session. Before, only a first page that met an expired
+    credential was asked again; a later one failed the whole listing (a readdir's EIO, a sweep put off).
+    Now each page is renewed and sent again like any request, and the listing goes on where it was."""
+    client = seaweedfs_s3.client()
+    for i in range(5):
+        client.put_object(Bucket=weed_bucket, Key=f"run/p/{i}", Body=b"x")
+    for _ in range(3):
+        client.create_multipart_upload(Bucket=weed_bucket, Key="run/staged")
+    with FaultProxy(seaweedfs_s3.endpoint) as proxy:
+        store = S3Store(weed_bucket, "run", endpoint_url=proxy.endpoint)
+        later_object_page = proxy.add_rule(_expired_once(r"^GET \S*continuation-token="))
+        keys = [obj["Key"] for page in store.wire.pages("list", "list_objects_v2", Prefix="run/p/", MaxKeys=2)
+                for obj in page.get("Contents", [])]
+        later_uploads_page = proxy.add_rule(_expired_once(r"^GET \S*upload-id-marker="))
+        uploads = [upload["UploadId"] for page in store.wire.pages(
+            "list uploads", "list_multipart_uploads", Prefix="run/staged", MaxUploads=1)
+            for upload in page.get("Uploads", [])]
+    assert later_object_page.fired == 1 and later_uploads_page.fired == 1
+    assert keys == [f"run/p/{i}" for i in range(5)]
+    assert len(set(uploads)) == 3
+    assert store.credentials is not None and store.credentials.state().renewals_after_rejection == 2
+
+
 def test_drain_through_expired_tokens_counts_no_failure(seaweedfs_s3: S3Server, weed_bucket: str,
                                                         mount_factory: Any) -> None:
     """A mount whose store answers ExpiredToken to the first request of every part: the drain uploads

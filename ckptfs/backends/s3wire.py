@@ -59,6 +59,13 @@ def crc_b64(crc: int) -> str:
     return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
+# A listing's next page: the request parameters that ask for it, each with the answer's field it comes from.
+_NEXT_PAGE: dict[str, tuple[tuple[str, str], ...]] = {
+    "list_objects_v2": (("ContinuationToken", "NextContinuationToken"),),
+    "list_multipart_uploads": (("KeyMarker", "NextKeyMarker"), ("UploadIdMarker", "NextUploadIdMarker")),
+    "list_parts": (("PartNumberMarker", "NextPartNumberMarker"),),
+}
+
 class S3Wire:
     """The client side of one bucket and prefix: one request per call, its failure a BackendError."""
 
@@ -148,22 +155,26 @@ class S3Wire:
         return True
 
     def pages(self, what: str, method: str, *, patient: bool = True, **kwargs: Any) -> Iterator[dict[str, Any]]:
-        """The pages of a listing, one request each (`patient`: with the listings' retry). A listing whose
-        first page meets an expired credential starts again once with a new one, as `call` does."""
-        client = self._patient_client if patient else self.client
-        signed_with = self.credentials.in_use() if self.credentials is not None else None
-        pages = 0
-        try:
-            with mapped(what):
-                for page in client.get_paginator(method).paginate(Bucket=self.bucket, **kwargs):
-                    pages += 1
-                    yield page
+        """The pages of a listing, one request each (`call`: `patient` gives the listings' retry, and a page
+        that meets an expired credential is sent again with a new one, whichever page it is: a listing of
+        thousands of keys may outlive a session)."""
+        follow = _NEXT_PAGE[method]
+        args = dict(kwargs)
+        seen: set[tuple[Any, ...]] = set()
+        while True:
+            page = self.call(what, method, patient=patient, **args)
+            yield page
+            if not page.get("IsTruncated"):
                 return
-        except AuthBackendError as exc:
-            if pages or not self._renewed_after(exc, signed_with):
-                raise
-        with mapped(what):
-            yield from client.get_paginator(method).paginate(Bucket=self.bucket, **kwargs)
+            marks = tuple(page.get(answer) for _request, answer in follow)
+            if all(mark is None for mark in marks) or marks in seen:
+                raise TransientBackendError(f"{what}: the store said there is more but gave no new place to go on")
+            seen.add(marks)
+            for (request, _answer), mark in zip(follow, marks, strict=True):
+                if mark is None:
+                    args.pop(request, None)
+                else:
+                    args[request] = mark
 
     def listed(self, full_prefix: str) -> Iterator[dict[str, Any]]:
         """Every object below `full_prefix` (a full key prefix), as ListObjectsV2 lists it."""
