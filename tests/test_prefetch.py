@@ -82,6 +82,28 @@ def test_a_prefetched_step_stays_in_the_cache_until_read_or_released(mount_facto
     assert node.status()["prefetch"]["files_kept"] == 0
 
 
+def test_a_restarted_daemon_keeps_what_was_prefetched_and_not_yet_read(mount_factory: Any) -> None:
+    """Before, the keep was not journaled: a daemon restarted between a prefetch and the job's restart (an
+    upgrade, a crash) let the prefetched step be evicted first, to be fetched again when the job read it."""
+    store = _written_by_another_node(mount_factory)
+    node: Mount = mount_factory("fresh", source=f"file://{store}", extra_args=("--cache-size", "64M"))
+    step_1 = [node.mnt / "step_1" / f"shard_{i}.bin" for i in range(3)]
+    done = _prefetch(node, "step_1", "--wait")
+    assert done.returncode == 0, done.stderr
+    with open(step_1[0], "rb") as f:  # read once: no longer kept
+        f.read(1)
+    assert node.status()["prefetch"]["files_kept"] == 2
+    node.kill9()  # the end of a keep is recorded by the evictor's next round: the kill may come first
+    node.start()
+    assert node.status()["prefetch"]["files_kept"] in (2, 3)
+    for i in range(3):  # 48 MiB more in a 64 MiB cache: the kept files stay, the others make the room
+        with open(node.mnt / "step_2" / f"shard_{i}.bin", "rb") as f:
+            while f.read(4 * MiB):
+                pass
+    assert node.status()["cache"]["evicted_files"] >= 1
+    assert [_state(p) for p in step_1[1:]] == ["clean"] * 2
+
+
 def test_a_prefetch_the_cache_cannot_hold_is_refused_before_anything_is_fetched(mount_factory: Any) -> None:
     store = _written_by_another_node(mount_factory)
     node: Mount = mount_factory("fresh", source=f"file://{store}", extra_args=("--cache-size", "40M"))

@@ -15,7 +15,8 @@ write later is uploaded too; a watched file is never evicted.
 Partial files of remote objects (fetch/) count against the budget too: those no handle has open are
 dropped like clean files, and chunks of open ones that no reader is near are punched out.
 Files a prefetch brought in (fetch/prefetch.py) are `kept`: never evicted until a handle opens them (a
-restart reads them) or `ckptfs prefetch --release` lets them go.
+restart reads them) or `ckptfs prefetch --release` lets them go; the journal records them, so a daemon that
+restarts keeps them too (KeptFiles).
 Everything here runs in the trio thread; eviction itself is a journal update and an unlink.
 """
 
@@ -24,12 +25,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -111,6 +113,45 @@ class DroppablePartials(Protocol):
         ...
 
 
+KEPT_META = "prefetch_kept"  # the journal's meta key of the kept files' inode ids (a JSON list)
+
+
+class KeptFiles(set[int]):
+    """The inode ids of the files a prefetch keeps in the cache until they are read (fetch/prefetch.py),
+    and whether they changed since the journal last recorded them (`changed`). A keep starts with the
+    prefetch and is recorded then; one that ends (an open, a release, a removal) is recorded by the
+    evictor's next round, never on the request's path: a daemon killed in between keeps that file again
+    after its restart, until it is read or released (a keep longer, never shorter)."""
+
+    changed = False
+
+    def update(self, *others: Iterable[int]) -> None:
+        super().update(*others)
+        self.changed = True
+
+    def discard(self, item: object) -> None:
+        if item in self:
+            super().discard(item)
+            self.changed = True
+
+    def save(self, journal: Journal) -> None:
+        """Record them in the journal if they changed (a full cache filesystem: the next round tries again)."""
+        if not self.changed:
+            return
+        try:
+            with journal.transaction():
+                journal.set_meta(KEPT_META, json.dumps(sorted(self)))
+        except JournalFull:
+            return
+        self.changed = False
+
+    def load(self, journal: Journal, cached: Iterable[int]) -> None:
+        """At start-up: the ones the journal recorded that still have a cache file (`cached`)."""
+        recorded = json.loads(journal.get_meta(KEPT_META) or "[]")
+        super().update(set(recorded) & set(cached))
+        self.changed = len(self) != len(recorded)
+
+
 class Evictor:
     def __init__(
         self,
@@ -146,14 +187,15 @@ class Evictor:
         self.stale: dict[int, float] = {}
         self._warned_stale: set[int] = set()
         # Files a prefetch wants in the cache until they are read (fetch/prefetch.py): never evicted. An open
-        # takes a file out (touch); so do a release, a removal (forget) and the daemon's end (not journaled).
-        self.kept: set[int] = set()
+        # takes a file out (touch); so do a release and a removal (forget). Journaled: a restart keeps them.
+        self.kept = KeptFiles()
 
     def start(self, atimes: dict[int, float]) -> None:
         """Seed the LRU order with the data files' access times (from CacheDir.scan at start-up)."""
         offset = time.monotonic() - time.time()
         self.last_used = {inode_id: atime + offset for inode_id, atime in atimes.items()}
         self.stale = self.journal.copies.stale_writers()
+        self.kept.load(self.journal, atimes)
 
     def touch(self, inode_id: int, *, opened: bool = True) -> None:
         """The file was used now (LRU). `opened`: a handle opened or closed it, which ends a prefetch's
@@ -174,10 +216,18 @@ class Evictor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        try:
+            await self._rounds()
+        finally:
+            with contextlib.suppress(Exception):  # the daemon's stop: what a round did not record yet
+                self.kept.save(self.journal)
+
+    async def _rounds(self) -> None:
         while True:
             with trio.move_on_after(WAIT_POLL if self._waiters else MEASURE_INTERVAL):
                 await self._kick.wait()
             self._kick = trio.Event()
+            self.kept.save(self.journal)
             self.cache.measure()
             self.cache.remeasure_all()
             if self.stale:

@@ -5,8 +5,9 @@ A prefetch lists the path's directories (through the daemon's DirLister: one lis
 every lookup that needs it at the same time), checks that the cache can hold what it adds, then fetches
 its remote files whole with the Fetcher (many ranged GETs in flight per file, verified, adopted as clean
 cached files), FILES_AT_ONCE files at a time. Every file of the path is `kept` by the evictor from the
-start: never evicted until a handle opens it (read once), `release()` lets it go, or it is removed. A
-keep is not journaled: a daemon that restarts forgets it (the files stay cached, evictable again).
+start: never evicted until a handle opens it (read once), `release()` lets it go, or it is removed. The
+keeps are journaled (cache/evictor.py, KeptFiles): a daemon that restarts keeps them too. A prefetch still
+fetching when the daemon stops is not resumed: what it had not fetched is not kept.
 
 Room: the files to fetch must fit in the budget beside what cannot leave the cache (files not yet
 uploaded, open, kept by another prefetch, the other prefetches still running): otherwise the prefetch
@@ -83,6 +84,7 @@ class Prefetcher:
         self._check_room(path, files, wanted)
         job = PrefetchJob(path, remote, len(files) - len(remote), wanted)
         self.evictor.kept.update(inode.id for inode in files)
+        self.evictor.kept.save(self.journal)
         for inode in remote:
             self.fetcher.prefetching[inode.id] = inode.size
         self.running.add(job)
