@@ -215,3 +215,28 @@ def test_a_hundred_ranks_opening_one_checkpoint_list_each_directory_once(
     assert set(listings) >= {"run-1/step_1000/", "run-1/step_1000/model/", "run-1/step_1000/optim/"}, listings
     assert max(listings.values()) <= 1, listings
     assert prefetched >= len(keys)
+
+
+def test_the_kept_files_recorded_in_the_journal_come_back_if_their_cache_file_did(tmp_path: Path,
+                                                                                   caplog: Any) -> None:
+    from ckptfs.cache.evictor import KEPT_META, KeptFiles
+    from ckptfs.journal import Journal
+
+    journal = Journal(tmp_path / "journal.db")
+    kept = KeptFiles()
+    kept.update([3, 5, 8])
+    kept.save(journal)
+    kept.discard(5)
+    kept.discard(42)  # never kept: nothing to record
+    assert kept.changed
+    kept.save(journal)
+    assert not kept.changed
+    restarted = KeptFiles()
+    restarted.load(journal, cached=[3, 5, 7])  # 8's cache file is gone
+    assert restarted == {3} and restarted.changed  # the next round records what is left
+    journal.set_meta(KEPT_META, "not json")
+    with caplog.at_level("WARNING"):
+        unreadable = KeptFiles()
+        unreadable.load(journal, cached=[3])
+    assert unreadable == set() and "unreadable" in caplog.text
+    journal.close()

@@ -66,6 +66,7 @@ _NEXT_PAGE: dict[str, tuple[tuple[str, str], ...]] = {
     "list_parts": (("PartNumberMarker", "NextPartNumberMarker"),),
 }
 
+
 class S3Wire:
     """The client side of one bucket and prefix: one request per call, its failure a BackendError."""
 

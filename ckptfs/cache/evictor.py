@@ -147,9 +147,15 @@ class KeptFiles(set[int]):
 
     def load(self, journal: Journal, cached: Iterable[int]) -> None:
         """At start-up: the ones the journal recorded that still have a cache file (`cached`)."""
-        recorded = json.loads(journal.get_meta(KEPT_META) or "[]")
-        super().update(set(recorded) & set(cached))
-        self.changed = len(self) != len(recorded)
+        try:
+            recorded = {int(inode_id) for inode_id in json.loads(journal.get_meta(KEPT_META) or "[]")}
+        except (ValueError, TypeError) as exc:  # not what save() writes: start with no keeps, and say so
+            log.warning("the journal's record of the prefetched files kept in the cache is unreadable (%s);"
+                        " they are evictable again", exc)
+            recorded = set()
+            self.changed = True
+        super().update(recorded & set(cached))
+        self.changed = self.changed or len(self) != len(recorded)
 
 
 class Evictor:
